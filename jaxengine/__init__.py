@@ -1,0 +1,9 @@
+"""jaxengine: a vLLM-class LLM inference and serving engine on JAX/XLA."""
+from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxengine.engine import Engine
+from jaxengine.request import Request, RequestStatus, SequenceGroup
+from jaxengine.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
+           "SchedulerConfig", "SequenceGroup"]

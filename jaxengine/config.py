@@ -1,0 +1,98 @@
+"""Engine configuration: small frozen dataclasses, shrinkable with ``dataclasses.replace``.
+
+Every field is validated on construction; an invalid value raises ``ValueError`` naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    ``num_gpu_blocks`` counts the whole device pool, including block 0, the null block that
+    padding points to and that is never handed out. ``num_cpu_blocks`` is the host pool that
+    swapped-out sequence groups live in (0 disables swapping: preemption then recomputes).
+    ``watermark`` is the fraction of the device pool kept free when admitting new requests, so
+    running requests can grow without being preempted at once.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 0
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        _require(self.num_gpu_blocks >= 2, "num_gpu_blocks",
+                 f"must be >= 2 (block 0 is the null block), got {self.num_gpu_blocks}")
+        _require(self.num_cpu_blocks >= 0, "num_cpu_blocks", f"must be >= 0, got {self.num_cpu_blocks}")
+        _require(0.0 <= self.watermark < 1.0, "watermark", f"must be in [0, 1), got {self.watermark}")
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_gpu_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's budget and policies (names follow vLLM's).
+
+    ``long_prefill_token_threshold`` caps the tokens one request's prefill gets in a step
+    (0: no cap). ``max_num_partial_prefills`` bounds how many requests may be part-way through
+    their prefill at once. ``delay_factor`` holds a new prompt back until the oldest waiting
+    request has waited ``delay_factor`` x the latency of the last step that ran prompts.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    policy: str = "fcfs"
+    preemption_mode: str = "auto"
+    delay_factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+                 f"must be >= max_num_seqs ({self.max_num_seqs}) so every running sequence can "
+                 f"decode in one step, got {self.max_num_batched_tokens}")
+        _require(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+                 f"must be >= 0, got {self.long_prefill_token_threshold}")
+        _require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
+                 f"must be >= 1, got {self.max_num_partial_prefills}")
+        _require(self.policy in SCHEDULING_POLICIES, "policy",
+                 f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+                 f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _require(self.delay_factor >= 0.0, "delay_factor", f"must be >= 0, got {self.delay_factor}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def replace(self, **changes) -> "EngineConfig":
+        """Return a copy with fields of the sub-configs replaced, e.g. ``replace(block_size=4)``."""
+        cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
+        sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        unknown = set(changes) - cache_fields - sched_fields
+        _require(not unknown, "EngineConfig", f"unknown option(s) {sorted(unknown)}")
+        cache = dataclasses.replace(self.cache, **{k: v for k, v in changes.items() if k in cache_fields})
+        sched = dataclasses.replace(self.scheduler, **{k: v for k, v in changes.items() if k in sched_fields})
+        return EngineConfig(cache=cache, scheduler=sched)

@@ -1,0 +1,1 @@
+"""Host-side core: scheduler and paged KV cache manager. Pure Python; imports no JAX."""

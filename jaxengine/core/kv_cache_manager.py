@@ -1,0 +1,215 @@
+"""The paged KV cache manager: block tables, prefix caching, copy-on-write and swapping.
+
+Invariants (checked by the property tests): every block's ref count equals the number of
+block tables holding it; a block is in the free queue iff its ref count is 0; free + used
+blocks = the pool; a failed allocation changes nothing.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jaxengine.config import CacheConfig
+from jaxengine.core.block_hash import extend_block_hashes
+from jaxengine.core.block_pool import BlockPool
+from jaxengine.request import Request, Sequence
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"          # can be allocated now
+    LATER = "later"    # not now: too few free blocks above the watermark
+    NEVER = "never"    # can never fit the pool
+
+
+@dataclass
+class ComputedBlocks:
+    """A prefix-cache hit: leading blocks whose KV is already in the cache."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_evictable: int = 0     # hit blocks with no holder: they sit in the free queue
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size
+
+
+NO_HIT = ComputedBlocks()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig) -> None:
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_prefix_caching
+        self.watermark_blocks = config.watermark_blocks
+        self.pool = BlockPool(config.num_gpu_blocks)
+        self.host_pool = BlockPool(config.num_cpu_blocks, reserve_null_block=False)
+        self.pending_copies: list[tuple[int, int]] = []   # copy-on-write (src, dst), drained per step
+        self.prefix_cache_queries = 0   # prompt tokens looked up
+        self.prefix_cache_hits = 0      # of those, tokens served from the cache
+
+    # ---- accounting ----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.pool.free_queue)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the device pool held by sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.pool.free_queue) / self.pool.num_usable_blocks
+
+    def num_blocks_to_hold(self, request: Request) -> int:
+        """Blocks the group's live sequences need for all their current tokens, unshared."""
+        return sum(cdiv(s.num_tokens, self.block_size) for s in request.live_seqs)
+
+    # ---- prefix cache ----
+    def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
+        """Longest cached prefix of a sequence that holds no blocks yet. Never covers the last
+        token: its logits are needed, so at least one token is always computed."""
+        if not self.enable_caching or seq.block_table:
+            return NO_HIT
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_blocks, self.block_size,
+                                     seq.request.cache_salt)
+        hit = ComputedBlocks()
+        for h in hashes[:num_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hit.blocks.append(b)
+            hit.num_evictable += self.pool.ref_cnt[b] == 0
+        return hit
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full, computed blocks in the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_full, self.block_size,
+                                     seq.request.cache_salt)
+        table = seq.block_table
+        for i in range(seq.num_cached_blocks, num_full):
+            self.pool.cache(table[i], hashes[i])
+        seq.num_cached_blocks = num_full
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
+
+    # ---- allocation ----
+    def can_allocate(self, request: Request, plan: list[tuple[Sequence, ComputedBlocks, int]]) -> AllocStatus:
+        """Admission check for a waiting group: ``plan`` gives, per sequence, its prefix hit and
+        the tokens to schedule now. Keeps ``watermark_blocks`` free for running requests."""
+        if self.num_blocks_to_hold(request) > self.pool.num_usable_blocks:
+            return AllocStatus.NEVER
+        needed = sum(self._num_new_blocks(seq, hit, n) + hit.num_evictable for seq, hit, n in plan)
+        if len(self.pool.free_queue) - needed < self.watermark_blocks:
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def can_append_slots(self, request: Request) -> bool:
+        """Worst case for a decode step: one new or copied-on-write block per live sequence."""
+        return len(self.pool.free_queue) >= request.max_num_running_seqs
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones (and after a
+        prefix hit, which is taken first so no new allocation can evict it). All or nothing."""
+        num_new = self._num_new_blocks(seq, hit, num_new_tokens)
+        cow = self._needs_copy_on_write(seq) and not hit.blocks
+        if num_new + cow + hit.num_evictable > len(self.pool.free_queue):
+            return False
+        if hit.blocks:
+            self._take_hit(seq, hit)
+        if cow:
+            self._copy_on_write(seq)
+        if num_new:
+            seq.block_table.extend(self.pool.allocate(num_new))
+        return True
+
+    def _num_new_blocks(self, seq: Sequence, hit: ComputedBlocks, num_new_tokens: int) -> int:
+        bs = self.block_size
+        num_tokens = seq.num_computed_tokens + len(hit.blocks) * bs + num_new_tokens
+        return max(0, cdiv(num_tokens, bs) - len(seq.block_table) - len(hit.blocks))
+
+    def _take_hit(self, seq: Sequence, hit: ComputedBlocks) -> None:
+        self.pool.touch(hit.blocks)
+        seq.block_table.extend(hit.blocks)
+        num_hit_tokens = len(hit.blocks) * self.block_size
+        seq.num_computed_tokens += num_hit_tokens
+        seq.num_cached_blocks = len(seq.block_table)
+        seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, num_hit_tokens)
+
+    def record_prefix_query(self, seq: Sequence, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        """The next write lands in a block that another sequence also holds."""
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_table) and self.pool.ref_cnt[seq.block_table[i]] > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        i = seq.num_computed_tokens // self.block_size
+        src = seq.block_table[i]
+        (dst,) = self.pool.allocate(1)
+        self.pool.free([src])
+        seq.block_table[i] = dst
+        self.pending_copies.append((src, dst))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares all the parent's blocks (a shared partial block is copied on write)."""
+        self.pool.touch(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks, tail first: the tail is the least likely to be reused, so
+        it is evicted first."""
+        self.pool.free(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    # ---- swapping (multi-sequence groups under memory pressure) ----
+    def _unique_blocks(self, request: Request) -> set[int]:
+        return {b for s in request.live_seqs for b in s.block_table}
+
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self._unique_blocks(request)) <= self.host_pool.num_free_blocks
+
+    def can_swap_in(self, request: Request, num_extra_blocks: int) -> bool:
+        needed = len(self._unique_blocks(request)) + num_extra_blocks
+        return len(self.pool.free_queue) - needed >= self.watermark_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the group's blocks to the host pool; returns (device block, host block) pairs."""
+        return self._move(request, self.pool, self.host_pool)
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Move the group's blocks back to the device; returns (host block, device block) pairs."""
+        mapping = self._move(request, self.host_pool, self.pool)
+        for seq in request.live_seqs:
+            seq.num_cached_blocks = 0   # fresh device blocks: re-register their content
+        return mapping
+
+    @staticmethod
+    def _move(request: Request, src_pool: BlockPool, dst_pool: BlockPool) -> list[tuple[int, int]]:
+        mapping: dict[int, int] = {}
+        for seq in request.live_seqs:
+            new_table = []
+            for b in seq.block_table:
+                if b in mapping:
+                    dst_pool.touch([mapping[b]])
+                else:
+                    (mapping[b],) = dst_pool.allocate(1)
+                new_table.append(mapping[b])
+            src_pool.free(reversed(seq.block_table))
+            seq.block_table = new_table
+        return list(mapping.items())

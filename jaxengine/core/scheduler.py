@@ -1,0 +1,485 @@
+"""The scheduler: each step hands out a token budget, decode-first.
+
+Order within a step: (priority policy) preempt lower-priority running groups for a waiting
+higher-priority one; running groups' decodes; running groups' partial prefills with what is
+left; swapped groups (swap-in before any admission); waiting groups, chunked to the rest of
+the budget. A step that preempted admits nothing. The scheduler knows no prefill/decode
+phases: a sequence simply advances ``num_computed_tokens`` towards ``num_tokens``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from jaxengine.config import CacheConfig, SchedulerConfig
+from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
+from jaxengine.core.request_queue import make_queue
+from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput
+from jaxengine.request import Request, RequestStatus, Sequence, check_stop
+
+RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv = KVCacheManager(cache_config)
+        self.block_size = cache_config.block_size
+        self.clock = clock
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}          # unfinished, by id
+        self._finished: list[Request] = []              # finished outside update_from_output
+        self._finished_seq_ids: list[int] = []          # for the runner to forget
+        self._max_prefill_chunk = (config.long_prefill_token_threshold if config.enable_chunked_prefill
+                                   else 0) or config.max_num_batched_tokens
+        # delay_factor: latency of the last step that admitted prompts
+        self._prev_time = 0.0
+        self._prev_prompt = False
+        self._last_prompt_latency = 0.0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a request. One that can never be scheduled finishes at once (FINISHED_IGNORED)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        cfg = self.config
+        request.max_output_tokens = min(request.max_output_tokens,
+                                        max(1, cfg.max_model_len - request.num_prompt_tokens))
+        self.requests[request.request_id] = request
+        reason = self._never_reason(request)
+        if reason:
+            self._finish_request(request, RequestStatus.FINISHED_IGNORED, reason)
+        else:
+            self.waiting.push(request)
+
+    def _never_reason(self, request: Request) -> str | None:
+        cfg, n = self.config, request.num_prompt_tokens
+        if n > cfg.max_model_len:
+            return f"prompt has {n} tokens, more than max_model_len={cfg.max_model_len}"
+        pool_tokens = self.kv.num_usable_blocks * self.block_size
+        if self.kv.num_blocks_to_hold(request) > self.kv.num_usable_blocks:
+            return f"prompt has {n} tokens, more than the KV cache pool holds ({pool_tokens} tokens)"
+        longest = max(s.num_tokens for s in request.live_seqs)
+        if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
+            return (f"sequence has {longest} tokens, more than max_num_batched_tokens="
+                    f"{cfg.max_num_batched_tokens} with chunked prefill disabled")
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request wherever it is and free all its blocks. False if unknown/finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish_request(request, RequestStatus.FINISHED_ABORTED, "aborted")
+        return True
+
+    def finish_request(self, request_id: str, status: RequestStatus, reason: str | None = None) -> bool:
+        """Finish from outside (e.g. a stop string found by the detokenizer)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish_request(request, status, reason)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(g.max_num_running_seqs for g in self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput()
+        self._out = out
+        self._budget = self.config.max_num_batched_tokens
+        self._preempted = False
+        self._step_new: list[tuple[Sequence, int]] = []   # (sequence, computed before the step)
+        self._step_changed: list[Sequence] = []
+        passed_delay = self._passed_delay(now)
+        if self.config.policy == "priority" and len(self.waiting):
+            self._preempt_for_priority()
+        self._schedule_running()
+        if not self._preempted and self.swapped:
+            self._schedule_swapped()
+        if not self._preempted and not self.swapped and passed_delay and len(self.waiting):
+            self._schedule_waiting(now)
+        self._finalize(out)
+        return out
+
+    def _schedule_running(self) -> None:
+        """Decodes of all running groups, then their partial prefills with the budget left."""
+        out, bs, kv = self._out, self.block_size, self.kv
+        seq_ids, num_tokens, num_samples, rows = (out.seq_ids, out.num_scheduled_tokens,
+                                                  out.num_samples, out.scheduled_seqs)
+        budget = self._budget
+        num_seqs = 0
+        prefilling = []
+        for group in self.running[:]:
+            if group.status is not RUNNING:
+                continue                           # preempted earlier in this step
+            seqs = group.seqs
+            if len(seqs) == 1 and group.forked:    # hot path: one sequence
+                seq = seqs[0]
+                nc = seq.num_computed_tokens
+                if len(seq.token_ids) - nc != 1:
+                    prefilling.append(group)
+                    continue
+                if nc >= len(seq.block_table) * bs:
+                    self._budget = budget
+                    if not self._make_room(group, lambda: kv.allocate_slots(seq, 1)):
+                        budget = self._budget
+                        continue
+                    budget = self._budget
+                    if not seq.is_new:
+                        self._step_changed.append(seq)
+                if seq.is_new:
+                    self._step_new.append((seq, nc))
+                seq.num_computed_tokens = nc + 1
+                budget -= 1
+                num_seqs += 1
+                seq_ids.append(seq.seq_id)
+                num_tokens.append(1)
+                num_samples.append(1)
+                rows.append(seq)
+            elif any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs):
+                prefilling.append(group)
+            else:
+                self._budget = budget
+                if self._make_room(group, lambda: kv.can_append_slots(group)):
+                    self._schedule_seqs(group)
+                    num_seqs += group.max_num_running_seqs
+                budget = self._budget
+        self._budget = budget
+        self._num_partial = 0
+        for group in prefilling:
+            if group.status is RUNNING:
+                self._schedule_seqs(group)
+            if group.status is RUNNING:            # not preempted while making room
+                num_seqs += group.max_num_running_seqs
+                self._num_partial += self._is_partial(group)
+        self._num_seqs = num_seqs
+
+    def _schedule_seqs(self, group: Request) -> None:
+        """Give each live sequence of a running group its next tokens: 1 for a decode, a chunk
+        of what is left of the budget for a prefill. Preempts others if blocks run out."""
+        kv = self.kv
+        for seq in group.live_seqs:
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, self._budget, self._max_prefill_chunk)
+            if n <= 0:
+                continue
+            if not self._make_room(group, lambda: kv.allocate_slots(seq, n)):
+                return
+            self._add_row(group, seq, n, table_changed=True)
+
+    def _add_row(self, group: Request, seq: Sequence, n: int, table_changed: bool) -> None:
+        out = self._out
+        if seq.is_new:
+            self._step_new.append((seq, seq.num_computed_tokens))
+        elif table_changed:
+            self._step_changed.append(seq)
+        seq.num_computed_tokens += n
+        self._budget -= n
+        done = seq.num_computed_tokens == len(seq.token_ids)
+        out.seq_ids.append(seq.seq_id)
+        out.num_scheduled_tokens.append(n)
+        out.num_samples.append(0 if not done else (1 if group.forked else group.sampling_params.n))
+        out.scheduled_seqs.append(seq)
+
+    @staticmethod
+    def _is_partial(group: Request) -> bool:
+        """Part-way through a prefill: more than a decode's worth of known tokens left."""
+        return any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs)
+
+    def _schedule_swapped(self) -> None:
+        cfg, kv = self.config, self.kv
+        order = sorted(self.swapped, key=lambda g: (g.priority, g.arrival_time)) \
+            if cfg.policy == "priority" else list(self.swapped)
+        for group in order:
+            if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+                break
+            if self._budget < len(group.live_seqs):
+                break                              # every live sequence needs a token
+            chunks = self._plan_chunks(group.live_seqs, [0] * len(group.live_seqs))
+            extra = sum(self._num_new_blocks(s, n) + 1 for s, n in zip(group.live_seqs, chunks))
+            partial = any(len(s.token_ids) - s.num_computed_tokens - n > 1
+                          for s, n in zip(group.live_seqs, chunks))
+            if (partial and self._num_partial >= cfg.max_num_partial_prefills) or not kv.can_swap_in(group, extra):
+                break
+            self._out.blocks_to_swap_in.extend(kv.swap_in(group))
+            self.swapped.remove(group)
+            self._set_status(group, RUNNING)
+            self.running.append(group)
+            self._schedule_seqs(group)
+            self._num_seqs += group.max_num_running_seqs
+            self._num_partial += self._is_partial(group)
+
+    def _schedule_waiting(self, now: float) -> None:
+        cfg, kv = self.config, self.kv
+        while len(self.waiting) and self._budget > 0:
+            group = self.waiting.peek()
+            if group.status is RequestStatus.PREEMPTED and (reason := self._never_reason(group)):
+                self.waiting.pop()                 # grew past what can ever be scheduled
+                self._finish_request(group, RequestStatus.FINISHED_IGNORED, reason)
+                continue
+            if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+                break
+            seqs = group.live_seqs
+            hits = [kv.get_computed_blocks(s) for s in seqs]
+            hit_tokens = [len(h.blocks) * self.block_size for h in hits]
+            chunks = self._plan_chunks(seqs, hit_tokens)
+            left = [s.num_tokens - s.num_computed_tokens - h - n for s, h, n in zip(seqs, hit_tokens, chunks)]
+            if not cfg.enable_chunked_prefill and any(left):
+                break                              # a whole prompt must fit the budget left
+            partial = any(x > 1 for x in left)
+            if partial and self._num_partial >= cfg.max_num_partial_prefills:
+                break
+            status = kv.can_allocate(group, list(zip(seqs, hits, chunks)))
+            if status is AllocStatus.LATER:
+                break
+            self.waiting.pop()
+            if status is AllocStatus.NEVER:
+                self._finish_request(group, RequestStatus.FINISHED_IGNORED,
+                                     f"needs {kv.num_blocks_to_hold(group)} KV blocks, the pool has "
+                                     f"{kv.num_usable_blocks}")
+                continue
+            self._admit(group, seqs, hits, chunks, now)
+            self._num_partial += partial
+
+    def _plan_chunks(self, seqs: list[Sequence], hit_tokens: list[int]) -> list[int]:
+        budget, chunks = self._budget, []
+        for seq, hit in zip(seqs, hit_tokens):
+            n = min(seq.num_tokens - seq.num_computed_tokens - hit, budget, self._max_prefill_chunk)
+            chunks.append(n)
+            budget -= n
+        return chunks
+
+    def _admit(self, group: Request, seqs: list[Sequence], hits: list[ComputedBlocks],
+               chunks: list[int], now: float) -> None:
+        kv = self.kv
+        for seq, hit, n in zip(seqs, hits, chunks):
+            kv.record_prefix_query(seq, len(hit.blocks) * self.block_size)
+            allocated = kv.allocate_slots(seq, n, hit)
+            assert allocated, "can_allocate said OK"
+            if n:
+                self._add_row(group, seq, n, table_changed=True)
+        self._set_status(group, RUNNING)
+        self.running.append(group)
+        if group.times.first_scheduled is None:
+            group.times.first_scheduled = now
+        self._num_seqs += group.max_num_running_seqs
+        self._prev_prompt = True
+
+    def _passed_delay(self, now: float) -> bool:
+        """delay_factor: hold new prompts until the oldest waiting request has waited longer
+        than delay_factor x the last prompt step's latency (unless nothing runs)."""
+        if self._prev_prompt:
+            self._last_prompt_latency = now - self._prev_time
+        self._prev_time, self._prev_prompt = now, False
+        if self.config.delay_factor <= 0 or not len(self.waiting):
+            return True
+        earliest = min(r.arrival_time for r in self.waiting)
+        return now - earliest > self.config.delay_factor * self._last_prompt_latency or not self.running
+
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
+
+    # ------------------------------------------------------------------ preemption
+    def _make_room(self, group: Request, fits: Callable[[], bool]) -> bool:
+        """Preempt victims until ``fits()`` holds. False if ``group`` itself had to go (it is
+        then preempted, or finished with an error when it alone holds the whole pool)."""
+        while not fits():
+            victim = self._pick_victim()
+            if victim is group:
+                if len(self.running) == 1:
+                    self._finish_request(group, RequestStatus.FINISHED_ERROR,
+                                         f"needs more KV cache than the whole pool "
+                                         f"({self.kv.num_usable_blocks} blocks of {self.block_size} tokens)")
+                else:
+                    self._preempt(group)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _pick_victim(self) -> Request:
+        """fcfs: the last admitted; priority: the lowest priority (largest value), latest arrival."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda g: (g.priority, g.arrival_time))
+        return self.running[-1]
+
+    def _preempt_for_priority(self) -> None:
+        """Preempt strictly lower-priority running groups while the best waiting one cannot fit."""
+        head, cfg, kv = self.waiting.peek(), self.config, self.kv
+        chunk_blocks = cdiv(min(head.num_tokens, cfg.max_num_batched_tokens), self.block_size)
+        while self.running:
+            victim = self._pick_victim()
+            if victim.priority <= head.priority:
+                return
+            seqs_fit = self.num_running_seqs + head.max_num_running_seqs <= cfg.max_num_seqs
+            blocks_fit = kv.num_free_blocks - chunk_blocks >= kv.watermark_blocks
+            if seqs_fit and blocks_fit:
+                return
+            self._preempt(victim)
+
+    def _preemption_mode(self, group: Request) -> str:
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = "swap" if group.max_num_running_seqs > 1 else "recompute"
+        return mode
+
+    def _preempt(self, group: Request) -> None:
+        """Recompute: free the blocks, back to the front of waiting, outputs kept. Swap: move the
+        blocks to the host pool (falls back to recompute when the host pool is full)."""
+        self.running.remove(group)
+        self._unschedule(group)
+        redirect = self._drop_pending_copies(group)
+        live = group.live_seqs
+        if self._preemption_mode(group) == "swap" and self.kv.can_swap_out(group):
+            mapping = self.kv.swap_out(group)
+            self._out.blocks_to_swap_out.extend((redirect.get(d, d), h) for d, h in mapping)
+            self._set_status(group, RequestStatus.SWAPPED)
+            self.swapped.append(group)
+        else:
+            for seq in live:
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+            self._set_status(group, RequestStatus.PREEMPTED)
+            self.waiting.push_front(group)
+        for seq in live:
+            seq.is_new = True
+        self._out.preempted_seq_ids.extend(s.seq_id for s in live)
+        self._out.num_preemptions += 1
+        group.num_preemptions += 1
+        self._preempted = True
+
+    def _unschedule(self, group: Request) -> None:
+        """Take back the rows a group already got in this step (a victim chosen late)."""
+        out = self._out
+        keep = [i for i, s in enumerate(out.scheduled_seqs) if s.request is not group]
+        if len(keep) == len(out.scheduled_seqs):
+            return
+        for i, seq in enumerate(out.scheduled_seqs):
+            if seq.request is group:
+                seq.num_computed_tokens -= out.num_scheduled_tokens[i]
+                self._budget += out.num_scheduled_tokens[i]
+        for values in (out.seq_ids, out.num_scheduled_tokens, out.num_samples, out.scheduled_seqs):
+            values[:] = [values[i] for i in keep]   # in place: the running loop holds these lists
+
+    def _drop_pending_copies(self, group: Request) -> dict[int, int]:
+        """Copy-on-write copies into a victim's blocks are void; a swap-out reads their source."""
+        blocks = {b for s in group.live_seqs for b in s.block_table}
+        redirect = {d: s for s, d in self.kv.pending_copies if d in blocks}
+        if redirect:
+            self.kv.pending_copies = [(s, d) for s, d in self.kv.pending_copies if d not in redirect]
+        return redirect
+
+    # ------------------------------------------------------------------ finishing
+    @staticmethod
+    def _set_status(group: Request, status: RequestStatus) -> None:
+        group.status = status
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.status = status
+
+    def _finish_request(self, group: Request, status: RequestStatus, reason: str | None) -> None:
+        if group.status is RUNNING:
+            self.running.remove(group)
+            if getattr(self, "_out", None) is not None:
+                self._unschedule(group)
+        elif group.status is RequestStatus.SWAPPED:
+            self.swapped.remove(group)
+        elif group in self.waiting:
+            self.waiting.remove(group)
+        for seq in group.live_seqs:
+            self._free_seq(seq, status)
+        self._mark_finished(group, status, reason)
+        self._finished.append(group)
+
+    def _free_seq(self, seq: Sequence, status: RequestStatus) -> None:
+        if seq.status is RequestStatus.SWAPPED:
+            self.kv.host_pool.free(reversed(seq.block_table))
+            seq.block_table = []
+        else:
+            self.kv.free(seq)
+        seq.status = status
+        self._finished_seq_ids.append(seq.seq_id)
+
+    def _mark_finished(self, group: Request, status: RequestStatus, reason: str | None) -> None:
+        group.status = status
+        group.status_reason = reason
+        group.times.finished = self.clock()
+        del self.requests[group.request_id]
+
+    def _finalize(self, out: SchedulerOutput) -> None:
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens)
+        out.num_decode_tokens = out.num_scheduled_tokens.count(1)
+        out.num_prefill_tokens = out.total_num_scheduled_tokens - out.num_decode_tokens
+        for seq, num_computed in self._step_new:
+            if seq.status is RUNNING and seq.is_new:
+                seq.is_new = False
+                req = seq.request
+                out.new_seqs.append(NewSequenceData(
+                    seq.seq_id, req.request_id, list(seq.token_ids), num_computed,
+                    list(seq.block_table), req.sampling_params, seq.sample_index))
+        for seq in self._step_changed:
+            if seq.status is RUNNING and not seq.is_new:
+                out.block_tables[seq.seq_id] = list(seq.block_table)
+        out.blocks_to_copy, self.kv.pending_copies = self.kv.pending_copies, []
+        out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
+        self._out = None
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, apply stop checks, free finished sequences. Returns the
+        requests that finished since the last call (including aborted and ignored ones)."""
+        kv, bs, caching = self.kv, self.block_size, self.kv.enable_caching
+        now = self.clock()
+        any_finished = False
+        for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids):
+            if seq.status is not RUNNING:
+                continue                                   # aborted while the step ran
+            if caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                kv.cache_full_blocks(seq)
+            if not tokens:
+                continue                                   # mid-prefill: nothing sampled
+            request = seq.request
+            if request.times.first_token is None:
+                request.times.first_token = now
+            if len(tokens) > 1:
+                self._fork(request, seq, tokens)
+                any_finished |= request.is_finished
+                continue
+            token = tokens[0]
+            seq.token_ids.append(token)
+            status = check_stop(request, seq, token)
+            if status is not None:
+                self._finish_seq(request, seq, status)
+                any_finished |= request.is_finished
+        if any_finished:
+            self.running = [g for g in self.running if g.status is RUNNING]
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _fork(self, request: Request, leader: Sequence, tokens: list[int]) -> None:
+        """The prompt is computed: the group becomes n sequences sharing the leader's blocks."""
+        request.forked = True
+        for i in range(1, len(tokens)):
+            seq = Sequence(request, list(leader.token_ids), i)
+            self.kv.fork(leader, seq)
+            seq.status = RUNNING
+            request.seqs.append(seq)
+        for seq, token in zip(request.seqs, tokens):
+            seq.token_ids.append(token)
+            status = check_stop(request, seq, token)
+            if status is not None:
+                self._finish_seq(request, seq, status)
+
+    def _finish_seq(self, request: Request, seq: Sequence, status: RequestStatus) -> None:
+        self._free_seq(seq, status)
+        if not request.live_seqs and request.forked:
+            self._mark_finished(request, status, None)
+            self._finished.append(request)

@@ -1,0 +1,56 @@
+"""The host -> device contract (``SchedulerOutput``) and the device -> host reply
+(``ModelRunnerOutput``). The runner never changes scheduling state; it keeps its own per-
+sequence state from ``new_seqs`` and ``block_tables`` and forgets the finished and preempted."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxengine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSequenceData:
+    """Everything the runner needs about a sequence it has not seen (a new admission, a resume
+    after recompute or swap-in, a forked sibling)."""
+
+    seq_id: int
+    request_id: str
+    token_ids: list[int]           # prompt + output so far (a copy)
+    num_computed_tokens: int       # before this step (a prefix-cache hit counts as computed)
+    block_table: list[int]         # a copy
+    sampling_params: SamplingParams
+    sample_index: int              # which of the group's n samples (per-sample seed streams)
+
+
+@dataclass
+class SchedulerOutput:
+    # Rows of this step's flat batch, in order (B = len(seq_ids)).
+    seq_ids: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)   # B: new tokens per row
+    num_samples: list[int] = field(default_factory=list)            # B: 0 mid-prefill, 1, or n at a fork
+    total_num_scheduled_tokens: int = 0
+    new_seqs: list[NewSequenceData] = field(default_factory=list)
+    block_tables: dict[int, list[int]] = field(default_factory=dict)  # changed tables of known rows
+    # Block moves to apply before the step, in this order: swap out, swap in, copy.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (src, dst)
+    finished_seq_ids: list[int] = field(default_factory=list)    # forget these
+    preempted_seq_ids: list[int] = field(default_factory=list)   # forget these (resent when resumed)
+    # Step statistics for traces and metrics.
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+    # Host-side handles for ``Scheduler.update_from_output`` (not for the runner).
+    scheduled_seqs: list = field(default_factory=list, repr=False)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seq_ids
+
+
+@dataclass
+class ModelRunnerOutput:
+    # B lists aligned with ``SchedulerOutput.seq_ids``: the row's sampled tokens (empty when the
+    # row did not sample, n tokens at a fork).
+    sampled_token_ids: list[list[int]]

@@ -1,0 +1,85 @@
+"""The engine: ``step()`` = schedule -> execute -> update."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from jaxengine.config import EngineConfig
+from jaxengine.core.scheduler import Scheduler
+from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxengine.request import Request
+from jaxengine.sampling_params import SamplingParams
+
+
+class Runner(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One compact record per step, for metrics and dashboards."""
+
+    step: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_preemptions: int
+    num_blocks_swapped_in: int
+    num_blocks_swapped_out: int
+    kv_usage: float
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: Runner, *, eos_token_id: int | None = None,
+                 clock: Callable[[], float] = time.monotonic, trace: bool = False) -> None:
+        self.config = config
+        self.runner = runner
+        self.eos_token_id = eos_token_id
+        self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock)
+        self.clock = clock
+        self.num_steps = 0
+        self.traces: list[StepTrace] | None = [] if trace else None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams | None = None, *, priority: int = 0,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        request = Request(request_id, prompt_token_ids, sampling_params or SamplingParams(),
+                          arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          priority=priority, eos_token_id=self.eos_token_id, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that finished (stopped, aborted or ignored)."""
+        scheduler_output = self.scheduler.schedule()
+        result = self.runner.execute(scheduler_output)
+        finished = self.scheduler.update_from_output(scheduler_output, result)
+        self.num_steps += 1
+        if self.traces is not None:
+            self.traces.append(self._trace(scheduler_output))
+        return finished
+
+    def run(self, max_steps: int = 1_000_000) -> list[Request]:
+        """Step until every request has finished; returns them in finishing order."""
+        finished: list[Request] = []
+        for _ in range(max_steps):
+            if not self.has_unfinished_requests():
+                return finished
+            finished += self.step()
+        raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+
+    def _trace(self, out: SchedulerOutput) -> StepTrace:
+        s = self.scheduler
+        return StepTrace(self.num_steps, out.num_decode_tokens, out.num_prefill_tokens, out.num_preemptions,
+                         len(out.blocks_to_swap_in), len(out.blocks_to_swap_out), s.kv.usage,
+                         len(s.waiting), len(s.running), len(s.swapped))

@@ -1,0 +1,180 @@
+"""Requests as the scheduler sees them: a ``Request`` is a sequence group of one or more
+``Sequence``s that share a prompt (``n > 1`` is parallel sampling).
+
+A sequence's state is two counters over one token list (prompt + output so far):
+``num_tokens`` and ``num_computed_tokens`` (tokens whose KV is in the cache). A prefill
+chunk, a whole prompt, a prefix-cache hit and a decode all just move ``num_computed_tokens``.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass
+
+from jaxengine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    PREEMPTED = 3          # preempted by recompute, waiting to resume
+    FINISHED_STOPPED = 4   # EOS or a stop token / stop string
+    FINISHED_LENGTH = 5    # max_tokens or the model's context length
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7   # can never be scheduled (too long for the model or the pool)
+    FINISHED_ERROR = 8
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "error",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One sample of a group: its tokens, its KV progress and its block table."""
+
+    __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+                 "block_table", "block_hashes", "num_cached_blocks", "status", "stop_reason",
+                 "sample_index", "is_new")
+
+    def __init__(self, request: "Request", token_ids: list[int], sample_index: int) -> None:
+        self.seq_id: int = next(_seq_ids)
+        self.request = request
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of token_ids
+        self.num_cached_blocks = 0            # leading blocks registered in the prefix cache
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.sample_index = sample_index      # which of the group's n samples (seed streams)
+        self.is_new = True                    # the runner has not seen this sequence's state
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.name})")
+
+
+@dataclass
+class RequestTimes:
+    """Per-request timestamps (monotonic seconds) for metrics."""
+
+    queued: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    """A sequence group: one prompt, ``sampling_params.n`` samples scheduled as one unit.
+
+    Until its prompt is computed the group holds a single leader sequence; the step that
+    completes the prompt samples ``n`` tokens and the group forks, the siblings sharing the
+    leader's blocks by reference count.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 *, arrival_time: float | None = None, priority: int = 0, eos_token_id: int | None = None,
+                 cache_salt: str | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.status_reason: str | None = None
+        self.seqs: list[Sequence] = [Sequence(self, list(prompt_token_ids), 0)]
+        self.forked = sampling_params.n == 1
+        self.num_cached_tokens = 0            # prompt tokens served by the prefix cache
+        self.num_preemptions = 0
+        self.times = RequestTimes(queued=self.arrival_time)
+        self.stop_token_set = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos or eos_token_id is None else {eos_token_id})
+        self.max_output_tokens = sampling_params.max_tokens or 1 << 62  # capped by the scheduler
+
+    # Single-sequence views; an n > 1 group keeps per-sample values on ``seqs``.
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seqs[0].num_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.seqs[0].num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seqs[0].output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status < RequestStatus.FINISHED_STOPPED]
+
+    @property
+    def max_num_running_seqs(self) -> int:
+        """Sequences this group may run at once: n before the fork, the live ones after."""
+        if not self.forked:
+            return self.sampling_params.n
+        return sum(1 for s in self.seqs if s.status < RequestStatus.FINISHED_STOPPED)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.name}, seqs={self.seqs})"
+
+
+SequenceGroup = Request
+
+
+def check_stop(request: Request, seq: Sequence, token: int) -> RequestStatus | None:
+    """The stop checks after ``token`` was appended to ``seq``: EOS / stop tokens (not before
+    ``min_tokens``, EOS not with ``ignore_eos``), then ``max_tokens`` and the context length."""
+    num_output = len(seq.token_ids) - seq.num_prompt_tokens
+    if token in request.stop_token_set and num_output >= request.sampling_params.min_tokens:
+        seq.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED
+    if num_output >= request.max_output_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -1,0 +1,1 @@
+"""Model runners: turn a SchedulerOutput into device work and return sampled tokens."""

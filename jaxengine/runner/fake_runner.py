@@ -1,0 +1,86 @@
+"""Deterministic stand-ins for the model runner, so the whole engine loop runs on the CPU
+before any model exists.
+
+``HashRunner`` simulates the paged KV cache: it writes each computed token into its slot
+(block table + offset), applies the swap and copy lists, and samples a token that is a hash of
+the context *read back through the block table*. A wrong block table, a bad prefix-cache hit or
+a missed copy-on-write changes the tokens, so "outputs do not depend on scheduling" checks the
+KV cache manager too. ``ConstantRunner`` samples one fixed token (for host-cost benchmarks).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+UNWRITTEN = -1
+
+
+class HashRunner:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device_kv = np.full((num_gpu_blocks, block_size), UNWRITTEN, np.int64)
+        self.host_kv = np.full((max(num_cpu_blocks, 1), block_size), UNWRITTEN, np.int64)
+        self.tokens: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.tables: dict[int, list[int]] = {}
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._sync_state(out)
+        self._apply_block_moves(out)
+        sampled = []
+        for seq_id, n, k in zip(out.seq_ids, out.num_scheduled_tokens, out.num_samples):
+            start = self.computed[seq_id]
+            self._write(seq_id, start, n)
+            self.computed[seq_id] = start + n
+            sampled.append([self._sample(seq_id, start + n, i) for i in range(k)])
+        for seq_id, tokens in zip(out.seq_ids, sampled):
+            if tokens:   # at a fork the leader keeps the first sample; siblings arrive as new
+                self.tokens[seq_id].append(tokens[0])
+        return ModelRunnerOutput(sampled)
+
+    def _sync_state(self, out: SchedulerOutput) -> None:
+        for seq_id in (*out.finished_seq_ids, *out.preempted_seq_ids):
+            for d in (self.tokens, self.computed, self.tables):
+                d.pop(seq_id, None)
+        for new in out.new_seqs:
+            self.tokens[new.seq_id] = list(new.token_ids)
+            self.computed[new.seq_id] = new.num_computed_tokens
+            self.tables[new.seq_id] = list(new.block_table)
+        for seq_id, table in out.block_tables.items():
+            self.tables[seq_id] = list(table)
+
+    def _apply_block_moves(self, out: SchedulerOutput) -> None:
+        for dev, host in out.blocks_to_swap_out:
+            self.host_kv[host] = self.device_kv[dev]
+        for host, dev in out.blocks_to_swap_in:
+            self.device_kv[dev] = self.host_kv[host]
+        for src, dst in out.blocks_to_copy:
+            self.device_kv[dst] = self.device_kv[src]
+
+    def _write(self, seq_id: int, start: int, n: int) -> None:
+        table, tokens, bs = self.tables[seq_id], self.tokens[seq_id], self.block_size
+        for pos in range(start, start + n):
+            block = table[pos // bs]
+            assert block != 0, f"sequence {seq_id} writes into the null block at position {pos}"
+            self.device_kv[block, pos % bs] = tokens[pos]
+
+    def _sample(self, seq_id: int, num_computed: int, sample_index: int) -> int:
+        table = self.tables[seq_id]
+        context = self.device_kv[table].reshape(-1)[:num_computed]
+        assert (context != UNWRITTEN).all(), f"sequence {seq_id} reads unwritten KV"
+        return zlib.crc32(context.tobytes(), sample_index) % self.vocab_size
+
+
+class ConstantRunner:
+    """Samples ``token`` for every row that samples; no device work at all."""
+
+    def __init__(self, token: int = 1) -> None:
+        self.token = token
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t = self.token
+        return ModelRunnerOutput([[t] * k if k != 1 else [t] for k in out.num_samples])

@@ -1,0 +1,1 @@
+"""Device side: Pallas kernels (installed as ``jaxengine.kernels``)."""

@@ -1,0 +1,1 @@
+"""Device side: Flax NNX models (installed as ``jaxengine.models``)."""
