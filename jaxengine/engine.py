@@ -64,9 +64,9 @@ class Engine:
         scheduler_output = self.scheduler.schedule()
         result = self.runner.execute(scheduler_output)
         finished = self.scheduler.update_from_output(scheduler_output, result)
-        self.num_steps += 1
         if self.traces is not None:
             self.traces.append(self._trace(scheduler_output))
+        self.num_steps += 1
         return finished
 
     def run(self, max_steps: int = 1_000_000) -> list[Request]:

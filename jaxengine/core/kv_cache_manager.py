@@ -102,25 +102,29 @@ class KVCacheManager:
         self.pool.reset_cache()
 
     # ---- allocation ----
-    def can_allocate(self, request: Request, plan: list[tuple[Sequence, ComputedBlocks, int]]) -> AllocStatus:
+    def can_allocate(self, request: Request, plan: list[tuple[Sequence, ComputedBlocks, int]],
+                     use_watermark: bool = True) -> AllocStatus:
         """Admission check for a waiting group: ``plan`` gives, per sequence, its prefix hit and
-        the tokens to schedule now. Keeps ``watermark_blocks`` free for running requests."""
+        the tokens to schedule now. Keeps ``watermark_blocks`` free for running requests (the
+        scheduler drops the watermark when nothing runs: there is nobody to keep room for)."""
         if self.num_blocks_to_hold(request) > self.pool.num_usable_blocks:
             return AllocStatus.NEVER
         needed = sum(self._num_new_blocks(seq, hit, n) + hit.num_evictable for seq, hit, n in plan)
-        if len(self.pool.free_queue) - needed < self.watermark_blocks:
+        if len(self.pool.free_queue) - needed < (self.watermark_blocks if use_watermark else 0):
             return AllocStatus.LATER
         return AllocStatus.OK
 
     def can_append_slots(self, request: Request) -> bool:
-        """Worst case for a decode step: one new or copied-on-write block per live sequence."""
-        return len(self.pool.free_queue) >= request.max_num_running_seqs
+        """Room for a decode step of every live sequence of the group: each may need a new
+        block or a copy-on-write of a shared one; all of them are counted before any is taken."""
+        seqs = request.live_seqs
+        return len(self.pool.free_queue) >= self._num_blocks_for_step(seqs, [1] * len(seqs), self.pool)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (and after a
         prefix hit, which is taken first so no new allocation can evict it). All or nothing."""
         num_new = self._num_new_blocks(seq, hit, num_new_tokens)
-        cow = self._needs_copy_on_write(seq) and not hit.blocks
+        cow = self._needs_copy_on_write(seq)
         if num_new + cow + hit.num_evictable > len(self.pool.free_queue):
             return False
         if hit.blocks:
@@ -184,9 +188,28 @@ class KVCacheManager:
     def can_swap_out(self, request: Request) -> bool:
         return len(self._unique_blocks(request)) <= self.host_pool.num_free_blocks
 
-    def can_swap_in(self, request: Request, num_extra_blocks: int) -> bool:
-        needed = len(self._unique_blocks(request)) + num_extra_blocks
-        return len(self.pool.free_queue) - needed >= self.watermark_blocks
+    def can_swap_in(self, request: Request, num_new_tokens: list[int], use_watermark: bool = True) -> bool:
+        """Room to bring the group back and give each live sequence its next tokens."""
+        needed = self._num_blocks_to_swap_in(request, num_new_tokens)
+        return len(self.pool.free_queue) - needed >= (self.watermark_blocks if use_watermark else 0)
+
+    def _num_blocks_to_swap_in(self, request: Request, num_new_tokens: list[int]) -> int:
+        return len(self._unique_blocks(request)) + self._num_blocks_for_step(
+            request.live_seqs, num_new_tokens, self.host_pool)
+
+    def _num_blocks_for_step(self, seqs: list[Sequence], num_new_tokens: list[int], pool: BlockPool) -> int:
+        """New blocks plus copy-on-write copies for giving each sequence its next tokens, in
+        order (the last writer of a shared block writes in place)."""
+        needed = 0
+        refs: dict[int, int] = {}
+        for seq, n in zip(seqs, num_new_tokens):
+            needed += self._num_new_blocks(seq, NO_HIT, n)
+            i = seq.num_computed_tokens // self.block_size
+            if i < len(seq.block_table):
+                b = seq.block_table[i]
+                refs[b] = refs.get(b, pool.ref_cnt[b]) - 1
+                needed += refs[b] > 0
+        return needed
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the group's blocks to the host pool; returns (device block, host block) pairs."""

@@ -205,10 +205,16 @@ class Scheduler:
             if self._budget < len(group.live_seqs):
                 break                              # every live sequence needs a token
             chunks = self._plan_chunks(group.live_seqs, [0] * len(group.live_seqs))
-            extra = sum(self._num_new_blocks(s, n) + 1 for s, n in zip(group.live_seqs, chunks))
             partial = any(len(s.token_ids) - s.num_computed_tokens - n > 1
                           for s, n in zip(group.live_seqs, chunks))
-            if (partial and self._num_partial >= cfg.max_num_partial_prefills) or not kv.can_swap_in(group, extra):
+            if partial and self._num_partial >= cfg.max_num_partial_prefills:
+                break
+            if not kv.can_swap_in(group, chunks, use_watermark=bool(self.running)):
+                if not self.running and not kv.can_swap_in(group, chunks, use_watermark=False):
+                    self._finish_request(group, RequestStatus.FINISHED_ERROR,
+                                         f"needs more KV cache than the whole pool "
+                                         f"({kv.num_usable_blocks} blocks of {self.block_size} tokens)")
+                    continue
                 break
             self._out.blocks_to_swap_in.extend(kv.swap_in(group))
             self.swapped.remove(group)
@@ -238,7 +244,7 @@ class Scheduler:
             partial = any(x > 1 for x in left)
             if partial and self._num_partial >= cfg.max_num_partial_prefills:
                 break
-            status = kv.can_allocate(group, list(zip(seqs, hits, chunks)))
+            status = kv.can_allocate(group, list(zip(seqs, hits, chunks)), use_watermark=bool(self.running))
             if status is AllocStatus.LATER:
                 break
             self.waiting.pop()
@@ -284,9 +290,6 @@ class Scheduler:
             return True
         earliest = min(r.arrival_time for r in self.waiting)
         return now - earliest > self.config.delay_factor * self._last_prompt_latency or not self.running
-
-    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
 
     # ------------------------------------------------------------------ preemption
     def _make_room(self, group: Request, fits: Callable[[], bool]) -> bool:
