@@ -62,7 +62,8 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """Fraction of the device pool held by sequences (cached-but-free blocks count as free)."""
-        return 1.0 - len(self.pool.free_queue) / self.pool.num_usable_blocks
+        usable = self.pool.num_usable_blocks
+        return (usable - len(self.pool.free_queue)) / usable
 
     def num_blocks_to_hold(self, request: Request) -> int:
         """Blocks the group's live sequences need for all their current tokens, unshared."""
