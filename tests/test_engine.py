@@ -4,9 +4,9 @@ from jaxengine.runner.fake_runner import ConstantRunner, HashRunner
 
 
 def test_engine_step_loop_with_the_hash_runner_and_traces():
-    cfg = EngineConfig().replace(block_size=4, num_gpu_blocks=7, max_num_batched_tokens=8, max_num_seqs=4,
+    cfg = EngineConfig().replace(block_size=4, num_gpu_blocks=10, max_num_batched_tokens=8, max_num_seqs=4,
                                  enable_prefix_caching=False, watermark=0.0)
-    engine = Engine(cfg, HashRunner(7, 0, 4), eos_token_id=None, trace=True)
+    engine = Engine(cfg, HashRunner(10, 0, 4), eos_token_id=None, trace=True)
     for i in range(3):
         engine.add_request(f"r{i}", [10 + i] * 4, SamplingParams(max_tokens=6, ignore_eos=True))
     finished = engine.run()
@@ -14,8 +14,9 @@ def test_engine_step_loop_with_the_hash_runner_and_traces():
     assert all(r.status is RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == 6 for r in finished)
     first = engine.traces[0]
     assert (first.step, first.num_prefill_tokens, first.num_decode_tokens, first.num_running) == (0, 8, 0, 2)
-    assert (first.num_waiting, first.kv_usage) == (1, 2 / 6)
+    assert (first.num_waiting, first.kv_usage) == (1, 2 / 9)
     assert sum(t.num_decode_tokens + t.num_prefill_tokens for t in engine.traces) == 3 * (4 + 5)
+    assert sum(t.num_preemptions for t in engine.traces) == 0
     assert engine.traces[-1].kv_usage == 0.0 and engine.num_steps == len(engine.traces)
 
 
