@@ -128,8 +128,7 @@ class KVCacheManager:
         cow = self._needs_copy_on_write(seq)
         if num_new + cow + hit.num_evictable > len(self.pool.free_queue):
             return False
-        if hit.blocks:
-            self._take_hit(seq, hit)
+        self.take_hit(seq, hit)
         if cow:
             self._copy_on_write(seq)
         if num_new:
@@ -141,7 +140,10 @@ class KVCacheManager:
         num_tokens = seq.num_computed_tokens + len(hit.blocks) * bs + num_new_tokens
         return max(0, cdiv(num_tokens, bs) - len(seq.block_table) - len(hit.blocks))
 
-    def _take_hit(self, seq: Sequence, hit: ComputedBlocks) -> None:
+    def take_hit(self, seq: Sequence, hit: ComputedBlocks) -> None:
+        """Hold a prefix hit's blocks and count their tokens as computed."""
+        if not hit.blocks:
+            return
         self.pool.touch(hit.blocks)
         seq.block_table.extend(hit.blocks)
         num_hit_tokens = len(hit.blocks) * self.block_size

@@ -169,7 +169,7 @@ class Scheduler:
         of what is left of the budget for a prefill. Preempts others if blocks run out."""
         kv = self.kv
         for seq in group.live_seqs:
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, self._budget, self._max_prefill_chunk)
+            n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, self._budget)
             if n <= 0:
                 continue
             if not self._make_room(group, lambda: kv.allocate_slots(seq, n)):
@@ -238,9 +238,9 @@ class Scheduler:
             hits = [kv.get_computed_blocks(s) for s in seqs]
             hit_tokens = [len(h.blocks) * self.block_size for h in hits]
             chunks = self._plan_chunks(seqs, hit_tokens)
+            if not chunks[0]:
+                break                              # without chunking: the prompt must fit whole
             left = [s.num_tokens - s.num_computed_tokens - h - n for s, h, n in zip(seqs, hit_tokens, chunks)]
-            if not cfg.enable_chunked_prefill and any(left):
-                break                              # a whole prompt must fit the budget left
             partial = any(x > 1 for x in left)
             if partial and self._num_partial >= cfg.max_num_partial_prefills:
                 break
@@ -259,17 +259,25 @@ class Scheduler:
     def _plan_chunks(self, seqs: list[Sequence], hit_tokens: list[int]) -> list[int]:
         budget, chunks = self._budget, []
         for seq, hit in zip(seqs, hit_tokens):
-            n = min(seq.num_tokens - seq.num_computed_tokens - hit, budget, self._max_prefill_chunk)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens - hit, budget)
             chunks.append(n)
             budget -= n
         return chunks
 
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens a sequence gets now. Without chunked prefill a sequence goes whole or not at
+        all (the sequences of a recomputed group may still go in different steps)."""
+        n = min(remaining, budget, self._max_prefill_chunk)
+        return n if n == remaining or self.config.enable_chunked_prefill else 0
+
     def _admit(self, group: Request, seqs: list[Sequence], hits: list[ComputedBlocks],
                chunks: list[int], now: float) -> None:
         kv = self.kv
-        for seq, hit, n in zip(seqs, hits, chunks):
+        for seq, hit in zip(seqs, hits):       # every hit first: no allocation may evict one
             kv.record_prefix_query(seq, len(hit.blocks) * self.block_size)
-            allocated = kv.allocate_slots(seq, n, hit)
+            kv.take_hit(seq, hit)
+        for seq, n in zip(seqs, chunks):
+            allocated = kv.allocate_slots(seq, n)
             assert allocated, "can_allocate said OK"
             if n:
                 self._add_row(group, seq, n, table_changed=True)

@@ -1,0 +1,187 @@
+"""Property-based tests over random workloads and configurations, thousands of steps in all.
+
+After every step: the budget and max_num_seqs hold, ref counts equal the number of block
+tables holding each block, free + used = pool, partial prefills stay under their bound. At the
+end every request has finished and every block is free. With the KV-simulating runner, output
+tokens are identical whatever the budget, pool, preemption mode, policy or prefix caching.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxengine.core.kv_cache_manager import cdiv
+from jaxengine.request import Request, RequestStatus
+from jaxengine.sampling_params import SamplingParams
+
+from tests.helpers import Harness
+
+VOCAB = 40          # small, so EOS (token 0) and shared prefixes happen
+MAX_STEPS = 5000
+
+
+@dataclass(frozen=True)
+class Spec:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    n: int
+    priority: int
+    arrival_step: int
+    min_tokens: int
+    ignore_eos: bool
+    abort_step: int | None
+
+
+BASES = [tuple(range(1, 30)), tuple(range(30, 1, -1))]   # shared prefixes for the prefix cache
+
+
+@st.composite
+def specs(draw, with_aborts: bool):
+    out = []
+    for i in range(draw(st.integers(1, 10))):
+        base = draw(st.sampled_from(BASES))
+        prefix_len = draw(st.integers(0, 16))
+        suffix = draw(st.lists(st.integers(1, VOCAB - 1), min_size=1 if prefix_len == 0 else 0, max_size=12))
+        max_tokens = draw(st.integers(1, 16))
+        out.append(Spec(
+            request_id=f"r{i}", prompt=base[:prefix_len] + tuple(suffix), max_tokens=max_tokens,
+            n=draw(st.sampled_from([1, 1, 1, 2, 3])), priority=draw(st.integers(0, 2)),
+            arrival_step=draw(st.integers(0, 12)), min_tokens=draw(st.integers(0, max_tokens)),
+            ignore_eos=draw(st.booleans()),
+            abort_step=draw(st.none() | st.integers(0, 40)) if with_aborts else None))
+    return out
+
+
+def pool_need(spec: Spec, block_size: int) -> int:
+    """Blocks the group could ever hold at once with nothing shared."""
+    return spec.n * cdiv(len(spec.prompt) + spec.max_tokens, block_size)
+
+
+@st.composite
+def configs(draw, workload: list[Spec]):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_num_seqs = draw(st.integers(3, 6))     # >= the largest group
+    chunked = draw(st.booleans())
+    longest = max(len(s.prompt) + s.max_tokens for s in workload)
+    budget_floor = max_num_seqs if chunked else max(max_num_seqs, longest)
+    return dict(
+        block_size=block_size,
+        num_gpu_blocks=1 + max(pool_need(s, block_size) for s in workload) + draw(st.integers(0, 24)),
+        num_cpu_blocks=draw(st.sampled_from([0, 8, 256])),
+        watermark=draw(st.sampled_from([0.0, 0.05, 0.2])),
+        enable_prefix_caching=draw(st.booleans()),
+        max_num_batched_tokens=draw(st.integers(budget_floor, budget_floor + 40)),
+        max_num_seqs=max_num_seqs,
+        max_model_len=256,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 1, 3, 8])),
+        max_num_partial_prefills=draw(st.integers(1, 3)),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        preemption_mode=draw(st.sampled_from(["auto", "recompute", "swap"])),
+    )
+
+
+def run_workload(workload: list[Spec], config: dict, check: bool = True) -> Harness:
+    h = Harness(**config)
+    h.runner.vocab_size = VOCAB
+    pending = sorted(workload, key=lambda s: s.arrival_step)
+    for step in range(MAX_STEPS):
+        h.clock.now = float(step)
+        while pending and pending[0].arrival_step <= step:
+            add(h, pending.pop(0))
+        for spec in workload:
+            if spec.abort_step == step:
+                h.scheduler.abort(spec.request_id)
+        if not pending and not h.scheduler.has_unfinished_requests():
+            break
+        h.step()
+        if check:
+            check_invariants(h)
+    else:
+        raise AssertionError(f"not finished after {MAX_STEPS} steps")
+    return h
+
+
+def add(h: Harness, spec: Spec) -> None:
+    params = SamplingParams(max_tokens=spec.max_tokens, n=spec.n, min_tokens=spec.min_tokens,
+                            ignore_eos=spec.ignore_eos)
+    request = Request(spec.request_id, list(spec.prompt), params, arrival_time=h.clock(),
+                      priority=spec.priority, eos_token_id=0)
+    h.requests[spec.request_id] = request
+    h.scheduler.add_request(request)
+
+
+def check_invariants(h: Harness) -> None:
+    s, kv, cfg = h.scheduler, h.kv, h.config.scheduler
+    out = h.last
+    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(out.seq_ids) <= cfg.max_num_seqs and min(out.num_scheduled_tokens, default=1) >= 1
+    assert sum(g.max_num_running_seqs for g in s.running) <= cfg.max_num_seqs
+    assert sum(Scheduler_is_partial(g) for g in s.running) <= cfg.max_num_partial_prefills
+    device, host = Counter(), Counter()
+    for g in s.running:
+        assert g.status is RequestStatus.RUNNING
+        for seq in g.live_seqs:
+            device.update(seq.block_table)
+            assert len(seq.block_table) * kv.block_size >= seq.num_computed_tokens
+    for g in s.swapped:
+        for seq in g.live_seqs:
+            host.update(seq.block_table)
+    for g in s.waiting:
+        assert all(not seq.block_table and seq.num_computed_tokens == 0 for seq in g.live_seqs)
+    pool = kv.pool
+    assert pool.ref_cnt[0] == 1 and 0 not in device
+    for b in range(1, pool.num_blocks):
+        assert pool.ref_cnt[b] == device[b], f"block {b}"
+        assert (b in pool.free_queue) == (device[b] == 0)
+    assert len(pool.free_queue) + len(device) == pool.num_usable_blocks
+    for b in range(kv.host_pool.num_blocks):
+        assert kv.host_pool.ref_cnt[b] == host[b]
+    assert all(pool.block_hash[b] == h_ for h_, b in pool.cached_block.items())
+
+
+def Scheduler_is_partial(group) -> bool:
+    return any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs)
+
+
+def assert_all_released(h: Harness) -> None:
+    assert not h.scheduler.has_unfinished_requests()
+    assert all(r.is_finished for r in h.requests.values())
+    assert h.kv.num_free_blocks == h.kv.num_usable_blocks
+    assert h.kv.host_pool.num_free_blocks == h.kv.host_pool.num_blocks
+    assert not h.scheduler.running and not h.scheduler.swapped and not len(h.scheduler.waiting)
+
+
+REFERENCE = dict(block_size=4, num_gpu_blocks=4096, num_cpu_blocks=0, max_num_batched_tokens=4096,
+                 max_num_seqs=64, enable_prefix_caching=False, max_model_len=256)
+
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(st.data())
+def test_invariants_hold_every_step_and_everything_is_released(data):
+    workload = data.draw(specs(with_aborts=True))
+    h = run_workload(workload, data.draw(configs(workload)))
+    assert_all_released(h)
+    for spec in workload:
+        r = h.requests[spec.request_id]
+        assert r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                            RequestStatus.FINISHED_ABORTED), (r.status, r.status_reason)
+
+
+@SETTINGS
+@given(st.data())
+def test_outputs_do_not_depend_on_scheduling(data):
+    workload = data.draw(specs(with_aborts=False))
+    expected = run_workload(workload, REFERENCE, check=False).outputs()
+    config = data.draw(configs(workload))
+    h = run_workload(workload, config)
+    assert h.outputs() == expected
+    assert_all_released(h)
+    assert all(r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+               for r in h.requests.values())
