@@ -465,11 +465,15 @@ class Scheduler:
                 any_finished |= request.is_finished
                 continue
             token = tokens[0]
-            seq.token_ids.append(token)
-            status = check_stop(request, seq, token)
-            if status is not None:
-                self._finish_seq(request, seq, status)
-                any_finished |= request.is_finished
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            # Cheap pre-filter on the hot path: most tokens can stop nothing.
+            if (token in request.stop_token_set
+                    or len(token_ids) - seq.num_prompt_tokens >= request.max_output_tokens):
+                status = check_stop(request, seq, token)
+                if status is not None:
+                    self._finish_seq(request, seq, status)
+                    any_finished |= request.is_finished
         if any_finished:
             self.running = [g for g in self.running if g.status is RUNNING]
         finished, self._finished = self._finished, []

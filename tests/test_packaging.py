@@ -1,0 +1,48 @@
+"""models/ and kernels/ sit at the top level but must import as jaxengine.models / jaxengine.kernels
+from both a normal (wheel) and an editable install, and nothing named plain `models` may ship."""
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = ("import site, sys; site.addsitedir(sys.argv[1]); import jaxengine.models, jaxengine.kernels; "
+         "import importlib.util as u; print(jaxengine.models.__file__); print(jaxengine.kernels.__file__); "
+         "print(u.find_spec('models'))")
+
+
+def pip(*args: str, cwd: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
+                   cwd=cwd, check=True, env={**os.environ, "PIP_NO_INDEX": "1"})
+
+
+def probe(site_dir: Path, cwd: Path) -> list[str]:
+    # -S: none of this interpreter's site-packages (where the project may already be installed).
+    out = subprocess.run([sys.executable, "-S", "-c", PROBE, str(site_dir)], cwd=cwd, check=True,
+                         capture_output=True, text=True).stdout
+    return out.split()
+
+
+@pytest.mark.slow
+def test_wheel_install_ships_models_and_kernels_inside_jaxengine(tmp_path):
+    pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(ROOT), cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("jaxengine-*.whl")
+    pip("install", "--no-deps", "--ignore-installed", "--target", str(tmp_path / "site"), str(wheel), cwd=tmp_path)
+    models, kernels, plain = probe(tmp_path / "site", tmp_path)
+    assert models == str(tmp_path / "site" / "jaxengine" / "models" / "__init__.py")
+    assert kernels == str(tmp_path / "site" / "jaxengine" / "kernels" / "__init__.py")
+    assert plain == "None" and not (tmp_path / "site" / "models").exists()
+
+
+@pytest.mark.slow
+def test_editable_install_maps_models_and_kernels_to_the_top_level_folders(tmp_path):
+    pip("install", "--no-deps", "--no-build-isolation", "--ignore-installed", "--prefix", str(tmp_path / "prefix"), "-e", str(ROOT),
+        cwd=tmp_path)
+    site_dir = Path(sysconfig.get_path("purelib", vars={"base": str(tmp_path / "prefix")}))
+    models, kernels, plain = probe(site_dir, tmp_path)
+    assert models == str(ROOT / "models" / "__init__.py")
+    assert kernels == str(ROOT / "kernels" / "__init__.py")
+    assert plain == "None"
