@@ -111,6 +111,8 @@ class Request:
                  cache_salt: str | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: must not be empty")
+        if not all(isinstance(t, int) and t >= 0 for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids: must be non-negative integers")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -75,9 +75,22 @@ def test_min_tokens_above_max_tokens_is_refused_and_stop_string_is_listed():
     assert SamplingParams(stop="###").stop == ["###"]
 
 
-def test_empty_prompt_is_refused():
+def test_empty_or_non_integer_prompt_is_refused():
     with pytest.raises(ValueError, match="prompt_token_ids: must not be empty"):
         Request("r", [], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_token_ids: must be non-negative integers"):
+        Request("r", [1, -2], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_token_ids: must be non-negative integers"):
+        Request("r", [1, "a"], SamplingParams())
+
+
+def test_finish_request_from_outside_needs_a_finished_status():
+    h = Harness()
+    h.add("r", 4)
+    with pytest.raises(ValueError, match="status: RUNNING is not a finished status"):
+        h.scheduler.finish_request("r", RequestStatus.RUNNING)
+    assert h.scheduler.finish_request("r", RequestStatus.FINISHED_STOPPED, "stop string")
+    assert h.requests["r"].status_reason == "stop string" and h.kv.num_free_blocks == h.kv.num_usable_blocks
 
 
 @pytest.mark.parametrize("make, message", [

@@ -78,6 +78,8 @@ class Scheduler:
 
     def finish_request(self, request_id: str, status: RequestStatus, reason: str | None = None) -> bool:
         """Finish from outside (e.g. a stop string found by the detokenizer)."""
+        if not status.is_finished:
+            raise ValueError(f"status: {status.name} is not a finished status")
         request = self.requests.get(request_id)
         if request is None:
             return False

@@ -159,7 +159,7 @@ def assert_all_released(h: Harness) -> None:
 REFERENCE = dict(block_size=4, num_gpu_blocks=4096, num_cpu_blocks=0, max_num_batched_tokens=4096,
                  max_num_seqs=64, enable_prefix_caching=False, max_model_len=256)
 
-SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
