@@ -319,10 +319,14 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
-        """fcfs: the last admitted; priority: the lowest priority (largest value), latest arrival."""
+        """fcfs: the last admitted; priority: the lowest priority (largest value), then the latest
+        arrival, then the last admitted. A strict total order: the best running group is never a
+        victim, so it always progresses (equal groups cannot keep preempting each other)."""
+        running = self.running
         if self.config.policy == "priority":
-            return max(self.running, key=lambda g: (g.priority, g.arrival_time))
-        return self.running[-1]
+            i = max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time, i))
+            return running[i]
+        return running[-1]
 
     def _preempt_for_priority(self) -> None:
         """Preempt strictly lower-priority running groups while the best waiting one cannot fit."""

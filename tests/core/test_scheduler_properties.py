@@ -185,3 +185,19 @@ def test_outputs_do_not_depend_on_scheduling(data):
     assert_all_released(h)
     assert all(r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
                for r in h.requests.values())
+
+
+def test_equal_priority_prefills_do_not_preempt_each_other_forever():
+    """Found by the search above: two equal-priority requests, both mid-prefill on a pool that
+    holds one of them, used to pick themselves as victims in turn and never finish."""
+    prefix = tuple(range(1, 12))
+    workload = [Spec("a", prefix + (1, 1, 1), 8, 1, 1, 6, 0, False, None),
+                Spec("b", prefix + (12,) + (1,) * 7, 7, 1, 1, 6, 2, False, None),
+                Spec("c", (1, 2, 3), 2, 1, 0, 0, 0, False, None)]
+    config = dict(block_size=1, num_gpu_blocks=29, num_cpu_blocks=8, watermark=0.0, enable_prefix_caching=False,
+                  max_num_batched_tokens=12, max_num_seqs=4, max_model_len=256, enable_chunked_prefill=True,
+                  long_prefill_token_threshold=8, max_num_partial_prefills=3, policy="priority",
+                  preemption_mode="swap")
+    h = run_workload(workload, config)
+    assert h.outputs() == run_workload(workload, REFERENCE, check=False).outputs()
+    assert sum(r.num_preemptions for r in h.requests.values()) <= 4
