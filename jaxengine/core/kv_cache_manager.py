@@ -28,9 +28,6 @@ class ComputedBlocks:
     blocks: list[int] = field(default_factory=list)
     num_evictable: int = 0     # hit blocks with no holder: they sit in the free queue
 
-    def num_tokens(self, block_size: int) -> int:
-        return len(self.blocks) * block_size
-
 
 NO_HIT = ComputedBlocks()
 
