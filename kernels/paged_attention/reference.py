@@ -1,0 +1,63 @@
+"""Plain-jnp paged attention: the reference every kernel is tested against, and the CPU path.
+
+Each token attends causally over its row's context, read page by page through the row's
+block table with an online softmax in f32 (memory stays O(T x block_size) per page).
+Shapes: T tokens, N query heads, K KV heads, H head size, P pages, S page (block) size.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V rows [T, K, H] into caches [P, S, K, H] at their slots."""
+    num_pages, page_size = k_cache.shape[:2]
+    flat = (num_pages * page_size, *k_cache.shape[2:])
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype)).reshape(k_cache.shape)
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype)).reshape(v_cache.shape)
+    return k_cache, v_cache
+
+
+def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
+                    scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+    """q [T, N, H], caches [P, S, K, H] -> [T, N, H] in q's dtype."""
+    num_tokens, num_heads, head_size = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    rows = jnp.minimum(md.token_rows, md.block_tables.shape[0] - 1)
+    valid = md.token_rows < md.block_tables.shape[0]
+    tables = md.block_tables[rows]                                   # [T, M]
+    pos = md.positions
+    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_size)
+
+    def page_step(carry, page):
+        m, l, acc = carry
+        blocks = tables[:, page]                                     # [T]
+        k = k_cache[blocks].astype(jnp.float32)                      # [T, S, K, H]
+        v = v_cache[blocks].astype(jnp.float32)
+        s = jnp.einsum("tkgh,tskh->tkgs", qg, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = page * page_size + jnp.arange(page_size)           # [S]
+        mask = (key_pos[None, :] <= pos[:, None]) & valid[:, None]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > pos[:, None] - sliding_window
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        correction = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        l = l * correction + p.sum(-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgs,tskh->tkgh", p, v)
+        return (m_new, l, acc), None
+
+    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_size), jnp.float32))
+    (_, l, acc), _ = jax.lax.scan(page_step, init, jnp.arange(tables.shape[1]))
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(num_tokens, num_heads, head_size).astype(q.dtype)

@@ -1,0 +1,22 @@
+"""The model split once into (graphdef, state) and one pure jitted step with the KV cache donated."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from jaxengine.kernels.paged_attention import AttentionMetadata
+
+
+def make_forward(model: nnx.Module) -> tuple[nnx.State, Callable]:
+    """Returns (state, forward); ``forward(state, kv_caches, input_ids, md, logits_indices)`` ->
+    (kv_caches, logits [R, V] f32). The caches passed in are donated: use the returned ones."""
+    graphdef, state = nnx.split(model)
+
+    def forward(state, kv_caches, input_ids: jax.Array, md: AttentionMetadata, logits_indices: jax.Array):
+        m = nnx.merge(graphdef, state)
+        hidden, kv_caches = m(input_ids, kv_caches, md)
+        return kv_caches, m.compute_logits(hidden[logits_indices])
+
+    return state, jax.jit(forward, donate_argnums=(1,))

@@ -1,0 +1,43 @@
+"""Tiny random Hugging Face checkpoints, built once per session with transformers."""
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3)
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-gqa4-tied": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama3-rope": ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                                                   "rope_theta": 500000.0})),
+    "mistral-window": ("mistral", dict(sliding_window=7)),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", dict(head_dim=32)),
+}
+
+
+def make_checkpoint(folder, model_type: str, **overrides):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():       # norms and biases away from 1 and 0, so a mix-up shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    """(variant name, folder, the transformers model as the oracle)."""
+    model_type, overrides = VARIANTS[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, folder, make_checkpoint(folder, model_type, **overrides)
