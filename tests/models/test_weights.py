@@ -1,0 +1,161 @@
+"""Checkpoint loading: sharded safetensors, clear errors, GGUF (written here with the gguf package)."""
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from jaxengine.models.registry import get_model_class
+from jaxengine.models.weights import (build_model, load_model, read_gguf, read_gguf_cached, read_safetensors_folder,
+                                      unpermute_rope_rows)
+
+from tests.models.conftest import make_checkpoint
+from tests.models.test_llama_vs_transformers import PROMPTS, oracle_logits, run_chunks
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    return folder, make_checkpoint(folder, "llama")
+
+
+def test_sharded_safetensors_with_an_index_load(tmp_path, llama):
+    _, hf_model = llama
+    hf_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    model, cfg = load_model(tmp_path)
+    np.testing.assert_allclose(run_chunks(model, cfg, PROMPTS[2], [len(PROMPTS[2])]),
+                               oracle_logits(hf_model, PROMPTS[2]), atol=1e-4, rtol=0)
+
+
+def test_missing_unexpected_and_misshapen_tensors_are_named(llama):
+    folder, _ = llama
+    cfg, tensors = read_safetensors_folder(folder)
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing tensors \['layers\.1\.mlp\.up_proj'\]; unexpected tensors \[\]"):
+        build_model(cfg, missing)
+    extra = {**tensors, "model.layers.0.self_attn.rotary.weight": np.zeros(3)}
+    with pytest.raises(ValueError, match=r"unexpected tensors \['model\.layers\.0\.self_attn\.rotary\.weight'\]"):
+        build_model(cfg, extra)
+    bad = {**tensors, "model.norm.weight": np.zeros(65, np.float32)}
+    with pytest.raises(ValueError, match=r"tensor norm\.weight: shape \(65,\) in the checkpoint, \(64,\) expected"):
+        build_model(cfg, bad)
+
+
+def test_unknown_architecture_and_missing_config_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
+                                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+
+
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in HF_TO_GGUF:
+        return HF_TO_GGUF[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{HF_TO_GGUF[rest]}"
+
+
+def permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, hf_model, qtype_of=lambda name, w: Q.F32):
+    """What llama.cpp's converter writes for a Llama checkpoint: metadata, permuted Q/K rows."""
+    c = hf_model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_vocab_size(c.vocab_size)
+    expected = {}
+    for name, tensor in hf_model.state_dict().items():
+        arr = tensor.numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            arr = permute_like_llama_cpp(arr, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = permute_like_llama_cpp(arr, c.num_key_value_heads)
+        qtype = qtype_of(name, arr)
+        data = arr if qtype == Q.F32 else quants.quantize(arr, qtype)
+        w.add_tensor(gguf_name(name), data, raw_dtype=None if qtype == Q.F32 else qtype)
+        roundtrip = arr if qtype == Q.F32 else quants.dequantize(data, qtype).reshape(arr.shape)
+        if name.endswith("q_proj.weight"):
+            roundtrip = unpermute_rope_rows(roundtrip, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            roundtrip = unpermute_rope_rows(roundtrip, c.num_key_value_heads)
+        expected[name] = roundtrip
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def test_f32_gguf_with_permuted_qk_rows_gives_the_same_logits_as_transformers(tmp_path, llama):
+    _, hf_model = llama
+    write_gguf(tmp_path / "tiny.gguf", hf_model)
+    cfg, tensors = read_gguf(tmp_path / "tiny.gguf")
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 2, 16, 256)
+    for name, ref in hf_model.state_dict().items():
+        np.testing.assert_array_equal(tensors[name], ref.numpy(), err_msg=name)
+    model = build_model(cfg, tensors)
+    np.testing.assert_allclose(run_chunks(model, cfg, PROMPTS[3], [len(PROMPTS[3])]),
+                               oracle_logits(hf_model, PROMPTS[3]), atol=1e-4, rtol=0)
+
+
+QTYPES = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q8_0, "o_proj": Q.F16, "gate_proj": Q.Q8_0}
+
+
+def test_quantized_gguf_tensors_dequantise_in_place(tmp_path, llama):
+    _, hf_model = llama
+
+    def qtype_of(name, arr):
+        return next((q for key, q in QTYPES.items() if key in name), Q.F32)
+
+    expected = write_gguf(tmp_path / "q.gguf", hf_model, qtype_of)
+    _, tensors = read_gguf(tmp_path / "q.gguf")
+    for name, ref in expected.items():
+        np.testing.assert_array_equal(tensors[name], ref, err_msg=name)
+    scale = float(np.abs(hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()).max())
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert np.abs(q - hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()).max() < 0.2 * scale
+
+
+def test_converted_weights_cache_skips_dequantisation_on_the_second_load(tmp_path, llama, monkeypatch):
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))
+    _, hf_model = llama
+    write_gguf(tmp_path / "tiny.gguf", hf_model, lambda n, a: Q.Q8_0 if "mlp" in n else Q.F32)
+    cfg1, t1, hit1 = read_gguf_cached(tmp_path / "tiny.gguf")
+    monkeypatch.setattr("jaxengine.models.weights.read_gguf", lambda path: pytest.fail("dequantised again"))
+    cfg2, t2, hit2 = read_gguf_cached(tmp_path / "tiny.gguf")
+    assert (hit1, hit2) == (False, True) and cfg1 == cfg2 and t1.keys() == t2.keys()
+    assert all(np.array_equal(t1[k], t2[k]) for k in t1)
+
+
+def test_bf16_params(llama):
+    folder, hf_model = llama
+    model, cfg = load_model(folder, dtype=jnp.bfloat16)
+    assert model.embed_tokens[...].dtype == jnp.bfloat16
+    ours = run_chunks(model, cfg, PROMPTS[2], [len(PROMPTS[2])])
+    ref = oracle_logits(hf_model, PROMPTS[2])
+    assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
