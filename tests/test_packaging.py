@@ -35,6 +35,8 @@ def test_wheel_install_ships_models_and_kernels_inside_jaxengine(tmp_path):
     assert models == str(tmp_path / "site" / "jaxengine" / "models" / "__init__.py")
     assert kernels == str(tmp_path / "site" / "jaxengine" / "kernels" / "__init__.py")
     assert plain == "None" and not (tmp_path / "site" / "models").exists()
+    for module in ("kernels/paged_attention/reference.py", "models/llama.py", "models/weights.py"):
+        assert (tmp_path / "site" / "jaxengine" / module).exists(), module
 
 
 @pytest.mark.slow
