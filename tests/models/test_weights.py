@@ -159,3 +159,18 @@ def test_bf16_params(llama):
     ref = oracle_logits(hf_model, PROMPTS[2])
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_the_jitted_step_donates_the_kv_cache(llama):
+    from jaxengine.kernels.paged_attention import AttentionMetadata
+    from jaxengine.models.forward import make_forward
+    from jaxengine.models.llama import init_kv_caches
+
+    model, cfg = load_model(llama[0])
+    state, forward = make_forward(model)
+    caches = init_kv_caches(cfg, 8, 4)
+    md = AttentionMetadata.build([(0, 3, [1])], 4, num_tokens=4, max_blocks=2)
+    new_caches, _ = forward(state, caches, jnp.asarray([1, 2, 3, 0]), md, jnp.asarray([2]))
+    assert all(k.is_deleted() and v.is_deleted() for k, v in caches)      # reused in place, not copied
+    k0 = np.asarray(new_caches[0][0])
+    assert k0[1, :3].any() and not k0[1, 3:].any() and not k0[2:].any()   # 3 rows in block 1, nothing else
