@@ -5,5 +5,13 @@ from jaxengine.request import Request, RequestStatus, SequenceGroup
 from jaxengine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
+__all__ = ["LLM", "CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
            "SchedulerConfig", "SequenceGroup"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":           # lazily: importing jaxengine must not import JAX
+        from jaxengine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jaxengine' has no attribute {name!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import random
 import time
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "block_hashes", "num_cached_blocks", "status", "stop_reason",
-                 "sample_index", "is_new")
+                 "sample_index", "is_new", "logprobs")
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int) -> None:
         self.seq_id: int = next(_seq_ids)
@@ -66,6 +67,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.sample_index = sample_index      # which of the group's n samples (seed streams)
         self.is_new = True                    # the runner has not seen this sequence's state
+        self.logprobs: list = []              # per output token, when asked for: (logprob, top-k dict)
 
     @property
     def num_tokens(self) -> int:
@@ -126,10 +128,13 @@ class Request:
         self.forked = sampling_params.n == 1
         self.num_cached_tokens = 0            # prompt tokens served by the prefix cache
         self.num_preemptions = 0
+        self.fork_logprobs: list = []         # the siblings' first-sample logprobs, handed over at the fork
         self.times = RequestTimes(queued=self.arrival_time)
         self.stop_token_set = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos or eos_token_id is None else {eos_token_id})
         self.max_output_tokens = sampling_params.max_tokens or 1 << 62  # capped by the scheduler
+        # Fixed here so a preempted and resumed request continues the same random stream.
+        self.seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
 
     # Single-sequence views; an n > 1 group keeps per-sample values on ``seqs``.
     @property

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20   # top-k logprobs the sampler computes for every row
+
 
 @dataclass
 class SamplingParams:
@@ -51,7 +53,8 @@ class SamplingParams:
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"must be <= max_tokens ({self.max_tokens})")
-        check(self.logprobs is None or self.logprobs >= 0, "logprobs", "must be None or >= 0")
+        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+              f"must be None or in [0, {MAX_LOGPROBS}]")
         check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be None or >= 0")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")

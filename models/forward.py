@@ -9,14 +9,19 @@ from flax import nnx
 from jaxengine.kernels.paged_attention import AttentionMetadata
 
 
-def make_forward(model: nnx.Module) -> tuple[nnx.State, Callable]:
-    """Returns (state, forward); ``forward(state, kv_caches, input_ids, md, logits_indices)`` ->
-    (kv_caches, logits [R, V] f32). The caches passed in are donated: use the returned ones."""
+def _logits(logits: jax.Array) -> jax.Array:
+    return logits
+
+
+def make_forward(model: nnx.Module, head: Callable = _logits) -> tuple[nnx.State, Callable]:
+    """Returns (state, forward); ``forward(state, kv_caches, input_ids, md, logits_indices, *extra)``
+    -> (kv_caches, head(logits [R, V] f32, *extra)). ``head`` is where a sampler plugs in. The
+    caches passed in are donated: use the returned ones."""
     graphdef, state = nnx.split(model)
 
-    def forward(state, kv_caches, input_ids: jax.Array, md: AttentionMetadata, logits_indices: jax.Array):
+    def forward(state, kv_caches, input_ids: jax.Array, md: AttentionMetadata, logits_indices: jax.Array, *extra):
         m = nnx.merge(graphdef, state)
         hidden, kv_caches = m(input_ids, kv_caches, md)
-        return kv_caches, m.compute_logits(hidden[logits_indices])
+        return kv_caches, head(m.compute_logits(hidden[logits_indices]), *extra)
 
     return state, jax.jit(forward, donate_argnums=(1,))

@@ -86,6 +86,16 @@ class Scheduler:
         self._finish_request(request, status, reason)
         return True
 
+    def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish one running sequence from outside (a stop string the detokenizer found); its
+        group finishes with its last sequence."""
+        if seq.is_finished:
+            return
+        seq.stop_reason = stop_reason
+        self._finish_seq(seq.request, seq, status)
+        if seq.request.is_finished:
+            self.running = [g for g in self.running if g.status is RUNNING]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -441,7 +451,8 @@ class Scheduler:
                 req = seq.request
                 out.new_seqs.append(NewSequenceData(
                     seq.seq_id, req.request_id, list(seq.token_ids), num_computed,
-                    list(seq.block_table), req.sampling_params, seq.sample_index))
+                    list(seq.block_table), req.sampling_params, seq.sample_index, req.seed,
+                    seq.num_prompt_tokens))
         for seq in self._step_changed:
             if seq.status is RUNNING and not seq.is_new:
                 out.block_tables[seq.seq_id] = list(seq.block_table)
@@ -456,6 +467,8 @@ class Scheduler:
         kv, bs, caching = self.kv, self.block_size, self.kv.enable_caching
         now = self.clock()
         any_finished = False
+        if result.logprobs is not None:
+            self._record_logprobs(out, result.logprobs)
         for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids):
             if seq.status is not RUNNING:
                 continue                                   # aborted while the step ran
@@ -485,6 +498,14 @@ class Scheduler:
         finished, self._finished = self._finished, []
         return finished
 
+    @staticmethod
+    def _record_logprobs(out: SchedulerOutput, logprobs: list) -> None:
+        """Before the fork: a fork row's samples go to the leader and then to its new siblings."""
+        for seq, row in zip(out.scheduled_seqs, logprobs):
+            if row is not None and seq.status is RUNNING:
+                seq.logprobs.append(row[0])
+                seq.request.fork_logprobs = row[1:]
+
     def _fork(self, request: Request, leader: Sequence, tokens: list[int]) -> None:
         """The prompt is computed: the group becomes n sequences sharing the leader's blocks."""
         request.forked = True
@@ -493,6 +514,8 @@ class Scheduler:
             self.kv.fork(leader, seq)
             seq.status = RUNNING
             request.seqs.append(seq)
+        for seq, lp in zip(request.seqs[1:], request.fork_logprobs):
+            seq.logprobs = list(leader.logprobs[:-1]) + [lp]
         for seq, token in zip(request.seqs, tokens):
             seq.token_ids.append(token)
             status = check_stop(request, seq, token)

@@ -20,6 +20,8 @@ class NewSequenceData:
     block_table: list[int]         # a copy
     sampling_params: SamplingParams
     sample_index: int              # which of the group's n samples (per-sample seed streams)
+    seed: int                      # the request's sampling seed (fixed at creation)
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -54,3 +56,6 @@ class ModelRunnerOutput:
     # B lists aligned with ``SchedulerOutput.seq_ids``: the row's sampled tokens (empty when the
     # row did not sample, n tokens at a fork).
     sampled_token_ids: list[list[int]]
+    # None, or B entries: None for rows that asked for no logprobs, else per sample
+    # (logprob of the sampled token, {token id: logprob} of the top-k).
+    logprobs: list | None = None

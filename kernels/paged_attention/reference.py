@@ -34,7 +34,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: At
     pos = md.positions
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_size)
 
-    def page_step(carry, page):
+    def page_step(page, carry):
         m, l, acc = carry
         blocks = tables[:, page]                                     # [T]
         k = k_cache[blocks].astype(jnp.float32)                      # [T, S, K, H]
@@ -53,11 +53,13 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: At
         correction = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
         l = l * correction + p.sum(-1)
         acc = acc * correction[..., None] + jnp.einsum("tkgs,tskh->tkgh", p, v)
-        return (m_new, l, acc), None
+        return m_new, l, acc
 
     init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group, head_size), jnp.float32))
-    (_, l, acc), _ = jax.lax.scan(page_step, init, jnp.arange(tables.shape[1]))
+    # Only the pages some row uses: the trip count follows the longest context, not the table width.
+    num_pages = jnp.minimum((jnp.max(md.seq_lens) + page_size - 1) // page_size, tables.shape[1])
+    _, l, acc = jax.lax.fori_loop(0, num_pages, page_step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_size).astype(q.dtype)

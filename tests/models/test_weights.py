@@ -11,7 +11,7 @@ from jaxengine.models.registry import get_model_class
 from jaxengine.models.weights import (build_model, load_model, read_gguf, read_gguf_cached, read_safetensors_folder,
                                       unpermute_rope_rows)
 
-from tests.models.conftest import make_checkpoint
+from tests.conftest import make_checkpoint
 from tests.models.test_llama_vs_transformers import PROMPTS, oracle_logits, run_chunks
 
 

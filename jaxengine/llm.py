@@ -1,0 +1,177 @@
+"""The offline API: ``LLM(model).generate(prompts, sampling_params)`` and ``LLM.chat(messages)``."""
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxengine.engine import Engine
+from jaxengine.outputs import RequestOutput, make_request_output
+from jaxengine.request import Request, RequestStatus, Sequence
+from jaxengine.runner.kv_cache import bytes_per_block, num_blocks_for_budget
+from jaxengine.runner.model_runner import ModelRunner
+from jaxengine.sampling_params import SamplingParams
+from jaxengine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
+GiB = 1 << 30
+
+
+class LLM:
+    """An engine on one model. ``model=None`` uses the embedded default (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64, block_size: int = 16,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
+                 preemption_mode: str = "auto", swap_space: float = 0.5, scheduler_delay_factor: float = 0.0,
+                 watermark: float = 0.01, scheduling_policy: str = "fcfs", num_kv_blocks: int | None = None,
+                 kv_cache_memory_bytes: int = GiB, gpu_memory_utilization: float = 0.9,
+                 skip_tokenizer_init: bool = False, warm_up: bool = True, progress: bool = True) -> None:
+        from jaxengine.default_model import default_model_path
+        from jaxengine.models.weights import load_model
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
+        path = default_model_path(progress) if model is None else Path(model)
+        self.model_path = path
+        self.model, self.model_config = load_model(path, DTYPES[dtype])
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
+        mc = self.model_config
+        max_model_len = max_model_len or min(mc.max_position_embeddings, 2048)
+        per_block = bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, DTYPES[dtype])
+        num_gpu_blocks = num_kv_blocks or num_blocks_for_budget(
+            _kv_budget(kv_cache_memory_bytes, gpu_memory_utilization), per_block)
+        self.config = EngineConfig(
+            cache=CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                              num_cpu_blocks=int(swap_space * GiB) // per_block, watermark=watermark,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      max_num_partial_prefills=max_num_partial_prefills, policy=scheduling_policy,
+                                      preemption_mode=preemption_mode, delay_factor=scheduler_delay_factor))
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_gpu_blocks, block_size,
+                    num_gpu_blocks * per_block / (1 << 20))
+        self.runner = ModelRunner(self.model, mc, self.config, dtype=DTYPES[dtype], warm_up=warm_up, progress=progress)
+        self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id())
+        self._ids = itertools.count()
+
+    def _eos_token_id(self) -> int | None:
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        eos = eos if eos is not None else self.model_config.eos_token_id
+        return eos[0] if isinstance(eos, list) else eos
+
+    # ---- public API ----
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Prompts (strings or token-id lists) -> outputs in input order."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        params = self._params_for(prompts, sampling_params)
+        token_ids = [self._encode(p) for p in prompts]
+        for ids, p in zip(token_ids, params):
+            self._validate(ids, p)
+        requests = [self.engine.add_request(f"offline-{next(self._ids)}", ids, p,
+                                            priority=priority[i] if priority else 0)
+                    for i, (ids, p) in enumerate(zip(token_ids, params))]
+        texts = self._run(requests, use_tqdm)
+        return [make_request_output(r, p if isinstance(p, str) else None, t)
+                for r, p, t in zip(requests, prompts, texts)]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([apply_chat_template(self.tokenizer, c) for c in conversations], sampling_params,
+                             use_tqdm=use_tqdm)
+
+    # ---- internals ----
+    def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
+        return list(sampling_params)
+
+    def _encode(self, prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("prompt: text needs a tokenizer (skip_tokenizer_init=True): pass token ids")
+        return self.tokenizer.encode(prompt)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary of {vocab} tokens")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
+        limit = self.config.scheduler.max_model_len
+        if len(ids) + (params.max_tokens or 1) > limit + 1:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"maximum context length of {limit} tokens")
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[list[str]]:
+        detoks: dict[int, IncrementalDetokenizer] = {}
+        watched = [r for r in requests if r.sampling_params.stop]
+        with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                bar.update(len(self.engine.step()))
+                for r in watched:
+                    self._check_stop_strings(r, detoks)
+            bar.update(len(requests) - bar.n)     # finished by a stop string in the last step
+        return [[self._final_text(r, s, detoks) for s in r.seqs] for r in requests]
+
+    def _detok(self, request: Request, seq: Sequence, detoks: dict) -> IncrementalDetokenizer:
+        if seq.seq_id not in detoks:
+            p = request.sampling_params
+            detoks[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+        return detoks[seq.seq_id]
+
+    def _check_stop_strings(self, request: Request, detoks: dict) -> None:
+        for seq in request.seqs:
+            if seq.is_finished or seq.num_output_tokens < request.sampling_params.min_tokens:
+                continue
+            detok = self._detok(request, seq, detoks)
+            delta = detok.step(seq.token_ids[len(detok.ids):])
+            if delta.stop_str is not None:
+                self.engine.scheduler.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, delta.stop_str)
+
+    def _final_text(self, request: Request, seq: Sequence, detoks: dict) -> str:
+        p = request.sampling_params
+        if self.tokenizer is None:
+            return ""
+        if not p.stop:
+            return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        detok = self._detok(request, seq, detoks)
+        if not detok.stopped:
+            detok.step(seq.token_ids[len(detok.ids):])
+        return detok.output_text + detok.finish()
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and isinstance(x[0], int)
+
+
+def _kv_budget(cpu_bytes: int, gpu_memory_utilization: float) -> int:
+    """Bytes for the KV cache: a fixed budget on CPU; on an accelerator, the given fraction of its
+    memory less what the model already holds."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return cpu_bytes
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit", 0)
+    return max(int(limit * gpu_memory_utilization) - stats.get("bytes_in_use", 0), cpu_bytes // 8)

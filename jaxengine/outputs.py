@@ -1,0 +1,67 @@
+"""Offline outputs, in vLLM's shape: RequestOutput.outputs[i].text / .token_ids / .finish_reason."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxengine.request import Request
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from arrival."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        return self.finished_time - self.first_token_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None          # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None   # per token: top-k {token id: logprob}
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = field(default=None)
+
+
+def make_request_output(request: Request, prompt: str | None, texts: list[str]) -> RequestOutput:
+    outputs = []
+    for seq, text in zip(request.seqs, texts):
+        logprobs = cumulative = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = [top for _, top in seq.logprobs]
+            cumulative = sum(lp for lp, _ in seq.logprobs)
+        outputs.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, seq.status.finish_reason,
+                                        seq.stop_reason, logprobs, cumulative))
+    t = request.times
+    return RequestOutput(request.request_id, prompt, request.prompt_token_ids, outputs, request.is_finished,
+                         RequestMetrics(t.queued, t.first_scheduled, t.first_token, t.finished),
+                         request.num_cached_tokens, request.status_reason)

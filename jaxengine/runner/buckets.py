@@ -1,0 +1,30 @@
+"""Bucket sizes: fixed shapes by construction, so recompilation stays bounded (pure functions)."""
+from __future__ import annotations
+
+import bisect
+
+
+def power_of_two_buckets(minimum: int, maximum: int) -> list[int]:
+    """minimum, 2*minimum, ... up to and including ``maximum`` (which need not be a power of two)."""
+    buckets, b = [], max(1, minimum)
+    while b < maximum:
+        buckets.append(b)
+        b *= 2
+    buckets.append(maximum)
+    return buckets
+
+
+def token_buckets(max_num_batched_tokens: int, minimum: int = 16) -> list[int]:
+    return power_of_two_buckets(min(minimum, max_num_batched_tokens), max_num_batched_tokens)
+
+
+def request_buckets(max_num_seqs: int, minimum: int = 1) -> list[int]:
+    return power_of_two_buckets(minimum, max_num_seqs)
+
+
+def pick_bucket(n: int, buckets: list[int]) -> int:
+    """The smallest bucket >= n."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]

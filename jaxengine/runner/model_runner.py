@@ -1,0 +1,133 @@
+"""The model runner: SchedulerOutput -> padded bucketed arrays -> one jitted step -> sampled tokens."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from functools import partial
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxengine.config import EngineConfig
+from jaxengine.core.kv_cache_manager import cdiv
+from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxengine.kernels.paged_attention import AttentionMetadata
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.forward import make_forward
+from jaxengine.models.llama import init_kv_caches
+from jaxengine.runner.buckets import request_buckets, token_buckets
+from jaxengine.runner.input_batch import InputBatch, StepInputs
+from jaxengine.runner.kv_cache import BlockMover
+from jaxengine.sample.metadata import SamplingMetadata
+from jaxengine.sample.sampler import SamplerOutput, sample
+from jaxengine.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
+
+
+class CompilationError(RuntimeError):
+    """A compilation after start-up while compilations are forbidden."""
+
+
+class ModelRunner:
+    def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, dtype=jnp.float32,
+                 warm_up: bool = True, progress: bool = True) -> None:
+        sc, cc = config.scheduler, config.cache
+        self.block_size = cc.block_size
+        self.token_buckets = token_buckets(sc.max_num_batched_tokens)
+        self.request_buckets = request_buckets(sc.max_num_seqs, minimum=min(8, sc.max_num_seqs))
+        self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
+                                cc.block_size, self.token_buckets, self.request_buckets)
+        self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype)
+        kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype)
+        self.state, self.step_fn = make_forward(model, head=partial(sample, num_top_logprobs=MAX_LOGPROBS))
+        self.num_compiles = 0            # compilations after start-up
+        self.forbid = False
+        self._known_compiles = 0
+        if warm_up:
+            self.compile_all(progress)
+
+    # ---- compilation ----
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        """Every (token bucket, row bucket) a step can use: rows never outnumber tokens."""
+        return [(t, b) for t in self.token_buckets for b in self.request_buckets if b <= t]
+
+    def compile_all(self, progress: bool = True) -> None:
+        start = time.perf_counter()
+        pairs = self.bucket_pairs()
+        for t, b in tqdm(pairs, desc="compiling buckets", disable=not progress):
+            self._run(self.batch._padded(t, b))
+        # Block moves of up to 4 sequences' worth of blocks are compiled now; larger ones (rare)
+        # compile on first use and are counted.
+        self.kv_caches = self.mover.warm_up(self.kv_caches, 4 * self.batch.max_blocks_per_seq)
+        self._known_compiles = self._compile_count()
+        logger.info("compiled %d step buckets in %.1f s", len(pairs), time.perf_counter() - start)
+        if progress:
+            print(f"jaxengine: compiled {len(pairs)} step buckets in {time.perf_counter() - start:.1f} s")
+
+    def _compile_count(self) -> int:
+        return self.step_fn._cache_size() + self.mover.cache_sizes()
+
+    @contextlib.contextmanager
+    def forbid_compiles(self):
+        """Within this block any compilation raises CompilationError (tests use it)."""
+        previous, self.forbid = self.forbid, True
+        try:
+            yield
+        finally:
+            self.forbid = previous
+
+    def _check_compiles(self, what: str) -> None:
+        count = self._compile_count()
+        if count > self._known_compiles:
+            self.num_compiles += count - self._known_compiles
+            self._known_compiles = count
+            logger.warning("jaxengine: compilation after start-up (%s); %d so far", what, self.num_compiles)
+            if self.forbid:
+                raise CompilationError(f"compilation after start-up: {what}")
+
+    # ---- one step ----
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.batch.update(out)
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            self.kv_caches = self.mover.apply(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in,
+                                              out.blocks_to_copy)
+            self._check_compiles("block moves")
+        if not out.seq_ids:
+            return ModelRunnerOutput([])
+        inputs, slots, sample_row = self.batch.prepare(out)
+        result = self._run(inputs)
+        self._check_compiles(f"step bucket {inputs.bucket}")
+        tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
+        samples = np.asarray(out.num_samples, np.int32)
+        first = np.cumsum(samples) - samples
+        self.batch.record(slots, np.asarray(out.num_scheduled_tokens, np.int32), samples,
+                          tokens[first[samples > 0]])
+        tolist = tokens.tolist()
+        sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
+        return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples))
+
+    def _run(self, inputs: StepInputs) -> SamplerOutput:
+        md = AttentionMetadata(inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens,
+                               inputs.block_tables)
+        smd = SamplingMetadata(inputs.temperature, inputs.top_p, inputs.top_k, inputs.min_p, inputs.seed,
+                               inputs.sample_index, inputs.step)
+        self.kv_caches, result = self.step_fn(self.state, self.kv_caches, inputs.input_ids, md,
+                                              inputs.logits_indices, smd)
+        return result
+
+    def _logprobs(self, slots: np.ndarray, result: SamplerOutput, first, samples) -> list | None:
+        """Per row, for requests that asked for logprobs: per sample (logprob, {token: logprob} top-k)."""
+        ks = self.batch.num_logprobs[slots]
+        if not (ks >= 0).any():
+            return None
+        lp, ids, top = (np.asarray(a) for a in (result.logprobs, result.top_token_ids, result.top_logprobs))
+        rows: list = [None] * len(slots)
+        for i in np.flatnonzero(ks >= 0):
+            k = int(ks[i])
+            rows[i] = [(float(lp[r]), dict(zip(ids[r, :k].tolist(), top[r, :k].tolist())))
+                       for r in range(first[i], first[i] + samples[i])]
+        return rows

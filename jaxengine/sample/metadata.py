@@ -1,0 +1,18 @@
+"""Per-sample-row sampling parameters as device arrays (R = sample rows, padded)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array   # [R] f32; 0 = greedy
+    top_p: jax.Array         # [R] f32; 1 = off
+    top_k: jax.Array         # [R] i32; 0 = off
+    min_p: jax.Array         # [R] f32; 0 = off
+    seed: jax.Array          # [R] u32: the request's seed (drawn at random when not given)
+    sample_index: jax.Array  # [R] i32: which of the group's n samples
+    step: jax.Array          # [R] i32: the output position being sampled (stream position)

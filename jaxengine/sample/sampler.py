@@ -1,0 +1,61 @@
+"""Greedy, temperature, top-k, top-p and min-p sampling with per-request reproducible streams.
+
+Each sampled token draws from key(seed) -> fold_in(sample index) -> fold_in(output position),
+so a request's tokens do not depend on which other requests share its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.sample.metadata import SamplingMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array        # [R] i32
+    logprobs: jax.Array         # [R] f32: log-probability of the sampled token (model distribution)
+    top_token_ids: jax.Array    # [R, k] i32: the k most likely tokens
+    top_logprobs: jax.Array     # [R, k] f32
+
+
+def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> SamplerOutput:
+    """logits [R, V] f32 -> one token per row."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temp = jnp.where(md.temperature > 0, md.temperature, 1.0)
+    x = logits / temp[:, None]
+    needs_sort = jnp.any((md.top_k > 0) | (md.top_p < 1.0))
+    x = jax.lax.cond(needs_sort, lambda x: _top_k_top_p(x, md.top_k, md.top_p), lambda x: x, x)
+    x = _min_p(x, md.min_p)
+    keys = jax.vmap(_row_key)(md.seed, md.sample_index, md.step)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x).astype(jnp.int32)
+    tokens = jnp.where(md.temperature > 0, drawn, greedy)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+    picked = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SamplerOutput(tokens, picked, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def _row_key(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_index), step)
+
+
+def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    vocab = x.shape[-1]
+    sorted_desc = -jnp.sort(-x, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    sorted_desc = jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs          # mass of the strictly more likely tokens
+    keep = jnp.sum(before < top_p[:, None], axis=-1)     # at least one: before[0] == 0
+    threshold = jnp.take_along_axis(sorted_desc, (keep - 1)[:, None], axis=-1)
+    return jnp.where(x < jnp.maximum(kth, threshold), -jnp.inf, x)
+
+
+def _min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
+    probs = jax.nn.softmax(x, axis=-1)
+    return jnp.where(probs < min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, x)
