@@ -131,6 +131,7 @@ class LLM:
                 for r in watched:
                     self._check_stop_strings(r, detoks)
             bar.update(len(requests) - bar.n)     # finished by a stop string in the last step
+        self.engine.step()    # an empty step: the runner forgets the last finished sequences
         return [[self._final_text(r, s, detoks) for s in r.seqs] for r in requests]
 
     def _detok(self, request: Request, seq: Sequence, detoks: dict) -> IncrementalDetokenizer:

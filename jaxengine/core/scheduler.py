@@ -502,7 +502,7 @@ class Scheduler:
     def _record_logprobs(out: SchedulerOutput, logprobs: list) -> None:
         """Before the fork: a fork row's samples go to the leader and then to its new siblings."""
         for seq, row in zip(out.scheduled_seqs, logprobs):
-            if row is not None and seq.status is RUNNING:
+            if row and seq.status is RUNNING:          # None: not asked; []: nothing sampled
                 seq.logprobs.append(row[0])
                 seq.request.fork_logprobs = row[1:]
 

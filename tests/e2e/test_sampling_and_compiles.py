@@ -1,0 +1,97 @@
+"""Seeded sampling, the compile guard over a randomised workload, and clean shutdown of state."""
+import random
+
+import numpy as np
+import pytest
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.runner.model_runner import CompilationError
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from tests.conftest import make_checkpoint
+
+    folder = tmp_path_factory.mktemp("llama-sampling")
+    make_checkpoint(folder, "llama")
+    return LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
+               max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False)
+
+
+PROMPT = [5, 17, 99, 3, 42]
+
+
+def tokens(llm, **params):
+    outs = llm.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, **params), use_tqdm=False)
+    return [c.token_ids for c in outs[0].outputs]
+
+
+def test_seeded_sampling_reproduces_and_seeds_and_samples_differ(llm):
+    a = tokens(llm, temperature=1.0, seed=7)
+    assert tokens(llm, temperature=1.0, seed=7) == a
+    assert tokens(llm, temperature=1.0, seed=8) != a
+    group = tokens(llm, temperature=1.0, seed=7, n=3)
+    assert group[0] == a[0] and len({tuple(t) for t in group}) == 3     # sample 0 is seed 7's stream
+
+
+def test_a_request_stream_does_not_depend_on_its_batch(llm):
+    alone = tokens(llm, temperature=0.9, top_p=0.9, top_k=20, seed=3)
+    others = [[random.Random(i).randrange(256) for _ in range(9)] for i in range(5)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=20, seed=3)]
+    params += [SamplingParams(max_tokens=7, temperature=1.0, seed=i) for i in range(5)]
+    outs = llm.generate(others[:2] + [PROMPT] + others[2:], params[1:3] + params[:1] + params[3:], use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == alone[0]
+
+
+def test_top_k_1_is_greedy_and_logprobs_are_consistent(llm):
+    greedy = tokens(llm, temperature=0)
+    assert tokens(llm, temperature=2.0, top_k=1, seed=1) == greedy
+    outs = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True),
+                        use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert len(c.logprobs) == 5 and all(len(top) == 3 for top in c.logprobs)
+    for token, top in zip(c.token_ids, c.logprobs):
+        assert max(top, key=top.get) == token                         # greedy: the most likely token
+    assert c.cumulative_logprob == pytest.approx(sum(top[t] for t, top in zip(c.token_ids, c.logprobs)))
+
+
+def test_no_compilation_after_start_up_over_a_randomised_workload(llm):
+    rng = random.Random(0)
+    prompts, params = [], []
+    for i in range(240):
+        prompts.append([rng.randrange(256) for _ in range(rng.randint(1, 40))])
+        params.append(SamplingParams(
+            max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 1, 2, 3]), temperature=rng.choice([0, 0.7, 1.3]),
+            top_p=rng.choice([1.0, 0.8]), top_k=rng.choice([0, 5]), min_p=rng.choice([0.0, 0.1]),
+            seed=rng.choice([None, i]), stop_token_ids=rng.choice([[], [rng.randrange(256)]]),
+            logprobs=rng.choice([None, 2])))
+    llm.engine.traces = []
+    with llm.runner.forbid_compiles():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.runner.num_compiles == 0
+    assert sum(t.num_preemptions for t in llm.engine.traces) > 0           # the small pool was exercised
+    for o, p in zip(outs, params):
+        assert len(o.outputs) == p.n and all(1 <= len(c.token_ids) <= p.max_tokens for c in o.outputs)
+        assert all(c.finish_reason in ("stop", "length") for c in o.outputs)
+    sched = llm.engine.scheduler
+    assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
+    assert sched.kv.host_pool.num_free_blocks == sched.kv.host_pool.num_blocks
+    assert not sched.has_unfinished_requests() and not llm.runner.batch.slot_of
+
+
+def test_the_guard_raises_on_a_new_shape(llm):
+    with llm.runner.forbid_compiles(), pytest.raises(CompilationError, match="compilation after start-up"):
+        llm.runner._known_compiles -= 1           # pretend one compilation happened unseen
+        llm.runner._check_compiles("test")
+    assert llm.runner.num_compiles >= 1
+
+
+def test_bad_input_is_refused_before_anything_is_queued(llm):
+    with pytest.raises(ValueError, match=r"prompt_token_ids: \[300\] outside the vocabulary of 256 tokens"):
+        llm.generate([[1, 2], [300]], use_tqdm=False)
+    with pytest.raises(ValueError, match="exceeds the maximum context length of 64 tokens"):
+        llm.generate([[1] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(ValueError, match="text needs a tokenizer"):
+        llm.generate(["hello"], use_tqdm=False)
+    assert not llm.engine.scheduler.has_unfinished_requests()
+    assert np.all(llm.runner.batch.num_logprobs >= -1)
