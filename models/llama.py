@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention
+from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import DecoderLayer, KVCache, RMSNorm, _param, rope_inv_freq
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_fn: Callable = paged_attention, *,
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_fn: Callable = paged_attention_tiled, *,
                  rngs: nnx.Rngs) -> None:
         self.config = cfg
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)

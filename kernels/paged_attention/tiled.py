@@ -1,0 +1,99 @@
+"""Paged attention in plain jnp, organised for speed on the CPU (the engine's CPU path).
+
+The reference reads every context page once per query token. Here decode tokens (rows with one
+query) still go one by one, compacted to at most B of them, while prefill rows are cut into
+query tiles of ``q_tile`` tokens that read each page once per tile. Whichever part a step does
+not need is skipped at run time (``lax.cond``). Tested against ``reference.paged_attention``.
+Shapes: T tokens, B rows, N query heads, K KV heads, G = N / K, H head size, S page size.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
+
+
+def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
+                          scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                          q_tile: int = 16, pages_per_step: int = 8) -> jax.Array:
+    num_tokens, num_heads, head_size = q.shape
+    num_rows = md.block_tables.shape[0]
+    q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, k_cache.shape[2], -1, head_size)
+    out = jnp.zeros((num_tokens + 1, *qg.shape[1:]), jnp.float32)        # row T: a sink for padding
+    attend = dict(k_cache=k_cache, v_cache=v_cache, md=md, sliding_window=sliding_window, soft_cap=soft_cap,
+                  pages_per_step=pages_per_step)
+
+    # Decode tokens: one query per tile, at most B of them.
+    is_decode = jnp.repeat(q_lens == 1, q_lens, total_repeat_length=num_tokens)
+    dec_idx = jnp.nonzero(is_decode, size=num_rows, fill_value=num_tokens)[0]
+    out = jax.lax.cond(jnp.any(is_decode), lambda o: _scatter(o, dec_idx[:, None], _attend(
+        qg, dec_idx[:, None], **attend)), lambda o: o, out)
+
+    # Prefill rows: tiles of q_tile consecutive queries of one row.
+    tiles_per_row = jnp.where(q_lens > 1, (q_lens + q_tile - 1) // q_tile, 0)
+    num_tiles = num_tokens // q_tile + num_rows                          # static bound
+    ends = jnp.cumsum(tiles_per_row)
+    tile = jnp.arange(num_tiles)
+    row = jnp.minimum(jnp.searchsorted(ends, tile, side="right"), num_rows - 1)
+    first = md.query_start_loc[row] + (tile - (ends - tiles_per_row)[row]) * q_tile
+    idx = first[:, None] + jnp.arange(q_tile)[None, :]
+    idx = jnp.where((tile < ends[-1])[:, None] & (idx < md.query_start_loc[row + 1][:, None]), idx, num_tokens)
+    out = jax.lax.cond(ends[-1] > 0, lambda o: _scatter(o, idx, _attend(qg, idx, **attend)), lambda o: o, out)
+    return out[:num_tokens].reshape(num_tokens, num_heads, head_size).astype(q.dtype)
+
+
+def _scatter(out: jax.Array, idx: jax.Array, tiles: jax.Array) -> jax.Array:
+    return out.at[idx.reshape(-1)].set(tiles.reshape(-1, *tiles.shape[2:]))
+
+
+def _attend(qg: jax.Array, idx: jax.Array, *, k_cache, v_cache, md: AttentionMetadata, sliding_window,
+            soft_cap, pages_per_step: int) -> jax.Array:
+    """Online-softmax attention of query tiles idx [n, q] (index T = padding) over their row's
+    pages, ``pages_per_step`` pages per loop iteration. Einsums keep (tile, KV head) as leading
+    batch dimensions: plain batched matmuls."""
+    num_tokens = qg.shape[0]
+    valid = idx < num_tokens
+    safe = jnp.minimum(idx, num_tokens - 1)
+    n, q = idx.shape
+    kh, g, h = qg.shape[1:]
+    qt = qg[safe].transpose(0, 2, 1, 3, 4).reshape(n, kh, q * g, h)     # [n, K, q*G, H]
+    pos = md.positions[safe]                                             # [n, q]
+    pos_m = jnp.repeat(pos, g, axis=1).reshape(n, 1, q * g, 1)           # matches q*G ordering
+    valid_m = jnp.repeat(valid, g, axis=1).reshape(n, 1, q * g, 1)
+    rows = jnp.minimum(jnp.searchsorted(md.query_start_loc[1:], safe[:, 0], side="right"),
+                       md.block_tables.shape[0] - 1)
+    page_size = k_cache.shape[1]
+    width = md.block_tables.shape[1]
+    padded = -(-width // pages_per_step) * pages_per_step
+    tables = jnp.pad(md.block_tables[rows], ((0, 0), (0, padded - width)))   # [n, M'] (null block)
+    span = pages_per_step * page_size
+
+    def step(i, carry):
+        m, l, acc = carry
+        blocks = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, axis=1)
+        k = k_cache[blocks].astype(jnp.float32).reshape(n, span, kh, h).transpose(0, 2, 1, 3)   # [n, K, s, H]
+        v = v_cache[blocks].astype(jnp.float32).reshape(n, span, kh, h).transpose(0, 2, 1, 3)
+        s = jnp.einsum("nkmh,nksh->nkms", qt, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = (i * span + jnp.arange(span)).reshape(1, 1, 1, span)
+        mask = (key_pos <= pos_m) & valid_m
+        if sliding_window is not None:
+            mask &= key_pos > pos_m - sliding_window
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        correction = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        l = l * correction + p.sum(-1)
+        acc = acc * correction[..., None] + jnp.einsum("nkms,nksh->nkmh", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((n, kh, q * g), -jnp.inf, jnp.float32), jnp.zeros((n, kh, q * g), jnp.float32),
+            jnp.zeros((n, kh, q * g, h), jnp.float32))
+    last_pos = jnp.max(jnp.where(valid, pos, 0))
+    _, l, acc = jax.lax.fori_loop(0, last_pos // span + 1, step, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)   # [n, K, q*G, H]
+    return out.reshape(n, kh, q, g, h).transpose(0, 2, 1, 3, 4)                      # [n, q, K, G, H]
