@@ -80,18 +80,33 @@ def build_model(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.f
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype, rngs=nnx.Rngs(0), **model_kwargs))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
-    missing = [_path_name(p) for p, _ in flat if p not in params]
-    unexpected += [_path_name(p) for p in params.keys() - {p for p, _ in flat}]
+    expected = {q for p, _ in flat for q in _per_layer(p, cfg.num_layers)}
+    missing = [_path_name(p) for p in sorted(expected - params.keys(), key=str)]
+    unexpected += [_path_name(p) for p in params.keys() - expected]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match {cfg.architecture}: missing tensors {sorted(missing)}; "
                          f"unexpected tensors {sorted(unexpected)}")
     for path, var in flat:
-        value = params[path]
-        if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"tensor {_path_name(path)}: shape {tuple(value.shape)} in the checkpoint, "
-                             f"{tuple(var.shape)} expected")
-        var.set_value(jnp.asarray(value, dtype))
+        per_layer_shape = tuple(var.shape[1:]) if path[0] == "layers" else tuple(var.shape)
+        for p in _per_layer(path, cfg.num_layers):
+            if tuple(params[p].shape) != per_layer_shape:
+                raise ValueError(f"tensor {_path_name(p)}: shape {tuple(params[p].shape)} in the checkpoint, "
+                                 f"{per_layer_shape} expected")
+        var.set_value(jnp.asarray(_stacked(params, path, cfg.num_layers), dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _per_layer(path: ParamPath, num_layers: int) -> list[ParamPath]:
+    """A stacked layer parameter ('layers', ...) stands for ('layers', i, ...) of every layer."""
+    if path[0] != "layers":
+        return [path]
+    return [("layers", i, *path[1:]) for i in range(num_layers)]
+
+
+def _stacked(params: dict, path: ParamPath, num_layers: int) -> np.ndarray:
+    if path[0] != "layers":
+        return params[path]
+    return np.stack([params[p] for p in _per_layer(path, num_layers)])
 
 
 def _path_name(path: ParamPath) -> str:

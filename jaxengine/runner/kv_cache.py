@@ -16,20 +16,21 @@ def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
     return max(2, budget_bytes // per_block)
 
 
+# The caches are (k, v), each [L, P, S, K, H]: blocks are indexed on axis 1.
 @jax.jit
 def _gather_blocks(kv_caches, idx):
-    return [(k[idx], v[idx]) for k, v in kv_caches]
+    return tuple(c[:, idx] for c in kv_caches)
 
 
 def _scatter(kv_caches, idx, blocks):
-    return [(k.at[idx].set(bk), v.at[idx].set(bv)) for (k, v), (bk, bv) in zip(kv_caches, blocks)]
+    return tuple(c.at[:, idx].set(b) for c, b in zip(kv_caches, blocks))
 
 
 _scatter_blocks = jax.jit(_scatter, donate_argnums=(0,))
 
 
 def _copy(kv_caches, src, dst):
-    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+    return tuple(c.at[:, dst].set(c[:, src]) for c in kv_caches)
 
 
 _copy_blocks = jax.jit(_copy, donate_argnums=(0,))
@@ -54,13 +55,12 @@ class BlockMover:
     def apply(self, kv_caches, swap_out, swap_in, copies):
         if swap_out:
             dev, host, n = self._pad(swap_out)
-            for layer, (k, v) in enumerate(_gather_blocks(kv_caches, dev)):
-                self.host[layer, 0, host[:n]] = np.asarray(k)[:n]
-                self.host[layer, 1, host[:n]] = np.asarray(v)[:n]
+            k, v = _gather_blocks(kv_caches, dev)
+            self.host[:, 0, host[:n]] = np.asarray(k)[:, :n]
+            self.host[:, 1, host[:n]] = np.asarray(v)[:, :n]
         if swap_in:
             host, dev, _ = self._pad(swap_in)    # padding pairs write into the null block: harmless
-            blocks = [(self.host[layer, 0, host], self.host[layer, 1, host]) for layer in range(self.host.shape[0])]
-            kv_caches = _scatter_blocks(kv_caches, dev, blocks)
+            kv_caches = _scatter_blocks(kv_caches, dev, (self.host[:, 0, host], self.host[:, 1, host]))
         if copies:
             src, dst, _ = self._pad(copies)
             kv_caches = _copy_blocks(kv_caches, src, dst)
@@ -73,8 +73,7 @@ class BlockMover:
                 break
             zeros = np.zeros(size, np.int32)
             _gather_blocks(kv_caches, zeros)
-            blocks = [(np.zeros((size, *k.shape[1:]), k.dtype), np.zeros((size, *v.shape[1:]), v.dtype))
-                      for k, v in kv_caches]
+            blocks = tuple(np.zeros((c.shape[0], size, *c.shape[2:]), c.dtype) for c in kv_caches)
             kv_caches = _scatter_blocks(kv_caches, zeros, blocks)
             kv_caches = _copy_blocks(kv_caches, zeros, zeros)
         return kv_caches
