@@ -1,6 +1,7 @@
 """One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -37,14 +38,24 @@ class LlamaForCausalLM(nnx.Module):
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         graphdef, stacked = nnx.split(self.layers)
+        shape = kv_caches[0].shape
+        num_layers, num_blocks, block_size = shape[:3]
+        # The caches ride in the scan carry, flattened to [L*P, S, K, H]: layer l's block b is
+        # l*P + b. Writes and reads then hit the one donated buffer in place (slicing a layer out
+        # as scan input/output would copy the whole cache every step).
+        flat = tuple(c.reshape(num_layers * num_blocks, *shape[2:]) for c in kv_caches)
 
-        def layer_step(x, per_layer):
-            state, k, v = per_layer
-            x, cache = nnx.merge(graphdef, state)(x, (k, v), md, inv_freq)
-            return x, cache
+        def layer_step(carry, per_layer):
+            x, k, v = carry
+            state, layer = per_layer
+            offset = layer * num_blocks
+            md_layer = dataclasses.replace(md, block_tables=md.block_tables + offset,
+                                           slot_mapping=md.slot_mapping + offset * block_size)
+            x, (k, v) = nnx.merge(graphdef, state)(x, (k, v), md_layer, inv_freq)
+            return (x, k, v), None
 
-        x, kv_caches = jax.lax.scan(layer_step, x, (stacked, *kv_caches))
-        return self.norm(x), kv_caches
+        (x, k, v), _ = jax.lax.scan(layer_step, (x, *flat), (stacked, jnp.arange(num_layers)))
+        return self.norm(x), (k.reshape(shape), v.reshape(shape))
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[R, D] -> [R, V] in f32, only for the rows the sampler needs."""
