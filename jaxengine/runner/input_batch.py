@@ -32,6 +32,7 @@ class StepInputs:
     seed: np.ndarray
     sample_index: np.ndarray
     step: np.ndarray
+    want_logprobs: np.ndarray
     # host-side bookkeeping (not sent to the device)
     num_rows: int = 0
     num_sample_rows: int = 0
@@ -127,6 +128,7 @@ class InputBatch:
         within = np.arange(r) - first[sample_row]
         inputs.sample_index[:r] = np.where(samples[sample_row] > 1, within, self.sample_index[s])
         inputs.step[:r] = self.num_tokens[s] - self.num_prompt_tokens[s]
+        inputs.want_logprobs[:r] = self.num_logprobs[s] >= 0
 
     def _padded(self, t_pad: int, b_pad: int) -> StepInputs:
         z = np.zeros
@@ -136,7 +138,7 @@ class InputBatch:
             block_tables=z((b_pad, self.max_blocks_per_seq), np.int32), logits_indices=z(b_pad, np.int32),
             temperature=z(b_pad, np.float32), top_p=np.ones(b_pad, np.float32), top_k=z(b_pad, np.int32),
             min_p=z(b_pad, np.float32), seed=z(b_pad, np.uint32), sample_index=z(b_pad, np.int32),
-            step=z(b_pad, np.int32))
+            step=z(b_pad, np.int32), want_logprobs=z(b_pad, bool))
 
     def record(self, slots: np.ndarray, n: np.ndarray, samples: np.ndarray, first_tokens: np.ndarray) -> None:
         """After a step: advance computed counts and append each sampling row's (first) token."""

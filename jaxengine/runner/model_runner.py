@@ -114,7 +114,7 @@ class ModelRunner:
         md = AttentionMetadata(inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens,
                                inputs.block_tables)
         smd = SamplingMetadata(inputs.temperature, inputs.top_p, inputs.top_k, inputs.min_p, inputs.seed,
-                               inputs.sample_index, inputs.step)
+                               inputs.sample_index, inputs.step, inputs.want_logprobs)
         self.kv_caches, result = self.step_fn(self.state, self.kv_caches, inputs.input_ids, md,
                                               inputs.logits_indices, smd)
         return result

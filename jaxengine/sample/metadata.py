@@ -16,3 +16,4 @@ class SamplingMetadata:
     seed: jax.Array          # [R] u32: the request's seed (drawn at random when not given)
     sample_index: jax.Array  # [R] i32: which of the group's n samples
     step: jax.Array          # [R] i32: the output position being sampled (stream position)
+    want_logprobs: jax.Array  # [R] bool: the request asked for logprobs

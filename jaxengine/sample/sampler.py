@@ -23,20 +23,34 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> SamplerOutput:
-    """logits [R, V] f32 -> one token per row."""
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    """logits [R, V] f32 -> one token per row. Each full-vocabulary pass (random draws, top-k/p
+    sorting, min-p, logprobs) runs only when some row of the step needs it (``lax.cond``)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda: _draw(logits, md, greedy), lambda: greedy)
+    num_rows = logits.shape[0]
+    no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
+                   jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
+    picked, top_ids, top_logprobs = jax.lax.cond(
+        jnp.any(md.want_logprobs), lambda: _logprobs(logits, tokens, num_top_logprobs), lambda: no_logprobs)
+    return SamplerOutput(tokens, picked, top_ids, top_logprobs)
+
+
+def _draw(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -> jax.Array:
     temp = jnp.where(md.temperature > 0, md.temperature, 1.0)
     x = logits / temp[:, None]
     needs_sort = jnp.any((md.top_k > 0) | (md.top_p < 1.0))
     x = jax.lax.cond(needs_sort, lambda x: _top_k_top_p(x, md.top_k, md.top_p), lambda x: x, x)
-    x = _min_p(x, md.min_p)
+    x = jax.lax.cond(jnp.any(md.min_p > 0), lambda x: _min_p(x, md.min_p), lambda x: x, x)
     keys = jax.vmap(_row_key)(md.seed, md.sample_index, md.step)
     drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x).astype(jnp.int32)
-    tokens = jnp.where(md.temperature > 0, drawn, greedy)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
-    picked = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SamplerOutput(tokens, picked, top_ids.astype(jnp.int32), top_logprobs)
+    return jnp.where(md.temperature > 0, drawn, greedy)
+
+
+def _logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+    raw = jax.nn.log_softmax(logits, axis=-1)       # the model's distribution, before any processing
+    top_logprobs, top_ids = jax.lax.top_k(raw, k)
+    picked = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    return picked, top_ids.astype(jnp.int32), top_logprobs
 
 
 def _row_key(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
