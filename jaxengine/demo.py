@@ -1,7 +1,8 @@
-"""Offline demo of the engine loop, until the model runner exists: a synthetic workload through
-the real scheduler and KV cache manager with the KV-simulating fake runner.
+"""Offline demo, until the server lands: the default model (SmolLM2-135M-Instruct) answers a few
+chat prompts through the whole engine; with ``--fake``, a synthetic workload runs through the real
+scheduler and KV cache manager with the KV-simulating fake runner instead.
 
-    python -m jaxengine.demo [--requests 200] [--num-gpu-blocks 512] [--block-size 16] ...
+    python -m jaxengine.demo [--model PATH] [--fake [--requests 200] [--num-gpu-blocks 512] ...]
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from jaxengine.sampling_params import SamplingParams
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=200, help="number of requests")
+    p.add_argument("--model", help="checkpoint folder or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--fake", action="store_true", help="scheduler-only demo with the fake runner")
+    p.add_argument("--requests", type=int, default=200, help="number of requests (--fake)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, default=512, help="device KV pool (small: forces preemption)")
     p.add_argument("--num-cpu-blocks", type=int, default=256, help="host pool for swapped groups")
@@ -31,8 +34,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
+             "Write a haiku about the sea.", "What is 12 times 12?"]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.fake:
+        fake_demo(args)
+    else:
+        model_demo(args)
+
+
+def model_demo(args: argparse.Namespace) -> None:
+    from jaxengine.llm import LLM
+
+    llm = LLM(args.model, max_num_batched_tokens=256, max_num_seqs=16, max_model_len=1024)
+    start = time.perf_counter()
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
+                       SamplingParams(temperature=0, max_tokens=64))
+    seconds = time.perf_counter() - start
+    for q, o in zip(QUESTIONS, outputs):
+        print(f"\n> {q}\n{o.outputs[0].text.strip()}")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"\n{tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s on {len(QUESTIONS)} requests)")
+
+
+def fake_demo(args: argparse.Namespace) -> None:
     cfg = EngineConfig().replace(block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                                  num_cpu_blocks=args.num_cpu_blocks, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens,

@@ -14,6 +14,7 @@ import random
 import time
 
 import torch
+from bench_model import flops_per_token, matmul_gflops
 
 from jaxengine import LLM, SamplingParams
 
@@ -71,9 +72,11 @@ def main() -> None:
     startup = time.perf_counter() - t0
     prompts, outputs = workload(args.requests, llm.model_config.vocab_size)
     engine = run_engine(llm, prompts, outputs)
+    peak = matmul_gflops() * 1e9 / flops_per_token(llm.model_config)      # tokens/s if only matmuls ran
     print(f"jaxengine: {engine['tok_per_s']:.1f} output tok/s ({engine['output_tokens']} tokens in "
-          f"{engine['seconds']:.1f} s, {engine['steps']} steps; start-up {startup:.1f} s)")
-    result = {"engine": engine, "startup_s": startup}
+          f"{engine['seconds']:.1f} s, {engine['steps']} steps; start-up {startup:.1f} s); the f32 matmul "
+          f"peak allows {peak:.0f} tok/s: {engine['tok_per_s'] / peak:.1%} of it")
+    result = {"engine": engine, "startup_s": startup, "matmul_peak_tok_per_s": peak}
     if not args.skip_baseline:
         base = run_transformers(llm.model_path, prompts, outputs, args.baseline_batch)
         print(f"transformers generate, static batches of {base['batch']}: {base['tok_per_s']:.1f} output tok/s "

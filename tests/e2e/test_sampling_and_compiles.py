@@ -93,5 +93,7 @@ def test_bad_input_is_refused_before_anything_is_queued(llm):
         llm.generate([[1] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
     with pytest.raises(ValueError, match="text needs a tokenizer"):
         llm.generate(["hello"], use_tqdm=False)
+    with pytest.raises(ValueError, match="repetition_penalty, logit_bias: not supported by this engine yet"):
+        llm.generate([[1, 2]], SamplingParams(repetition_penalty=1.2, logit_bias={3: 1.0}), use_tqdm=False)
     assert not llm.engine.scheduler.has_unfinished_requests()
     assert np.all(llm.runner.batch.num_logprobs >= -1)
