@@ -115,12 +115,10 @@ class LLM:
             raise ValueError("prompt: must not be empty")
         if bad := [t for t in ids if not 0 <= t < vocab]:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary of {vocab} tokens")
-        unsupported = {"presence_penalty": params.presence_penalty != 0.0,
-                       "frequency_penalty": params.frequency_penalty != 0.0,
-                       "repetition_penalty": params.repetition_penalty != 1.0,
-                       "logit_bias": bool(params.logit_bias), "prompt_logprobs": params.prompt_logprobs is not None}
-        if names := [name for name, used in unsupported.items() if used]:
-            raise ValueError(f"{', '.join(names)}: not supported by this engine yet")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported by this engine yet")
+        if bad := [t for t in (params.logit_bias or {}) if t >= vocab]:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary of {vocab} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
         limit = self.config.scheduler.max_model_len

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20   # top-k logprobs the sampler computes for every row
+MAX_LOGIT_BIAS = 64  # logit_bias entries per request
 
 
 @dataclass
@@ -59,6 +60,9 @@ class SamplingParams:
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        bias = self.logit_bias or {}
+        check(len(bias) <= MAX_LOGIT_BIAS and all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias",
+              f"must map at most {MAX_LOGIT_BIAS} non-negative token ids to biases")
 
     @property
     def greedy(self) -> bool:

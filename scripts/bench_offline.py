@@ -29,15 +29,18 @@ def workload(n: int, vocab: int, seed: int = 0):
 def run_engine(llm: LLM, prompts, outputs) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
     llm.engine.traces = []
+    llm.runner.device_wait_s = 0.0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    host = seconds - llm.runner.device_wait_s      # no overlap yet: the device idles during host work
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs)
     traces = llm.engine.traces
     return {"seconds": seconds, "output_tokens": produced, "tok_per_s": produced / seconds, "steps": len(traces),
             "prefill_tokens": sum(t.num_prefill_tokens for t in traces),
-            "preemptions": sum(t.num_preemptions for t in traces)}
+            "preemptions": sum(t.num_preemptions for t in traces), "host_s": host,
+            "host_ms_per_step": host / len(traces) * 1e3, "device_idle_fraction": host / seconds}
 
 
 def run_transformers(path, prompts, outputs, batch: int) -> dict:
@@ -76,6 +79,8 @@ def main() -> None:
     print(f"jaxengine: {engine['tok_per_s']:.1f} output tok/s ({engine['output_tokens']} tokens in "
           f"{engine['seconds']:.1f} s, {engine['steps']} steps; start-up {startup:.1f} s); the f32 matmul "
           f"peak allows {peak:.0f} tok/s: {engine['tok_per_s'] / peak:.1%} of it")
+    print(f"host work (scheduling, input preparation, dispatch, update): {engine['host_ms_per_step']:.1f} ms/step, "
+          f"the device idle {engine['device_idle_fraction']:.1%} of the run")
     result = {"engine": engine, "startup_s": startup, "matmul_peak_tok_per_s": peak}
     if not args.skip_baseline:
         base = run_transformers(llm.model_path, prompts, outputs, args.baseline_batch)

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxengine.core.scheduler_output import SchedulerOutput
 from jaxengine.runner.buckets import pick_bucket
+from jaxengine.sampling_params import MAX_LOGIT_BIAS
 
 
 @dataclass
@@ -33,6 +34,14 @@ class StepInputs:
     sample_index: np.ndarray
     step: np.ndarray
     want_logprobs: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    history: np.ndarray           # [R, W]
+    num_prompt: np.ndarray
+    num_history: np.ndarray
+    bias_ids: np.ndarray          # [R, MAX_LOGIT_BIAS]
+    bias_values: np.ndarray
     # host-side bookkeeping (not sent to the device)
     num_rows: int = 0
     num_sample_rows: int = 0
@@ -60,6 +69,10 @@ class InputBatch:
         self.seed = np.zeros(max_num_seqs, np.uint32)
         self.sample_index = np.zeros(max_num_seqs, np.int32)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)     # -1: none asked for
+        self.penalties = np.zeros((max_num_seqs, 3), np.float32)     # presence, frequency, repetition
+        self.penalties[:, 2] = 1.0
+        self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.int32)
+        self.bias_values = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.float32)
         self.slot_of: dict[int, int] = {}
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
 
@@ -82,6 +95,11 @@ class InputBatch:
             self.temperature[slot], self.top_p[slot], self.min_p[slot] = p.temperature, p.top_p, p.min_p
             self.top_k[slot] = max(p.top_k, 0)
             self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+            self.penalties[slot] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            bias = list((p.logit_bias or {}).items())
+            self.bias_ids[slot], self.bias_values[slot] = 0, 0.0
+            if bias:
+                self.bias_ids[slot, :len(bias)], self.bias_values[slot, :len(bias)] = zip(*bias)
             self.seed[slot], self.sample_index[slot] = new.seed & 0xFFFFFFFF, new.sample_index
         for seq_id, table in out.block_tables.items():
             self._set_table(self.slot_of[seq_id], table)
@@ -129,6 +147,12 @@ class InputBatch:
         inputs.sample_index[:r] = np.where(samples[sample_row] > 1, within, self.sample_index[s])
         inputs.step[:r] = self.num_tokens[s] - self.num_prompt_tokens[s]
         inputs.want_logprobs[:r] = self.num_logprobs[s] >= 0
+        pen = self.penalties[s]
+        inputs.presence_penalty[:r], inputs.frequency_penalty[:r], inputs.repetition_penalty[:r] = pen.T
+        inputs.bias_ids[:r], inputs.bias_values[:r] = self.bias_ids[s], self.bias_values[s]
+        if (pen[:, :2] != 0).any() or (pen[:, 2] != 1).any():      # the history only when it is used
+            inputs.history[:r] = self.tokens[s]
+            inputs.num_prompt[:r], inputs.num_history[:r] = self.num_prompt_tokens[s], self.num_tokens[s]
 
     def _padded(self, t_pad: int, b_pad: int) -> StepInputs:
         z = np.zeros
@@ -138,7 +162,11 @@ class InputBatch:
             block_tables=z((b_pad, self.max_blocks_per_seq), np.int32), logits_indices=z(b_pad, np.int32),
             temperature=z(b_pad, np.float32), top_p=np.ones(b_pad, np.float32), top_k=z(b_pad, np.int32),
             min_p=z(b_pad, np.float32), seed=z(b_pad, np.uint32), sample_index=z(b_pad, np.int32),
-            step=z(b_pad, np.int32), want_logprobs=z(b_pad, bool))
+            step=z(b_pad, np.int32), want_logprobs=z(b_pad, bool), presence_penalty=z(b_pad, np.float32),
+            frequency_penalty=z(b_pad, np.float32), repetition_penalty=np.ones(b_pad, np.float32),
+            history=z((b_pad, self.tokens.shape[1]), np.int32), num_prompt=z(b_pad, np.int32),
+            num_history=z(b_pad, np.int32), bias_ids=z((b_pad, MAX_LOGIT_BIAS), np.int32),
+            bias_values=z((b_pad, MAX_LOGIT_BIAS), np.float32))
 
     def record(self, slots: np.ndarray, n: np.ndarray, samples: np.ndarray, first_tokens: np.ndarray) -> None:
         """After a step: advance computed counts and append each sampling row's (first) token."""

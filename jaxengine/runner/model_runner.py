@@ -45,6 +45,7 @@ class ModelRunner:
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype)
         self.state, self.step_fn = make_forward(model, head=partial(sample, num_top_logprobs=MAX_LOGPROBS))
         self.num_compiles = 0            # compilations after start-up
+        self.device_wait_s = 0.0         # time blocked on the device's results (the rest is host work)
         self.forbid = False
         self._known_compiles = 0
         if warm_up:
@@ -101,7 +102,9 @@ class ModelRunner:
         inputs, slots, sample_row = self.batch.prepare(out)
         result = self._run(inputs)
         self._check_compiles(f"step bucket {inputs.bucket}")
+        wait = time.perf_counter()
         tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
+        self.device_wait_s += time.perf_counter() - wait
         samples = np.asarray(out.num_samples, np.int32)
         first = np.cumsum(samples) - samples
         self.batch.record(slots, np.asarray(out.num_scheduled_tokens, np.int32), samples,
@@ -114,7 +117,9 @@ class ModelRunner:
         md = AttentionMetadata(inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens,
                                inputs.block_tables)
         smd = SamplingMetadata(inputs.temperature, inputs.top_p, inputs.top_k, inputs.min_p, inputs.seed,
-                               inputs.sample_index, inputs.step, inputs.want_logprobs)
+                               inputs.sample_index, inputs.step, inputs.want_logprobs, inputs.presence_penalty,
+                               inputs.frequency_penalty, inputs.repetition_penalty, inputs.history,
+                               inputs.num_prompt, inputs.num_history, inputs.bias_ids, inputs.bias_values)
         self.kv_caches, result = self.step_fn(self.state, self.kv_caches, inputs.input_ids, md,
                                               inputs.logits_indices, smd)
         return result

@@ -17,3 +17,12 @@ class SamplingMetadata:
     sample_index: jax.Array  # [R] i32: which of the group's n samples
     step: jax.Array          # [R] i32: the output position being sampled (stream position)
     want_logprobs: jax.Array  # [R] bool: the request asked for logprobs
+    # Penalties and logit bias (OpenAI / vLLM semantics); all neutral when unused.
+    presence_penalty: jax.Array    # [R] f32
+    frequency_penalty: jax.Array   # [R] f32
+    repetition_penalty: jax.Array  # [R] f32; 1 = off
+    history: jax.Array             # [R, W] i32: prompt then output token ids of the row's sequence
+    num_prompt: jax.Array          # [R] i32: how many of ``history`` are prompt tokens
+    num_history: jax.Array         # [R] i32: how many are valid
+    bias_ids: jax.Array            # [R, MAX_LOGIT_BIAS] i32
+    bias_values: jax.Array         # [R, MAX_LOGIT_BIAS] f32 (0 for unused entries)

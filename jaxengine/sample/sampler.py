@@ -25,6 +25,9 @@ class SamplerOutput:
 def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> SamplerOutput:
     """logits [R, V] f32 -> one token per row. Each full-vocabulary pass (random draws, top-k/p
     sorting, min-p, logprobs) runs only when some row of the step needs it (``lax.cond``)."""
+    needs_penalties = (jnp.any((md.presence_penalty != 0) | (md.frequency_penalty != 0)
+                               | (md.repetition_penalty != 1)) | jnp.any(md.bias_values != 0))
+    logits = jax.lax.cond(needs_penalties, lambda x: apply_penalties(x, md), lambda x: x, logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda: _draw(logits, md, greedy), lambda: greedy)
     num_rows = logits.shape[0]
@@ -33,6 +36,25 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> Sa
     picked, top_ids, top_logprobs = jax.lax.cond(
         jnp.any(md.want_logprobs), lambda: _logprobs(logits, tokens, num_top_logprobs), lambda: no_logprobs)
     return SamplerOutput(tokens, picked, top_ids, top_logprobs)
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition penalty over prompt and output tokens (divide positive logits, multiply negative
+    ones), presence and frequency penalties over output tokens, then the logit bias."""
+    num_rows, vocab = logits.shape
+    width = md.history.shape[1]
+    col = jnp.arange(width)[None, :]
+    valid = col < md.num_history[:, None]
+    is_output = valid & (col >= md.num_prompt[:, None])
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], md.history.shape)
+    ids = jnp.where(valid, md.history, 0)
+    seen = jnp.zeros((num_rows, vocab), bool).at[rows, ids].max(valid)
+    counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * counts - md.presence_penalty[:, None] * (counts > 0)
+    bias_rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], md.bias_ids.shape)
+    return logits.at[bias_rows, md.bias_ids].add(md.bias_values)
 
 
 def _draw(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -> jax.Array:

@@ -9,13 +9,18 @@ from jaxengine.runner.model_runner import CompilationError
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def hf_and_llm(tmp_path_factory):
     from tests.conftest import make_checkpoint
 
     folder = tmp_path_factory.mktemp("llama-sampling")
-    make_checkpoint(folder, "llama")
-    return LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
-               max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False)
+    hf = make_checkpoint(folder, "llama")
+    return hf, LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
+                   max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False)
+
+
+@pytest.fixture(scope="module")
+def llm(hf_and_llm):
+    return hf_and_llm[1]
 
 
 PROMPT = [5, 17, 99, 3, 42]
@@ -93,7 +98,57 @@ def test_bad_input_is_refused_before_anything_is_queued(llm):
         llm.generate([[1] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
     with pytest.raises(ValueError, match="text needs a tokenizer"):
         llm.generate(["hello"], use_tqdm=False)
-    with pytest.raises(ValueError, match="repetition_penalty, logit_bias: not supported by this engine yet"):
-        llm.generate([[1, 2]], SamplingParams(repetition_penalty=1.2, logit_bias={3: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs: not supported by this engine yet"):
+        llm.generate([[1, 2]], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logit_bias: token ids \[999\] outside the vocabulary"):
+        llm.generate([[1, 2]], SamplingParams(logit_bias={999: 1.0}), use_tqdm=False)
     assert not llm.engine.scheduler.has_unfinished_requests()
     assert np.all(llm.runner.batch.num_logprobs >= -1)
+
+
+def penalised_greedy(hf, prompt, num_tokens, penalty):
+    """The oracle: transformers' logits, and the repetition penalty by its definition (every token
+    of the prompt and the output so far: positive logits divided, negative ones multiplied)."""
+    import torch
+
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+            seen = torch.tensor(sorted(set(ids)))
+            logits[seen] = torch.where(logits[seen] < 0, logits[seen] * penalty, logits[seen] / penalty)
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def test_repetition_penalty_matches_its_definition_on_transformers_logits(hf_and_llm):
+    hf, llm = hf_and_llm
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(8)]
+    refs = [penalised_greedy(hf, p, 16, 3.0) for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with llm.runner.forbid_compiles():
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                   repetition_penalty=3.0), use_tqdm=False)
+        plain = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == refs
+    assert sum(o.outputs[0].token_ids != r for o, r in zip(plain, refs)) >= 2   # the penalty mattered
+
+
+def test_presence_frequency_and_logit_bias_exact_values():
+    import jax.numpy as jnp
+
+    from jaxengine.sample.metadata import SamplingMetadata
+    from jaxengine.sample.sampler import apply_penalties
+
+    logits = jnp.asarray([[2.0, -1.0, 0.5, 0.0, 1.0]])
+    md = SamplingMetadata(*(jnp.zeros(1) for _ in range(7)), want_logprobs=jnp.zeros(1, bool),
+                          presence_penalty=jnp.asarray([0.5]), frequency_penalty=jnp.asarray([0.25]),
+                          repetition_penalty=jnp.asarray([2.0]),
+                          history=jnp.asarray([[1, 2, 2, 4, 0, 0]]), num_prompt=jnp.asarray([2]),
+                          num_history=jnp.asarray([4]), bias_ids=jnp.asarray([[3, 0]]),
+                          bias_values=jnp.asarray([[5.0, 0.0]]))
+    # prompt [1, 2], outputs [2, 4]; repetition on 1, 2, 4; presence+frequency on 2 (once) and 4 (once)
+    expected = [2.0, -1.0 * 2, 0.5 / 2 - 0.25 - 0.5, 0.0 + 5.0, 1.0 / 2 - 0.25 - 0.5]
+    assert apply_penalties(logits, md)[0].tolist() == pytest.approx(expected)
