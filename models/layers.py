@@ -13,7 +13,7 @@ from flax import nnx
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
 from jaxengine.models.config import ModelConfig
 
-KVCache = tuple[jax.Array, jax.Array]       # (k, v), each [P, S, K, H]
+KVCache = tuple[jax.Array, jax.Array]       # (k, v); a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H])
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> nnx.Param:
