@@ -115,8 +115,6 @@ class LLM:
             raise ValueError("prompt: must not be empty")
         if bad := [t for t in ids if not 0 <= t < vocab]:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary of {vocab} tokens")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: not supported by this engine yet")
         if bad := [t for t in (params.logit_bias or {}) if t >= vocab]:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary of {vocab} tokens")
         if params.stop and self.tokenizer is None:

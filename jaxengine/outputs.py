@@ -49,6 +49,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = field(default=None)
 
 
@@ -64,4 +65,5 @@ def make_request_output(request: Request, prompt: str | None, texts: list[str]) 
     t = request.times
     return RequestOutput(request.request_id, prompt, request.prompt_token_ids, outputs, request.is_finished,
                          RequestMetrics(t.queued, t.first_scheduled, t.first_token, t.finished),
-                         request.num_cached_tokens, request.status_reason)
+                         num_cached_tokens=request.num_cached_tokens, error=request.status_reason,
+                         prompt_logprobs=request.prompt_logprobs)

@@ -128,7 +128,9 @@ class Request:
         self.forked = sampling_params.n == 1
         self.num_cached_tokens = 0            # prompt tokens served by the prefix cache
         self.num_preemptions = 0
-        self.fork_logprobs: list = []         # the siblings' first-sample logprobs, handed over at the fork
+        self.fork_logprobs: list = []
+        # With prompt_logprobs: per prompt position, {token id: logprob} (None for the first token).
+        self.prompt_logprobs = None if sampling_params.prompt_logprobs is None else [None] * len(prompt_token_ids)         # the siblings' first-sample logprobs, handed over at the fork
         self.times = RequestTimes(queued=self.arrival_time)
         self.stop_token_set = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos or eos_token_id is None else {eos_token_id})

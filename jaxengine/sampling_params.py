@@ -56,7 +56,8 @@ class SamplingParams:
               f"must be <= max_tokens ({self.max_tokens})")
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
               f"must be None or in [0, {MAX_LOGPROBS}]")
-        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be None or >= 0")
+        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+              f"must be None or in [0, {MAX_LOGPROBS}]")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")

@@ -70,8 +70,8 @@ class KVCacheManager:
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
         """Longest cached prefix of a sequence that holds no blocks yet. Never covers the last
         token: its logits are needed, so at least one token is always computed."""
-        if not self.enable_caching or seq.block_table:
-            return NO_HIT
+        if not self.enable_caching or seq.block_table or seq.request.prompt_logprobs is not None:
+            return NO_HIT                # prompt logprobs need every prompt token computed
         num_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_blocks, self.block_size,
                                      seq.request.cache_salt)

@@ -469,6 +469,10 @@ class Scheduler:
         any_finished = False
         if result.logprobs is not None:
             self._record_logprobs(out, result.logprobs)
+        if result.prompt_logprobs is not None:
+            for seq, row in zip(out.scheduled_seqs, result.prompt_logprobs):
+                for position, entry in row or ():
+                    seq.request.prompt_logprobs[position] = entry     # by position: recompute-safe
         for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids):
             if seq.status is not RUNNING:
                 continue                                   # aborted while the step ran

@@ -59,3 +59,5 @@ class ModelRunnerOutput:
     # None, or B entries: None for rows that asked for no logprobs, else per sample
     # (logprob of the sampled token, {token id: logprob} of the top-k).
     logprobs: list | None = None
+    # None, or B entries: None, or [(position, {token id: logprob})] for prompt tokens scored.
+    prompt_logprobs: list | None = None

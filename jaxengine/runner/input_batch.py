@@ -42,6 +42,8 @@ class StepInputs:
     num_history: np.ndarray
     bias_ids: np.ndarray          # [R, MAX_LOGIT_BIAS]
     bias_values: np.ndarray
+    prompt_lp_want: np.ndarray    # [T] bool: this token's logits score the next prompt token
+    prompt_lp_target: np.ndarray  # [T] i32: that next prompt token
     # host-side bookkeeping (not sent to the device)
     num_rows: int = 0
     num_sample_rows: int = 0
@@ -69,6 +71,7 @@ class InputBatch:
         self.seed = np.zeros(max_num_seqs, np.uint32)
         self.sample_index = np.zeros(max_num_seqs, np.int32)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)     # -1: none asked for
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)
         self.penalties = np.zeros((max_num_seqs, 3), np.float32)     # presence, frequency, repetition
         self.penalties[:, 2] = 1.0
         self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.int32)
@@ -95,6 +98,7 @@ class InputBatch:
             self.temperature[slot], self.top_p[slot], self.min_p[slot] = p.temperature, p.top_p, p.min_p
             self.top_k[slot] = max(p.top_k, 0)
             self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+            self.num_prompt_logprobs[slot] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
             self.penalties[slot] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
             bias = list((p.logit_bias or {}).items())
             self.bias_ids[slot], self.bias_values[slot] = 0, 0.0
@@ -130,6 +134,11 @@ class InputBatch:
         inputs.query_start_loc[num_rows + 1:] = num_tokens
         inputs.seq_lens[:num_rows] = self.num_computed[slots] + n
         inputs.block_tables[:num_rows] = self.block_tables[slots]
+        want = (self.num_prompt_logprobs[token_slot] >= 0) & (pos < self.num_prompt_tokens[token_slot] - 1)
+        if want.any():
+            inputs.prompt_lp_want[:num_tokens] = want
+            inputs.prompt_lp_target[:num_tokens] = np.where(want, self.tokens[token_slot, np.minimum(
+                pos + 1, self.tokens.shape[1] - 1)], 0)
         sample_row = np.repeat(np.arange(num_rows), samples)
         self._fill_sampling(inputs, slots, samples, sample_row, ends)
         inputs.num_rows, inputs.num_sample_rows = num_rows, num_samples
@@ -166,7 +175,8 @@ class InputBatch:
             frequency_penalty=z(b_pad, np.float32), repetition_penalty=np.ones(b_pad, np.float32),
             history=z((b_pad, self.tokens.shape[1]), np.int32), num_prompt=z(b_pad, np.int32),
             num_history=z(b_pad, np.int32), bias_ids=z((b_pad, MAX_LOGIT_BIAS), np.int32),
-            bias_values=z((b_pad, MAX_LOGIT_BIAS), np.float32))
+            bias_values=z((b_pad, MAX_LOGIT_BIAS), np.float32), prompt_lp_want=z(t_pad, bool),
+            prompt_lp_target=z(t_pad, np.int32))
 
     def record(self, slots: np.ndarray, n: np.ndarray, samples: np.ndarray, first_tokens: np.ndarray) -> None:
         """After a step: advance computed counts and append each sampling row's (first) token."""

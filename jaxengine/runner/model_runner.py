@@ -4,8 +4,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -21,10 +21,23 @@ from jaxengine.runner.buckets import request_buckets, token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
 from jaxengine.sample.metadata import SamplingMetadata
-from jaxengine.sample.sampler import SamplerOutput, sample
+from jaxengine.sample.sampler import SamplerOutput, logprobs_of, sample
 from jaxengine.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
+
+
+def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp_want, prompt_lp_target):
+    """Sample the rows asked for; score prompt tokens only in steps where a request wants
+    prompt logprobs (full-width logits for every token are costly)."""
+    result = sample(model.compute_logits(hidden[logits_indices]), smd, MAX_LOGPROBS)
+    t = hidden.shape[0]
+    nothing = (jnp.zeros(t, jnp.float32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
+               jnp.zeros((t, MAX_LOGPROBS), jnp.float32))
+    prompt_lp = jax.lax.cond(jnp.any(prompt_lp_want),
+                             lambda: logprobs_of(model.compute_logits(hidden), prompt_lp_target, MAX_LOGPROBS),
+                             lambda: nothing)
+    return result, prompt_lp
 
 
 class CompilationError(RuntimeError):
@@ -43,7 +56,7 @@ class ModelRunner:
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype)
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype)
-        self.state, self.step_fn = make_forward(model, head=partial(sample, num_top_logprobs=MAX_LOGPROBS))
+        self.state, self.step_fn = make_forward(model, head=_sample_head)
         self.num_compiles = 0            # compilations after start-up
         self.device_wait_s = 0.0         # time blocked on the device's results (the rest is host work)
         self.forbid = False
@@ -100,7 +113,7 @@ class ModelRunner:
         if not out.seq_ids:
             return ModelRunnerOutput([])
         inputs, slots, sample_row = self.batch.prepare(out)
-        result = self._run(inputs)
+        result, prompt_lp = self._run(inputs)
         self._check_compiles(f"step bucket {inputs.bucket}")
         wait = time.perf_counter()
         tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
@@ -111,9 +124,10 @@ class ModelRunner:
                           tokens[first[samples > 0]])
         tolist = tokens.tolist()
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
-        return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples))
+        return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples),
+                                 self._prompt_logprobs(inputs, slots, out, prompt_lp))
 
-    def _run(self, inputs: StepInputs) -> SamplerOutput:
+    def _run(self, inputs: StepInputs) -> tuple[SamplerOutput, tuple]:
         md = AttentionMetadata(inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens,
                                inputs.block_tables)
         smd = SamplingMetadata(inputs.temperature, inputs.top_p, inputs.top_k, inputs.min_p, inputs.seed,
@@ -121,8 +135,28 @@ class ModelRunner:
                                inputs.frequency_penalty, inputs.repetition_penalty, inputs.history,
                                inputs.num_prompt, inputs.num_history, inputs.bias_ids, inputs.bias_values)
         self.kv_caches, result = self.step_fn(self.state, self.kv_caches, inputs.input_ids, md,
-                                              inputs.logits_indices, smd)
+                                              inputs.logits_indices, smd, inputs.prompt_lp_want,
+                                              inputs.prompt_lp_target)
         return result
+
+    def _prompt_logprobs(self, inputs: StepInputs, slots: np.ndarray, out: SchedulerOutput, prompt_lp) -> list | None:
+        """Per row: [(position, {prompt token: logprob, top-k...})] for the prompt tokens this step scored."""
+        want = inputs.prompt_lp_want
+        if not want.any():
+            return None
+        lp, ids, top = (np.asarray(a) for a in prompt_lp)
+        rows: list = [None] * len(slots)
+        start = 0
+        for i, n in enumerate(out.num_scheduled_tokens):
+            k = int(self.batch.num_prompt_logprobs[slots[i]])
+            entries = []
+            for t in np.flatnonzero(want[start:start + n]) + start:
+                entry = dict(zip(ids[t, :k].tolist(), top[t, :k].tolist()))
+                entry[int(inputs.prompt_lp_target[t])] = float(lp[t])
+                entries.append((int(inputs.positions[t]) + 1, entry))
+            rows[i] = entries or None
+            start += n
+        return rows
 
     def _logprobs(self, slots: np.ndarray, result: SamplerOutput, first, samples) -> list | None:
         """Per row, for requests that asked for logprobs: per sample (logprob, {token: logprob} top-k)."""

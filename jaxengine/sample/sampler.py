@@ -34,7 +34,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> Sa
     no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
                    jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
     picked, top_ids, top_logprobs = jax.lax.cond(
-        jnp.any(md.want_logprobs), lambda: _logprobs(logits, tokens, num_top_logprobs), lambda: no_logprobs)
+        jnp.any(md.want_logprobs), lambda: logprobs_of(logits, tokens, num_top_logprobs), lambda: no_logprobs)
     return SamplerOutput(tokens, picked, top_ids, top_logprobs)
 
 
@@ -68,7 +68,8 @@ def _draw(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -> jax.Arr
     return jnp.where(md.temperature > 0, drawn, greedy)
 
 
-def _logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int):
+    """(logprob of ``tokens``, top-k ids, top-k logprobs) under the model's distribution."""
     raw = jax.nn.log_softmax(logits, axis=-1)       # the model's distribution, before any processing
     top_logprobs, top_ids = jax.lax.top_k(raw, k)
     picked = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]

@@ -98,8 +98,8 @@ def test_bad_input_is_refused_before_anything_is_queued(llm):
         llm.generate([[1] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
     with pytest.raises(ValueError, match="text needs a tokenizer"):
         llm.generate(["hello"], use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt_logprobs: not supported by this engine yet"):
-        llm.generate([[1, 2]], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt_logprobs: must be None or in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match=r"logit_bias: token ids \[999\] outside the vocabulary"):
         llm.generate([[1, 2]], SamplingParams(logit_bias={999: 1.0}), use_tqdm=False)
     assert not llm.engine.scheduler.has_unfinished_requests()
@@ -152,3 +152,23 @@ def test_presence_frequency_and_logit_bias_exact_values():
     # prompt [1, 2], outputs [2, 4]; repetition on 1, 2, 4; presence+frequency on 2 (once) and 4 (once)
     expected = [2.0, -1.0 * 2, 0.5 / 2 - 0.25 - 0.5, 0.0 + 5.0, 1.0 / 2 - 0.25 - 0.5]
     assert apply_penalties(logits, md)[0].tolist() == pytest.approx(expected)
+
+
+def test_prompt_logprobs_match_transformers_across_prefill_chunks(hf_and_llm):
+    import torch
+
+    hf, llm = hf_and_llm
+    prompt = [random.Random(9).randrange(256) for _ in range(45)]      # > the 32-token budget: 2 chunks
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()
+    with llm.runner.forbid_compiles():
+        out = llm.generate([prompt, prompt[:9]], SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)
+    plp = out[0].prompt_logprobs
+    assert plp[0] is None and len(plp) == len(prompt)
+    for i in range(1, len(prompt)):
+        top3 = np.argsort(-ref[i - 1])[:3].tolist()
+        assert set(plp[i]) == set(top3) | {prompt[i]}
+        assert plp[i][prompt[i]] == pytest.approx(ref[i - 1, prompt[i]], abs=1e-4)
+        assert all(plp[i][t] == pytest.approx(ref[i - 1, t], abs=1e-4) for t in top3)
+    for mine, other in zip(out[1].prompt_logprobs[1:], plp[1:9]):         # same prefix, other batch
+        assert mine.keys() == other.keys() and all(mine[t] == pytest.approx(other[t], abs=1e-5) for t in mine)
