@@ -33,6 +33,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}          # unfinished, by id
         self._finished: list[Request] = []              # finished outside update_from_output
         self._finished_seq_ids: list[int] = []          # for the runner to forget
+        self._out: SchedulerOutput | None = None         # the step being built, inside schedule()
         self._max_prefill_chunk = (config.long_prefill_token_threshold if config.enable_chunked_prefill
                                    else 0) or config.max_num_batched_tokens
         # delay_factor: latency of the last step that admitted prompts
@@ -415,7 +416,7 @@ class Scheduler:
     def _finish_request(self, group: Request, status: RequestStatus, reason: str | None) -> None:
         if group.status is RUNNING:
             self.running.remove(group)
-            if getattr(self, "_out", None) is not None:
+            if self._out is not None:
                 self._unschedule(group)
         elif group.status is RequestStatus.SWAPPED:
             self.swapped.remove(group)

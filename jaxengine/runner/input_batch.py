@@ -44,9 +44,7 @@ class StepInputs:
     bias_values: np.ndarray
     prompt_lp_want: np.ndarray    # [T] bool: this token's logits score the next prompt token
     prompt_lp_target: np.ndarray  # [T] i32: that next prompt token
-    # host-side bookkeeping (not sent to the device)
-    num_rows: int = 0
-    num_sample_rows: int = 0
+    num_sample_rows: int = 0      # host-side: how many sample rows are real
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -125,7 +123,7 @@ class InputBatch:
         token_row = np.repeat(np.arange(num_rows), n)
         token_slot = slots[token_row]
         pos = np.arange(num_tokens) - (ends - n)[token_row] + self.num_computed[slots][token_row]
-        inputs = self._padded(t_pad, b_pad)
+        inputs = self.padded(t_pad, b_pad)
         inputs.input_ids[:num_tokens] = self.tokens[token_slot, pos]
         inputs.positions[:num_tokens] = pos
         inputs.slot_mapping[:num_tokens] = (self.block_tables[token_slot, pos // self.block_size] * self.block_size
@@ -141,7 +139,7 @@ class InputBatch:
                 pos + 1, self.tokens.shape[1] - 1)], 0)
         sample_row = np.repeat(np.arange(num_rows), samples)
         self._fill_sampling(inputs, slots, samples, sample_row, ends)
-        inputs.num_rows, inputs.num_sample_rows = num_rows, num_samples
+        inputs.num_sample_rows = num_samples
         return inputs, slots, sample_row
 
     def _fill_sampling(self, inputs: StepInputs, slots, samples, sample_row, ends) -> None:
@@ -163,7 +161,8 @@ class InputBatch:
             inputs.history[:r] = self.tokens[s]
             inputs.num_prompt[:r], inputs.num_history[:r] = self.num_prompt_tokens[s], self.num_tokens[s]
 
-    def _padded(self, t_pad: int, b_pad: int) -> StepInputs:
+    def padded(self, t_pad: int, b_pad: int) -> StepInputs:
+        """All-padding inputs of one bucket (also what start-up compilation runs)."""
         z = np.zeros
         return StepInputs(
             input_ids=z(t_pad, np.int32), positions=z(t_pad, np.int32), slot_mapping=z(t_pad, np.int32),

@@ -73,7 +73,7 @@ class ModelRunner:
         start = time.perf_counter()
         pairs = self.bucket_pairs()
         for t, b in tqdm(pairs, desc="compiling buckets", disable=not progress):
-            self._run(self.batch._padded(t, b))
+            self._run(self.batch.padded(t, b))
         # Block moves of up to 4 sequences' worth of blocks are compiled now; larger ones (rare)
         # compile on first use and are counted.
         self.kv_caches = self.mover.warm_up(self.kv_caches, 4 * self.batch.max_blocks_per_seq)

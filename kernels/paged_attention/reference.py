@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxengine.kernels.paged_attention import online_softmax
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 
@@ -35,7 +36,6 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: At
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_size)
 
     def page_step(page, carry):
-        m, l, acc = carry
         blocks = tables[:, page]                                     # [T]
         k = k_cache[blocks].astype(jnp.float32)                      # [T, S, K, H]
         v = v_cache[blocks].astype(jnp.float32)
@@ -46,20 +46,12 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: At
         mask = (key_pos[None, :] <= pos[:, None]) & valid[:, None]
         if sliding_window is not None:
             mask &= key_pos[None, :] > pos[:, None] - sliding_window
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        correction = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgs,tskh->tkgh", p, v)
-        return m_new, l, acc
+        return online_softmax.update(carry, s, mask[:, None, None, :],
+                                     lambda p: jnp.einsum("tkgs,tskh->tkgh", p, v))
 
-    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group, head_size), jnp.float32))
+    init = online_softmax.init((num_tokens, num_kv_heads, group), head_size)
     # Only the pages some row uses: the trip count follows the longest context, not the table width.
     num_pages = jnp.minimum((jnp.max(md.seq_lens) + page_size - 1) // page_size, tables.shape[1])
     _, l, acc = jax.lax.fori_loop(0, num_pages, page_step, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    out = online_softmax.finish(l, acc)
     return out.reshape(num_tokens, num_heads, head_size).astype(q.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxengine.kernels.paged_attention import online_softmax
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 
@@ -71,7 +72,6 @@ def _attend(qg: jax.Array, idx: jax.Array, *, k_cache, v_cache, md: AttentionMet
     span = pages_per_step * page_size
 
     def step(i, carry):
-        m, l, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, axis=1)
         k = k_cache[blocks].astype(jnp.float32).reshape(n, span, kh, h).transpose(0, 2, 1, 3)   # [n, K, s, H]
         v = v_cache[blocks].astype(jnp.float32).reshape(n, span, kh, h).transpose(0, 2, 1, 3)
@@ -82,18 +82,10 @@ def _attend(qg: jax.Array, idx: jax.Array, *, k_cache, v_cache, md: AttentionMet
         mask = (key_pos <= pos_m) & valid_m
         if sliding_window is not None:
             mask &= key_pos > pos_m - sliding_window
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        correction = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("nkms,nksh->nkmh", p, v)
-        return m_new, l, acc
+        return online_softmax.update(carry, s, mask, lambda p: jnp.einsum("nkms,nksh->nkmh", p, v))
 
-    init = (jnp.full((n, kh, q * g), -jnp.inf, jnp.float32), jnp.zeros((n, kh, q * g), jnp.float32),
-            jnp.zeros((n, kh, q * g, h), jnp.float32))
+    init = online_softmax.init((n, kh, q * g), h)
     last_pos = jnp.max(jnp.where(valid, pos, 0))
     _, l, acc = jax.lax.fori_loop(0, last_pos // span + 1, step, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)   # [n, K, q*G, H]
+    out = online_softmax.finish(l, acc)                                              # [n, K, q*G, H]
     return out.reshape(n, kh, q, g, h).transpose(0, 2, 1, 3, 4)                      # [n, q, K, G, H]
