@@ -1,4 +1,4 @@
-"""The engine: ``step()`` = schedule -> execute -> update."""
+"""The engine: ``step()`` = schedule -> dispatch -> (host work while the device runs) -> update."""
 from __future__ import annotations
 
 import time
@@ -15,6 +15,16 @@ from jaxengine.sampling_params import SamplingParams
 
 class Runner(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class _Done:
+    """A step computed synchronously (runners without ``dispatch``)."""
+
+    def __init__(self, result: ModelRunnerOutput) -> None:
+        self._result = result
+
+    def result(self) -> ModelRunnerOutput:
+        return self._result
 
 
 @dataclass(frozen=True)
@@ -59,11 +69,19 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished (stopped, aborted or ignored)."""
+    def step(self, while_running: Callable[[], object] | None = None) -> list[Request]:
+        """Run one step; returns the requests that finished (stopped, aborted or ignored).
+
+        ``while_running`` is host work done while the device computes this step (output
+        processing of the previous step: detokenising, stop strings, streaming). It may finish
+        or abort requests; a row finished that way has its token discarded, so the outputs are
+        the same as doing that work between steps."""
         scheduler_output = self.scheduler.schedule()
-        result = self.runner.execute(scheduler_output)
-        finished = self.scheduler.update_from_output(scheduler_output, result)
+        dispatch = getattr(self.runner, "dispatch", None)
+        pending = dispatch(scheduler_output) if dispatch else _Done(self.runner.execute(scheduler_output))
+        if while_running is not None:
+            while_running()
+        finished = self.scheduler.update_from_output(scheduler_output, pending.result())
         if self.traces is not None:
             self.traces.append(self._trace(scheduler_output))
         self.num_steps += 1

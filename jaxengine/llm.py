@@ -127,12 +127,14 @@ class LLM:
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[list[str]]:
         detoks: dict[int, IncrementalDetokenizer] = {}
         watched = [r for r in requests if r.sampling_params.stop]
+        def check_stop_strings() -> None:      # runs while the device computes the next step
+            for r in watched:
+                self._check_stop_strings(r, detoks)
+
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                bar.update(len(self.engine.step()))
-                for r in watched:
-                    self._check_stop_strings(r, detoks)
-            bar.update(len(requests) - bar.n)     # finished by a stop string in the last step
+                bar.update(len(self.engine.step(check_stop_strings if watched else None)))
+            bar.update(len(requests) - bar.n)     # finished by a stop string
         self.engine.step()    # an empty step: the runner forgets the last finished sequences
         return [[self._final_text(r, s, detoks) for s in r.seqs] for r in requests]
 

@@ -40,6 +40,19 @@ def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp
     return result, prompt_lp
 
 
+class PendingStep:
+    """A launched step; ``result()`` waits for the device and returns the sampled tokens."""
+
+    def __init__(self, runner: "ModelRunner", out: SchedulerOutput, inputs, slots, device_result) -> None:
+        self.runner, self.out, self.inputs, self.slots, self.device_result = runner, out, inputs, slots, device_result
+        self._result: ModelRunnerOutput | None = None if inputs is not None else ModelRunnerOutput([])
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            self._result = self.runner._collect(self)
+        return self._result
+
+
 class CompilationError(RuntimeError):
     """A compilation after start-up while compilations are forbidden."""
 
@@ -61,6 +74,7 @@ class ModelRunner:
         self.device_wait_s = 0.0         # time blocked on the device's results (the rest is host work)
         self.forbid = False
         self._known_compiles = 0
+        self._pending: PendingStep | None = None
         if warm_up:
             self.compile_all(progress)
 
@@ -105,16 +119,31 @@ class ModelRunner:
 
     # ---- one step ----
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.dispatch(out).result()
+
+    def dispatch(self, out: SchedulerOutput) -> "PendingStep":
+        """Prepare the inputs and launch the step without waiting for it (JAX dispatches
+        asynchronously); ``result()`` of the returned handle waits. The previous step's result
+        must have been collected: its tokens are this step's inputs."""
+        if self._pending is not None:
+            raise RuntimeError("dispatch: the previous step's result() was not collected")
         self.batch.update(out)
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
             self.kv_caches = self.mover.apply(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in,
                                               out.blocks_to_copy)
             self._check_compiles("block moves")
         if not out.seq_ids:
-            return ModelRunnerOutput([])
-        inputs, slots, sample_row = self.batch.prepare(out)
-        result, prompt_lp = self._run(inputs)
+            return PendingStep(self, out, None, None, None)
+        inputs, slots, _ = self.batch.prepare(out)
+        device_result = self._run(inputs)
         self._check_compiles(f"step bucket {inputs.bucket}")
+        self._pending = PendingStep(self, out, inputs, slots, device_result)
+        return self._pending
+
+    def _collect(self, step: "PendingStep") -> ModelRunnerOutput:
+        self._pending = None
+        out, inputs, slots = step.out, step.inputs, step.slots
+        result, prompt_lp = step.device_result
         wait = time.perf_counter()
         tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
         self.device_wait_s += time.perf_counter() - wait
