@@ -53,6 +53,7 @@ class Engine:
         self.clock = clock
         self.num_steps = 0
         self.traces: list[StepTrace] | None = [] if trace else None
+        self.last_trace: StepTrace | None = None      # the latest step's record (metrics read it)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
@@ -82,8 +83,9 @@ class Engine:
         if while_running is not None:
             while_running()
         finished = self.scheduler.update_from_output(scheduler_output, pending.result())
+        self.last_trace = self._trace(scheduler_output)
         if self.traces is not None:
-            self.traces.append(self._trace(scheduler_output))
+            self.traces.append(self.last_trace)
         self.num_steps += 1
         return finished
 

@@ -75,9 +75,9 @@ class LLM:
         """Prompts (strings or token-id lists) -> outputs in input order."""
         prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
         params = self._params_for(prompts, sampling_params)
-        token_ids = [self._encode(p) for p in prompts]
+        token_ids = [self.encode(p) for p in prompts]
         for ids, p in zip(token_ids, params):
-            self._validate(ids, p)
+            self.check_request(ids, p)
         requests = [self.engine.add_request(f"offline-{next(self._ids)}", ids, p,
                                             priority=priority[i] if priority else 0)
                     for i, (ids, p) in enumerate(zip(token_ids, params))]
@@ -102,19 +102,23 @@ class LLM:
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         return list(sampling_params)
 
-    def _encode(self, prompt) -> list[int]:
+    def encode(self, prompt) -> list[int]:
+        """Text -> token ids with the model's tokenizer; token-id lists pass through."""
         if not isinstance(prompt, str):
             return list(prompt)
         if self.tokenizer is None:
             raise ValueError("prompt: text needs a tokenizer (skip_tokenizer_init=True): pass token ids")
         return self.tokenizer.encode(prompt)
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field if this request can never be served."""
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("prompt: must not be empty")
         if bad := [t for t in ids if not 0 <= t < vocab]:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary of {vocab} tokens")
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:
+            raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary of {vocab} tokens")
         if bad := [t for t in (params.logit_bias or {}) if t >= vocab]:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary of {vocab} tokens")
         if params.stop and self.tokenizer is None:

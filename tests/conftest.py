@@ -35,6 +35,33 @@ def make_checkpoint(folder, model_type: str, **overrides):
     return model
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_byte_tokenizer(folder) -> None:
+    """A byte-level tokenizer with no merges (ids 0-255 are bytes), <|im_end|> = 256 (EOS) and
+    <|im_start|> = 257, and a ChatML template: real text, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+
+
+def make_chat_checkpoint(folder):
+    """A tiny Llama with the byte tokenizer (vocabulary 258, EOS 256)."""
+    model = make_checkpoint(folder, "llama", vocab_size=258, eos_token_id=256, bos_token_id=257)
+    save_byte_tokenizer(folder)
+    return model
+
+
 @pytest.fixture(scope="session", params=sorted(VARIANTS))
 def checkpoint(request, tmp_path_factory):
     """(variant name, folder, the transformers model as the oracle)."""

@@ -1,0 +1,91 @@
+"""``python -m jaxengine.serve``: the OpenAI-compatible server (default: the embedded SmolLM2 on
+127.0.0.1:8000). SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish for
+``--shutdown-grace`` seconds, aborts the rest and exits 0."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+
+import uvicorn
+
+from jaxengine.engine_args import add_engine_args, llm_from_args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jaxengine.serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=os.environ.get("JAXENGINE_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on /v1/* (or set JAXENGINE_API_KEY)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model folder or file name)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
+    g.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(parser)
+    return parser.parse_args(argv)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a caught SIGTERM after its graceful shutdown (exit status 143); here a
+    signal only asks for the shutdown, so a clean stop exits 0. A second signal forces it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.signal(s, self._on_signal) for s in handled}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, _signum, _frame) -> None:
+        self.force_exit = self.should_exit
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from jaxengine.serve.api_server import build_app
+    from jaxengine.serve.async_engine import AsyncEngine
+    from jaxengine.serve.metrics import EngineMetrics
+
+    print("jaxengine: loading the model and compiling (this takes a moment)...", flush=True)
+    llm = llm_from_args(args)
+    name = args.served_model_name or llm.model_path.name
+    metrics = EngineMetrics(name)
+    engine = AsyncEngine(llm, max_waiting_requests=args.max_waiting_requests, observer=metrics)
+    app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=args.shutdown_grace))
+    threading.Thread(target=_announce, args=(server, args, name), daemon=True).start()
+    server.run()
+    return 0
+
+
+def _announce(server: uvicorn.Server, args: argparse.Namespace, name: str) -> None:
+    """Print the URL once the socket is listening."""
+    import time
+
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    if server.started:
+        print(f"jaxengine: serving {name} at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

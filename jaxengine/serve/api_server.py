@@ -1,0 +1,164 @@
+"""The OpenAI-compatible HTTP app (FastAPI): routes, API key, errors in OpenAI's JSON shape."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import jaxengine
+from jaxengine.serve import protocol as p
+from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from jaxengine.serve.metrics import EngineMetrics
+from jaxengine.serve.openai_serving import OpenAIServing, RequestError, param_of
+from jaxengine.tokenizer import apply_chat_template
+
+logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 1
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(p.error_body(status, message, param), status_code=status, headers=headers)
+
+
+def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMetrics,
+              api_key: str | None = None) -> FastAPI:
+    """The app; starting it starts the engine thread, stopping it stops the engine."""
+    serving = OpenAIServing(engine, served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="jaxengine", version=jaxengine.__version__, lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    _add_auth(app, api_key)
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, serving, metrics)
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, raw: Request):
+        return await _respond(raw, *serving.completion(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, raw: Request):
+        return await _respond(raw, *serving.chat(body))
+
+    return app
+
+
+async def _respond(raw: Request, result, is_stream: bool):
+    if is_stream:
+        # A client that goes away cancels this stream; closing it aborts the request.
+        return StreamingResponse(result, media_type="text/event-stream")
+    task = asyncio.ensure_future(anext(result))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+        return JSONResponse(task.result().model_dump(exclude_none=True))
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})       # let the cancellation unwind before closing
+        await result.aclose()
+
+
+def _add_auth(app: FastAPI, api_key: str | None) -> None:
+    if not api_key:
+        return
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+        return await call_next(request)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, error: RequestValidationError):
+        first = error.errors()[0]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON: {first.get('msg')}", None)
+        field = ".".join(loc) or None
+        return error_response(400, f"{field or 'body'}: {first.get('msg')}", loc[0] if loc else None)
+
+    @app.exception_handler(ValueError)
+    async def bad_value(_request: Request, error: ValueError):
+        return error_response(400, str(error), param_of(error))
+
+    @app.exception_handler(RequestError)
+    async def request_error(_request: Request, error: RequestError):
+        return error_response(error.status, error.message, error.param)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_request: Request, error: QueueFullError):
+        return error_response(503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineStoppedError)
+    async def stopping(_request: Request, error: EngineStoppedError):
+        return error_response(503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, error: Exception):
+        logger.exception("request failed")
+        return error_response(500, f"internal error: {error}")
+
+
+def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: EngineMetrics) -> None:
+    llm = engine.llm
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxengine.__version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = p.ModelCard(id=serving.model_name, root=str(llm.model_path),
+                           max_model_len=llm.config.scheduler.max_model_len)
+        return p.ModelList(data=[card]).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError(400, "prompt: give either prompt or messages", "prompt")
+        if serving.tokenizer is None:
+            raise RequestError(400, "prompt: the server runs without a tokenizer", "prompt")
+        if body.messages is not None:
+            ids = apply_chat_template(serving.tokenizer, [m.as_template_input() for m in body.messages],
+                                      body.add_generation_prompt)
+        else:
+            ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.scheduler.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = llm.model_config.vocab_size
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise RequestError(400, f"tokens: {bad[:5]} outside the vocabulary of {vocab} tokens", "tokens")
+        if serving.tokenizer is None:
+            raise RequestError(400, "tokens: the server runs without a tokenizer", "tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}

@@ -1,0 +1,93 @@
+"""Prometheus metrics for the server (prometheus-client), named like vLLM's under ``jaxengine:``.
+
+Each server owns a ``CollectorRegistry`` (so several servers can live in one process, as in
+tests). The engine thread feeds it through the ``AsyncEngine`` observer calls.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from jaxengine.engine import Engine
+from jaxengine.request import Request
+
+disable_created_metrics()      # no *_created series next to each counter (as vLLM)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels, r = ["model_name"], self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"jaxengine:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"jaxengine:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"jaxengine:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_running = gauge("num_requests_running", "Requests running on the device.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_swapped = gauge("num_requests_swapped", "Request groups swapped out to host memory.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Request groups preempted (recompute or swap).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated (all requests).")
+        self.success = Counter("jaxengine:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's token deliveries.",
+                             LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.step_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self._seen_queries = self._seen_hits = 0
+
+    # ---- observer calls (engine thread) ----
+    def on_step(self, engine: Engine) -> None:
+        trace, kv = engine.last_trace, engine.scheduler.kv
+        self.num_running.set(trace.num_running)
+        self.num_waiting.set(trace.num_waiting)
+        self.num_swapped.set(trace.num_swapped)
+        self.kv_usage.set(kv.usage)
+        self.preemptions.inc(trace.num_preemptions)
+        if tokens := trace.num_decode_tokens + trace.num_prefill_tokens:
+            self.step_tokens.observe(tokens)
+        self.prefix_queries.inc(kv.prefix_cache_queries - self._seen_queries)
+        self.prefix_hits.inc(kv.prefix_cache_hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+
+    def on_tokens(self, request: Request, num_tokens: int, itl: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if itl is not None:
+            self.itl.observe(itl)
+
+    def on_finish(self, request: Request) -> None:
+        t = request.times
+        self.success.labels(self.model_name, request.status.finish_reason).inc()
+        self.prompt_tokens.inc(request.num_prompt_tokens)
+        if t.first_token is not None:
+            self.ttft.observe(t.first_token - t.queued)
+        if t.first_scheduled is not None:
+            self.queue_time.observe(t.first_scheduled - t.queued)
+        if t.finished is not None:
+            self.e2e.observe(t.finished - t.queued)
+
+    def on_abort(self) -> None:
+        self.success.labels(self.model_name, "abort").inc()
+
+    def on_idle(self, engine: Engine) -> None:
+        """Gauges after requests left while the engine had no step to run (aborts)."""
+        s = engine.scheduler
+        self.num_running.set(len(s.running))
+        self.num_waiting.set(len(s.waiting))
+        self.num_swapped.set(len(s.swapped))
+        self.kv_usage.set(s.kv.usage)

@@ -1,0 +1,84 @@
+"""A live server on a tiny model with a byte tokenizer, in a thread of the test process."""
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 128
+ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=32, block_size=4, max_model_len=MAX_MODEL_LEN,
+              num_kv_blocks=400, progress=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    llm: object
+    engine: object
+    metrics: object
+
+    def metric(self, name: str, **labels) -> float:
+        labels = {"model_name": "tiny", **labels}
+        value = self.metrics.registry.get_sample_value(f"jaxengine:{name}", labels)
+        return 0.0 if value is None else value
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine holds no request and no KV block."""
+        deadline = time.monotonic() + timeout
+        scheduler = self.engine.engine.scheduler
+        while time.monotonic() < deadline:
+            if not self.engine.num_unfinished and not scheduler.has_unfinished_requests() and scheduler.kv.usage == 0:
+                time.sleep(0.6)        # one idle turn of the engine loop refreshes the gauges
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"engine not idle: {scheduler.requests}")
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    from tests.conftest import make_chat_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    make_chat_checkpoint(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def server(chat_checkpoint):
+    import uvicorn
+
+    from jaxengine.llm import LLM
+    from jaxengine.serve.api_server import build_app
+    from jaxengine.serve.async_engine import AsyncEngine
+    from jaxengine.serve.metrics import EngineMetrics
+
+    llm = LLM(chat_checkpoint, **ENGINE)
+    metrics = EngineMetrics("tiny")
+    engine = AsyncEngine(llm, observer=metrics)
+    app = build_app(engine, served_model_name="tiny", metrics=metrics, api_key=API_KEY)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield LiveServer(f"http://127.0.0.1:{port}", llm, engine, metrics)
+    uv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
