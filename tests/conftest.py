@@ -68,3 +68,11 @@ def checkpoint(request, tmp_path_factory):
     model_type, overrides = VARIANTS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, folder, make_checkpoint(folder, model_type, **overrides)
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    """Folder of a tiny Llama with a byte tokenizer and a chat template."""
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    make_chat_checkpoint(folder)
+    return folder

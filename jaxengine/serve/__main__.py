@@ -1,4 +1,4 @@
-"""``python -m jaxengine.serve``: the OpenAI-compatible server (default: the embedded SmolLM2 on
+"""python -m jaxengine.serve: the OpenAI-compatible server (default: the embedded SmolLM2 on
 127.0.0.1:8000). SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish for
 ``--shutdown-grace`` seconds, aborts the rest and exits 0."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import threading
 
 import uvicorn
 
+from jaxengine.default_model import NAME as DEFAULT_MODEL_NAME
 from jaxengine.engine_args import add_engine_args, llm_from_args
 
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("jaxengine: loading the model and compiling (this takes a moment)...", flush=True)
     llm = llm_from_args(args)
-    name = args.served_model_name or llm.model_path.name
+    name = args.served_model_name or default_served_name(args.model, llm.model_path)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(llm, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key)
@@ -75,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_announce, args=(server, args, name), daemon=True).start()
     server.run()
     return 0
+
+
+def default_served_name(model: str | None, path) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def _announce(server: uvicorn.Server, args: argparse.Namespace, name: str) -> None:

@@ -43,15 +43,6 @@ class LiveServer:
 
 
 @pytest.fixture(scope="session")
-def chat_checkpoint(tmp_path_factory):
-    from tests.conftest import make_chat_checkpoint
-
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    make_chat_checkpoint(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
 def server(chat_checkpoint):
     import uvicorn
 
