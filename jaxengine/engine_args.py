@@ -36,6 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="wait this fraction of the last prompt's latency before admitting new prompts")
     g.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of KV blocks kept free when admitting prompts")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"],
+                   help="paged attention: the Pallas kernel (auto picks it on CUDA GPUs) or the plain-jnp path")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority (lower value first; may preempt)")
 
@@ -51,4 +53,5 @@ def llm_from_args(args: argparse.Namespace, *, progress: bool = True):
                enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                scheduler_delay_factor=args.scheduler_delay_factor, watermark=args.watermark,
-               scheduling_policy=args.scheduling_policy, progress=progress)
+               scheduling_policy=args.scheduling_policy, attention_backend=args.attention_backend,
+               progress=progress)

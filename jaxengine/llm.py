@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxengine.engine import Engine
+from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.outputs import RequestOutput, make_request_output
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.runner.kv_cache import bytes_per_block, num_blocks_for_budget
@@ -34,7 +35,8 @@ class LLM:
                  preemption_mode: str = "auto", swap_space: float = 0.5, scheduler_delay_factor: float = 0.0,
                  watermark: float = 0.01, scheduling_policy: str = "fcfs", num_kv_blocks: int | None = None,
                  kv_cache_memory_bytes: int = GiB, gpu_memory_utilization: float = 0.9,
-                 skip_tokenizer_init: bool = False, warm_up: bool = True, progress: bool = True) -> None:
+                 attention_backend: str = "auto", skip_tokenizer_init: bool = False, warm_up: bool = True,
+                 progress: bool = True) -> None:
         from jaxengine.default_model import default_model_path
         from jaxengine.models.weights import load_model
 
@@ -42,7 +44,8 @@ class LLM:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
         path = default_model_path(progress) if model is None else Path(model)
         self.model_path = path
-        self.model, self.model_config = load_model(path, DTYPES[dtype])
+        self.model, self.model_config = load_model(path, DTYPES[dtype],
+                                                   attention_fn=select_attention(attention_backend))
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
         mc = self.model_config
         max_model_len = max_model_len or min(mc.max_position_embeddings, 2048)

@@ -14,8 +14,9 @@ from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
 H = 16
 
 
-def make_batch(rng, rows, page_size, kv_heads, group, num_tokens, num_rows):
+def make_batch(rng, rows, page_size, kv_heads, group, num_tokens, num_rows, head_size=H):
     """rows: (context before the step, new tokens). Returns q, caches, metadata, per-row K/V."""
+    H = head_size
     n_pages = sum(-(-(c + n) // page_size) for c, n in rows) + 1
     k_cache = np.zeros((n_pages + 1, page_size, kv_heads, H), np.float32)
     v_cache = np.zeros_like(k_cache)

@@ -1,0 +1,112 @@
+"""The Pallas ragged paged-attention kernel (interpret mode on the CPU) against the plain-jnp
+reference: decode-only, prefill-only and mixed batches, chunks after a prefix-cache hit, pages
+crossed, 1-token and many-page contexts, GQA 1/4/8, page sizes 16/32, head sizes 64/128,
+f32 and bf16, sliding window, soft cap, padding rows and tokens."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxengine.kernels.paged_attention import paged_attention
+from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, paged_attention_pallas, validate
+from tests.kernels.test_paged_attention import make_batch
+
+DECODE = [(0, 1), (15, 1), (16, 1), (40, 1), (95, 1)]
+PREFILL = [(0, 5), (0, 33), (0, 17)]
+MIXED = [(30, 1), (0, 20), (16, 1), (48, 19), (7, 1)]       # (48, 19): a chunk after a prefix hit
+CASES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED, "one-token": [(0, 1)], "many-pages": [(150, 3)]}
+
+
+def run_both(rows, *, page_size=16, kv_heads=2, group=4, head_size=64, dtype=jnp.float32, extra_tokens=5,
+             extra_rows=2, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    num_tokens = sum(n for _, n in rows) + extra_tokens
+    q, kc, vc, md, _ = make_batch(rng, rows, page_size, kv_heads, group, num_tokens, len(rows) + extra_rows,
+                                  head_size=head_size)
+    q, kc, vc = q.astype(dtype), kc.astype(dtype), vc.astype(dtype)
+    scale = head_size ** -0.5
+    want = paged_attention(q, kc, vc, md, scale=scale, **kw)
+    got = paged_attention_pallas(q, kc, vc, md, scale=scale, interpret=True, **kw)
+    return np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in rows)
+
+
+def assert_close(got, want, real, rtol):
+    assert not np.isnan(got).any()
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=rtol * scale)
+    assert (got[real:] == 0).all()                                     # padding tokens: zeros
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_kernel_matches_reference_f32(case, group):
+    got, want, real = run_both(CASES[case], group=group)
+    assert_close(got, want, real, 1e-5)
+
+
+@pytest.mark.parametrize("page_size,head_size", [(32, 64), (16, 128), (32, 128)])
+def test_page_and_head_sizes(page_size, head_size):
+    got, want, real = run_both(MIXED, page_size=page_size, head_size=head_size, group=2)
+    assert_close(got, want, real, 1e-5)
+
+
+def test_bf16_within_2e_2():
+    got, want, real = run_both(MIXED, dtype=jnp.bfloat16, group=4)
+    assert_close(got, want, real, 2e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(sliding_window=7), dict(soft_cap=5.0), dict(sliding_window=20, soft_cap=2.0)])
+def test_sliding_window_and_soft_cap(kw):
+    got, want, real = run_both(MIXED, group=4, **kw)
+    assert_close(got, want, real, 1e-5)
+
+
+def test_non_power_of_two_group_and_explicit_block_sizes():
+    got, want, real = run_both(MIXED, group=3, kv_heads=3)                  # SmolLM2's layout: G = 3
+    assert_close(got, want, real, 1e-5)
+    rng = np.random.default_rng(1)
+    q, kc, vc, md, _ = make_batch(rng, MIXED, 16, 2, 2, 60, 6, head_size=64)
+    want = paged_attention(q, kc, vc, md, scale=0.125)
+    for sizes in (BlockSizes(4, 1), BlockSizes(32, 8)):
+        got = paged_attention_pallas(q, kc, vc, md, scale=0.125, interpret=True, sizes=sizes)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_block_size_table_keeps_16_rows_per_tile():
+    for group_p in (1, 2, 4, 8, 16):
+        sizes = block_sizes(128, 16, jnp.bfloat16, group_p)
+        assert sizes.block_q * group_p >= 16 and sizes.block_q & (sizes.block_q - 1) == 0
+
+
+def test_validation_names_the_problem():
+    q = jnp.zeros((4, 8, 64))
+    cache = jnp.zeros((4, 16, 2, 64))
+    rng = np.random.default_rng(0)
+    _, _, _, md, _ = make_batch(rng, [(0, 4)], 16, 2, 4, 4, 1, head_size=64)
+    with pytest.raises(ValueError, match="query heads"):
+        validate(jnp.zeros((4, 6, 64)), jnp.zeros((4, 16, 4, 64)), jnp.zeros((4, 16, 4, 64)), md)
+    with pytest.raises(ValueError, match="page size must be a power of two"):
+        validate(q, jnp.zeros((4, 12, 2, 64)), jnp.zeros((4, 12, 2, 64)), md)
+    with pytest.raises(ValueError, match="head size"):
+        validate(q, jnp.zeros((4, 16, 2, 32)), jnp.zeros((4, 16, 2, 32)), md)
+    validate(q, cache, cache, md)
+
+
+@pytest.mark.parametrize("dtype,kv_heads,group,head_size,page_size", [
+    (jnp.bfloat16, 8, 4, 128, 16),        # Llama-3-8B's layout
+    (jnp.float32, 3, 3, 64, 16),          # SmolLM2's
+    (jnp.bfloat16, 2, 1, 64, 32),
+])
+def test_kernel_lowers_to_triton_for_cuda(dtype, kv_heads, group, head_size, page_size):
+    """Without a GPU: the Pallas -> Triton lowering accepts every op of the kernel (cross-platform
+    lowering through jax.export; the GPU check compiles and runs it)."""
+    import jax
+    from jax import export
+
+    rng = np.random.default_rng(0)
+    q, kc, vc, md, _ = make_batch(rng, MIXED, page_size, kv_heads, group, 80, 6, head_size=head_size)
+    fn = jax.jit(lambda q, kc, vc, md: paged_attention_pallas(q, kc, vc, md, scale=0.1, interpret=False,
+                                                             sliding_window=9, soft_cap=3.0))
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        q.astype(dtype), kc.astype(dtype), vc.astype(dtype), md)
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
