@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxengine.engine import Engine
 from jaxengine.kernels.paged_attention.backend import select_attention
+from jaxengine.models.config import ModelConfig
 from jaxengine.outputs import RequestOutput, make_request_output
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.runner.kv_cache import bytes_per_block, num_blocks_for_budget
@@ -36,17 +37,14 @@ class LLM:
                  watermark: float = 0.01, scheduling_policy: str = "fcfs", num_kv_blocks: int | None = None,
                  kv_cache_memory_bytes: int = GiB, gpu_memory_utilization: float = 0.9,
                  attention_backend: str = "auto", skip_tokenizer_init: bool = False, warm_up: bool = True,
-                 progress: bool = True) -> None:
-        from jaxengine.default_model import default_model_path
-        from jaxengine.models.weights import load_model
-
+                 progress: bool = True, model_config: ModelConfig | None = None,
+                 token_buckets: list[int] | None = None, request_buckets: list[int] | None = None) -> None:
+        """``model``: a checkpoint folder or .gguf file, None for the default, or an already built
+        model module with its ``model_config`` (benchmarks on random weights; no tokenizer).
+        ``token_buckets`` / ``request_buckets`` replace the power-of-two step shapes."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
-        path = default_model_path(progress) if model is None else Path(model)
-        self.model_path = path
-        self.model, self.model_config = load_model(path, DTYPES[dtype],
-                                                   attention_fn=select_attention(attention_backend))
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
+        self._load(model, model_config, dtype, attention_backend, skip_tokenizer_init, progress)
         mc = self.model_config
         max_model_len = max_model_len or min(mc.max_position_embeddings, 2048)
         per_block = bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, DTYPES[dtype])
@@ -63,9 +61,26 @@ class LLM:
                                       preemption_mode=preemption_mode, delay_factor=scheduler_delay_factor))
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_gpu_blocks, block_size,
                     num_gpu_blocks * per_block / (1 << 20))
-        self.runner = ModelRunner(self.model, mc, self.config, dtype=DTYPES[dtype], warm_up=warm_up, progress=progress)
+        self.runner = ModelRunner(self.model, mc, self.config, dtype=DTYPES[dtype], warm_up=warm_up, progress=progress,
+                                  token_buckets=token_buckets, request_buckets=request_buckets)
         self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id())
         self._ids = itertools.count()
+
+    def _load(self, model, model_config, dtype: str, attention_backend: str, skip_tokenizer_init: bool,
+              progress: bool) -> None:
+        from jaxengine.default_model import default_model_path
+        from jaxengine.models.weights import load_model
+
+        if model is not None and not isinstance(model, (str, Path)):
+            if model_config is None:
+                raise ValueError("model_config: required with a model module")
+            self.model_path, self.model, self.model_config, self.tokenizer = Path("<module>"), model, model_config, None
+            return
+        path = default_model_path(progress) if model is None else Path(model)
+        self.model_path = path
+        self.model, self.model_config = load_model(path, DTYPES[dtype],
+                                                   attention_fn=select_attention(attention_backend))
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
 
     def _eos_token_id(self) -> int | None:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None

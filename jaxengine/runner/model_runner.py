@@ -17,7 +17,8 @@ from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
-from jaxengine.runner.buckets import request_buckets, token_buckets
+from jaxengine.runner.buckets import request_buckets as default_request_buckets
+from jaxengine.runner.buckets import token_buckets as default_token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
 from jaxengine.sample.metadata import SamplingMetadata
@@ -40,6 +41,15 @@ def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp
     return result, prompt_lp
 
 
+def _checked_buckets(buckets: list[int] | None, largest: int, name: str) -> list[int] | None:
+    if buckets is None:
+        return None
+    buckets = sorted(set(buckets))
+    if not buckets or buckets[0] < 1 or buckets[-1] != largest:
+        raise ValueError(f"{name}: must be positive and end at {largest} (the step's limit), got {buckets}")
+    return buckets
+
+
 class PendingStep:
     """A launched step; ``result()`` waits for the device and returns the sampled tokens."""
 
@@ -59,11 +69,14 @@ class CompilationError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, dtype=jnp.float32,
-                 warm_up: bool = True, progress: bool = True) -> None:
+                 warm_up: bool = True, progress: bool = True, token_buckets: list[int] | None = None,
+                 request_buckets: list[int] | None = None) -> None:
         sc, cc = config.scheduler, config.cache
         self.block_size = cc.block_size
-        self.token_buckets = token_buckets(sc.max_num_batched_tokens)
-        self.request_buckets = request_buckets(sc.max_num_seqs, minimum=min(8, sc.max_num_seqs))
+        self.token_buckets = _checked_buckets(token_buckets, sc.max_num_batched_tokens, "token_buckets") or \
+            default_token_buckets(sc.max_num_batched_tokens)
+        self.request_buckets = _checked_buckets(request_buckets, sc.max_num_seqs, "request_buckets") or \
+            default_request_buckets(sc.max_num_seqs, minimum=min(8, sc.max_num_seqs))
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
                                 cc.block_size, self.token_buckets, self.request_buckets)
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype)

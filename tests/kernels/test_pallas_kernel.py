@@ -25,7 +25,7 @@ def run_both(rows, *, page_size=16, kv_heads=2, group=4, head_size=64, dtype=jnp
     q, kc, vc = q.astype(dtype), kc.astype(dtype), vc.astype(dtype)
     scale = head_size ** -0.5
     want = paged_attention(q, kc, vc, md, scale=scale, **kw)
-    got = paged_attention_pallas(q, kc, vc, md, scale=scale, interpret=True, **kw)
+    got = paged_attention_pallas(q, kc, vc, md, scale=scale, **kw)         # interpreted on the CPU, compiled on a GPU
     return np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in rows)
 
 
@@ -67,7 +67,7 @@ def test_non_power_of_two_group_and_explicit_block_sizes():
     q, kc, vc, md, _ = make_batch(rng, MIXED, 16, 2, 2, 60, 6, head_size=64)
     want = paged_attention(q, kc, vc, md, scale=0.125)
     for sizes in (BlockSizes(4, 1), BlockSizes(32, 8)):
-        got = paged_attention_pallas(q, kc, vc, md, scale=0.125, interpret=True, sizes=sizes)
+        got = paged_attention_pallas(q, kc, vc, md, scale=0.125, sizes=sizes)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.abs(want).max()))
 
 

@@ -1,0 +1,250 @@
+"""GPU benchmarks for scripts/gpu_check.sh (``--smoke``: tiny sizes, runs on the CPU too).
+
+    python scripts/bench_gpu.py ceilings|kernel|engine --out DIR [--smoke]
+
+ceilings: HBM copy bandwidth and bf16 matmul rate, measured here (the baselines).
+kernel:   the Pallas ragged paged-attention kernel against the plain-jnp path and the copy
+          bandwidth, on a decode batch (256 requests x 2k context, Llama-3-8B heads: 32 query,
+          8 KV, head size 128, bf16) and a mixed batch; a block-size sweep for the decode case.
+engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf16): offline
+          throughput for 1,000 requests of 128 prompt / 128 output tokens (ignore_eos), and the
+          decode step time at batch 256 against its roofline floor.
+Each writes DIR/<name>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled
+from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, paged_attention_pallas
+
+
+def timed(fn, *args, reps: int = 10) -> float:
+    """Median seconds per call after a warm-up call (compilation)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- ceilings
+def ceilings(smoke: bool) -> dict:
+    n = (1 << 20) if smoke else (1 << 30)                   # bf16 elements: 2 GiB on the GPU
+    x = jnp.ones((n,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t_copy = timed(copy, x)
+    m = 256 if smoke else 8192
+    a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    t_mm = timed(mm, a)
+    return {"copy_bandwidth_gbs": round(2 * n * 2 / t_copy / 1e9, 1),
+            "bf16_matmul_tflops": round(2 * m ** 3 / t_mm / 1e12, 1)}
+
+
+# ---------------------------------------------------------------- kernel
+def attention_batch(rows, page_size, kv_heads, group, head_size, dtype, seed=0):
+    """rows: (context before, new tokens). Random caches with each row's pages scattered."""
+    rng = np.random.default_rng(seed)
+    pages_per_row = [-(-(c + n) // page_size) for c, n in rows]
+    num_pages = sum(pages_per_row) + 1
+    perm = rng.permutation(np.arange(1, num_pages))
+    tables, used = [], 0
+    for count in pages_per_row:
+        tables.append(perm[used:used + count].tolist())
+        used += count
+    num_tokens = sum(n for _, n in rows)
+    md = AttentionMetadata.build([(c, n, t) for (c, n), t in zip(rows, tables)], page_size, num_tokens,
+                                 max(pages_per_row))
+    key = jax.random.key(seed)
+    shape = (num_pages, page_size, kv_heads, head_size)
+    k = jax.random.normal(key, shape, dtype)
+    v = jax.random.normal(jax.random.fold_in(key, 1), shape, dtype)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (num_tokens, kv_heads * group, head_size), dtype)
+    kv_bytes = sum(c + n for c, n in rows) * kv_heads * head_size * 2 * jnp.dtype(dtype).itemsize
+    return q, k, v, md, kv_bytes
+
+
+def kernel(smoke: bool, copy_gbs: float) -> dict:
+    heads = (2, 4, 64) if smoke else (8, 4, 128)            # KV heads, group, head size
+    context, batch = (64, 8) if smoke else (2048, 256)
+    cases = {"decode": [(context - 1, 1)] * batch,
+             "mixed": [(context - 1, 1)] * (batch // 2) + [(context // 2, context // 4)] * 4}
+    out = {}
+    for name, rows in cases.items():
+        q, k, v, md, kv_bytes = attention_batch(rows, 16, *heads, jnp.bfloat16)
+        pallas = jax.jit(lambda q, k, v, md: paged_attention_pallas(q, k, v, md, scale=0.088))
+        reference = jax.jit(lambda q, k, v, md: paged_attention_tiled(q, k, v, md, scale=0.088))
+        t_pallas, t_ref = timed(pallas, q, k, v, md), timed(reference, q, k, v, md)
+        err = float(jnp.max(jnp.abs(pallas(q, k, v, md).astype(jnp.float32) - reference(q, k, v, md).astype(jnp.float32))))
+        gbs = kv_bytes / t_pallas / 1e9
+        out[name] = {"pallas_ms": round(t_pallas * 1e3, 3), "reference_ms": round(t_ref * 1e3, 3),
+                     "speedup_vs_reference": round(t_ref / t_pallas, 2), "kv_gb": round(kv_bytes / 1e9, 3),
+                     "pallas_gbs": round(gbs, 1), "fraction_of_copy_bw": round(gbs / copy_gbs, 3),
+                     "max_abs_err_vs_reference": err}
+    out["decode_sweep"] = sweep(cases["decode"], heads, copy_gbs)
+    return out
+
+
+def sweep(rows, heads, copy_gbs) -> list[dict]:
+    """Decode timings over block sizes (to update kernel.TUNED)."""
+    q, k, v, md, kv_bytes = attention_batch(rows, 16, *heads, jnp.bfloat16)
+    group = heads[1]
+    base = block_sizes(heads[2], 16, jnp.bfloat16, group)
+    results = []
+    for pages in (1, 2, 4, 8):
+        for warps in (4, 8):
+            for stages in (1, 2, 3):
+                sizes = BlockSizes(base.block_q, pages, warps, stages)
+                fn = jax.jit(lambda q, k, v, md, s=sizes: paged_attention_pallas(q, k, v, md, scale=0.088, sizes=s))
+                try:
+                    t = timed(fn, q, k, v, md, reps=5)
+                except Exception as error:                     # noqa: BLE001 - a size Triton refuses
+                    results.append({"sizes": sizes.__dict__, "error": str(error)[:200]})
+                    continue
+                results.append({"sizes": sizes.__dict__, "ms": round(t * 1e3, 3),
+                                "fraction_of_copy_bw": round(kv_bytes / t / 1e9 / copy_gbs, 3)})
+    return sorted(results, key=lambda r: r.get("ms", 1e9))
+
+
+# ---------------------------------------------------------------- engine
+def llama3_8b(smoke: bool):
+    from jaxengine.models.config import ModelConfig, RopeScaling
+
+    if smoke:
+        return ModelConfig("LlamaForCausalLM", 512, 128, 256, 2, 4, 2, 32, rope_theta=500000.0)
+    return ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+                       max_position_embeddings=8192)
+
+
+def engine(smoke: bool, ceil: dict) -> dict:
+    from flax import nnx
+
+    from jaxengine import SamplingParams
+    from jaxengine.kernels.paged_attention.backend import select_attention
+    from jaxengine.llm import LLM
+    from jaxengine.models.llama import LlamaForCausalLM
+
+    cfg = llama3_8b(smoke)
+    start = time.perf_counter()
+    model = LlamaForCausalLM(cfg, jnp.bfloat16, select_attention("auto"), rngs=nnx.Rngs(0))
+    num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+    init_s = time.perf_counter() - start
+    num_requests, batch = (32, 16) if smoke else (1000, 256)
+    budget = 256 if smoke else 4096
+    start = time.perf_counter()
+    llm = LLM(model, model_config=cfg, dtype="bfloat16", max_num_seqs=batch, max_num_batched_tokens=budget,
+              max_model_len=512, block_size=16, token_buckets=sorted({batch, 1024 if not smoke else 64, budget}),
+              request_buckets=sorted({batch // 4, batch}), enable_prefix_caching=False,
+              num_kv_blocks=256 if smoke else 8192)
+    compile_s = time.perf_counter() - start
+    steps = record_steps(llm)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(num_requests)]
+    params = SamplingParams(max_tokens=128, ignore_eos=True, temperature=0)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    decode = [s for s in steps if s["decode"] == batch and s["prefill"] == 0]
+    result = {"num_params": int(num_params), "init_s": round(init_s, 1), "startup_compile_s": round(compile_s, 1),
+              "requests": num_requests, "output_tokens": tokens, "seconds": round(seconds, 2),
+              "output_tok_s": round(tokens / seconds, 1), "steps": len(steps),
+              "host_s_per_step": round((sum(s["wall"] for s in steps) - llm.runner.device_wait_s) / max(len(steps), 1), 5)}
+    if decode:
+        result["decode_step_ms_at_batch"] = round(statistics.median(s["wall"] for s in decode) * 1e3, 3)
+        result["decode_floor_ms"] = round(decode_floor_ms(cfg, num_params, batch,
+                                                          statistics.median(s["context"] for s in decode), ceil), 3)
+        result["decode_vs_floor"] = round(result["decode_step_ms_at_batch"] / result["decode_floor_ms"], 2)
+    return result
+
+
+def record_steps(llm) -> list[dict]:
+    """Wrap engine.step to time each step and note its shape and total context."""
+    steps, engine, original = [], llm.engine, llm.engine.step
+
+    def step(*args, **kwargs):
+        start = time.perf_counter()
+        finished = original(*args, **kwargs)
+        trace = engine.last_trace
+        context = sum(len(s.token_ids) for g in engine.scheduler.running for s in g.seqs)
+        steps.append({"wall": time.perf_counter() - start, "decode": trace.num_decode_tokens,
+                      "prefill": trace.num_prefill_tokens, "context": context})
+        return finished
+
+    engine.step = step
+    return steps
+
+
+def decode_floor_ms(cfg, num_params: int, batch: int, context: float, ceil: dict) -> float:
+    """max(bytes / copy bandwidth, FLOPs / matmul rate) for one decode step."""
+    kv_per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 2
+    bytes_moved = num_params * 2 + context * kv_per_token
+    flops = 2 * num_params * batch + 4 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return max(bytes_moved / (ceil["copy_bandwidth_gbs"] * 1e9), flops / (ceil["bf16_matmul_tflops"] * 1e12)) * 1e3
+
+
+# ---------------------------------------------------------------- summary
+TARGETS = [  # (label, file, key path, target text, passes)
+    ("HBM copy bandwidth (GB/s)", "ceilings", ("copy_bandwidth_gbs",), "baseline", None),
+    ("bf16 matmul (TFLOP/s)", "ceilings", ("bf16_matmul_tflops",), "baseline", None),
+    ("decode attention, fraction of copy bandwidth", "kernel", ("decode", "fraction_of_copy_bw"), ">= 0.70",
+     lambda v: v >= 0.70),
+    ("decode attention vs plain-jnp path (speed-up)", "kernel", ("decode", "speedup_vs_reference"), "> 1",
+     lambda v: v > 1),
+    ("mixed batch attention (ms)", "kernel", ("mixed", "pallas_ms"), "-", None),
+    ("decode step at batch 256 / roofline floor", "engine", ("decode_vs_floor",), "<= 1.25", lambda v: v <= 1.25),
+    ("offline output tok/s (1000 x 128/128)", "engine", ("output_tok_s",), ">= 15000", lambda v: v >= 15000),
+]
+
+
+def summary(out: Path) -> None:
+    """All results in one JSON and a short table (printed last)."""
+    results = {name: json.loads((out / f"{name}.json").read_text()) for name in ("ceilings", "kernel", "engine")
+               if (out / f"{name}.json").exists()}
+    lines = ["| check | value | target | met |", "|---|---|---|---|"]
+    for label, name, path, target, passes in TARGETS:
+        value = results.get(name)
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        met = "-" if passes is None or value is None else ("yes" if passes(value) else "NO")
+        lines.append(f"| {label} | {'missing' if value is None else value} | {target} | {met} |")
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "summary"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (a dry run, also on the CPU)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.what == "summary":
+        return summary(args.out)
+    info = {"device": str(jax.devices()[0]), "jax": jax.__version__}
+    if args.what == "ceilings":
+        result = {**info, **ceilings(args.smoke)}
+    else:
+        ceil = json.loads((args.out / "ceilings.json").read_text())
+        result = {**info, **(kernel(args.smoke, ceil["copy_bandwidth_gbs"]) if args.what == "kernel"
+                             else engine(args.smoke, ceil))}
+    (args.out / f"{args.what}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result)[:2000], flush=True)
+
+
+if __name__ == "__main__":
+    main()
