@@ -44,16 +44,27 @@ class StepTrace:
 
 
 class Engine:
+    """``async_scheduling``: while the device computes step n, the host schedules and launches
+    step n + 1 before it has step n's tokens (the scheduler gives each sampling row a placeholder
+    and the runner feeds the decode its token from the device). A sequence that stops at step n
+    then has one wasted row in step n + 1; outputs are the same. Steps that fork (n > 1) or
+    that serve penalties (which read the host's token history) wait for their results."""
+
     def __init__(self, config: EngineConfig, runner: Runner, *, eos_token_id: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, trace: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, trace: bool = False,
+                 async_scheduling: bool = False) -> None:
         self.config = config
         self.runner = runner
         self.eos_token_id = eos_token_id
         self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock)
         self.clock = clock
+        self.async_scheduling = async_scheduling
         self.num_steps = 0
+        self.num_run_ahead = 0          # steps launched before the previous step's results
         self.traces: list[StepTrace] | None = [] if trace else None
         self.last_trace: StepTrace | None = None      # the latest step's record (metrics read it)
+        self.last_output: SchedulerOutput | None = None   # the latest schedule() (tests read it)
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
@@ -77,9 +88,17 @@ class Engine:
         processing of the previous step: detokenising, stop strings, streaming). It may finish
         or abort requests; a row finished that way has its token discarded, so the outputs are
         the same as doing that work between steps."""
-        scheduler_output = self.scheduler.schedule()
-        dispatch = getattr(self.runner, "dispatch", None)
-        pending = dispatch(scheduler_output) if dispatch else _Done(self.runner.execute(scheduler_output))
+        if self._in_flight is not None:
+            scheduler_output, pending = self._in_flight
+            self._in_flight = None
+        else:
+            scheduler_output = self._schedule()
+            pending = self._dispatch(scheduler_output)
+        if self.async_scheduling and self._can_run_ahead(scheduler_output):
+            self.scheduler.add_placeholders(scheduler_output)
+            following = self._schedule()
+            self._in_flight = (following, self._dispatch(following))
+            self.num_run_ahead += 1
         if while_running is not None:
             while_running()
         finished = self.scheduler.update_from_output(scheduler_output, pending.result())
@@ -88,6 +107,27 @@ class Engine:
             self.traces.append(self.last_trace)
         self.num_steps += 1
         return finished
+
+    def flush(self) -> None:
+        """Collect the step in flight and run one empty step, which tells the runner about every
+        sequence that finished (so it holds no state for them)."""
+        while self._in_flight is not None:
+            self.step()
+        self.step()
+
+    def _schedule(self) -> SchedulerOutput:
+        self.last_output = self.scheduler.schedule()
+        return self.last_output
+
+    def _dispatch(self, out: SchedulerOutput):
+        dispatch = getattr(self.runner, "dispatch", None)
+        return dispatch(out) if dispatch else _Done(self.runner.execute(out))
+
+    @staticmethod
+    def _can_run_ahead(out: SchedulerOutput) -> bool:
+        if not out.seq_ids or max(out.num_samples) > 1:
+            return False
+        return not any(seq.request.needs_history for seq in out.scheduled_seqs)
 
     def run(self, max_steps: int = 1_000_000) -> list[Request]:
         """Step until every request has finished; returns them in finishing order."""

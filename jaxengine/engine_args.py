@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fraction of KV blocks kept free when admitting prompts")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"],
                    help="paged attention: the Pallas kernel (auto picks it on CUDA GPUs) or the plain-jnp path")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and launch step n+1 while step n computes (default on)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority (lower value first; may preempt)")
 
@@ -54,4 +56,5 @@ def llm_from_args(args: argparse.Namespace, *, progress: bool = True):
                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                scheduler_delay_factor=args.scheduler_delay_factor, watermark=args.watermark,
                scheduling_policy=args.scheduling_policy, attention_backend=args.attention_backend,
+               async_scheduling=args.async_scheduling,
                progress=progress)

@@ -38,10 +38,12 @@ class LLM:
                  kv_cache_memory_bytes: int = GiB, gpu_memory_utilization: float = 0.9,
                  attention_backend: str = "auto", skip_tokenizer_init: bool = False, warm_up: bool = True,
                  progress: bool = True, model_config: ModelConfig | None = None,
-                 token_buckets: list[int] | None = None, request_buckets: list[int] | None = None) -> None:
+                 token_buckets: list[int] | None = None, request_buckets: list[int] | None = None,
+                 async_scheduling: bool = True) -> None:
         """``model``: a checkpoint folder or .gguf file, None for the default, or an already built
         model module with its ``model_config`` (benchmarks on random weights; no tokenizer).
-        ``token_buckets`` / ``request_buckets`` replace the power-of-two step shapes."""
+        ``token_buckets`` / ``request_buckets`` replace the power-of-two step shapes.
+        ``async_scheduling``: schedule and launch step n + 1 while step n computes (see Engine)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
         self._load(model, model_config, dtype, attention_backend, skip_tokenizer_init, progress)
@@ -63,7 +65,8 @@ class LLM:
                     num_gpu_blocks * per_block / (1 << 20))
         self.runner = ModelRunner(self.model, mc, self.config, dtype=DTYPES[dtype], warm_up=warm_up, progress=progress,
                                   token_buckets=token_buckets, request_buckets=request_buckets)
-        self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id())
+        self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id(),
+                             async_scheduling=async_scheduling)
         self._ids = itertools.count()
 
     def _load(self, model, model_config, dtype: str, attention_backend: str, skip_tokenizer_init: bool,
@@ -157,7 +160,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 bar.update(len(self.engine.step(check_stop_strings if watched else None)))
             bar.update(len(requests) - bar.n)     # finished by a stop string
-        self.engine.step()    # an empty step: the runner forgets the last finished sequences
+        self.engine.flush()   # the runner forgets the last finished sequences
         return [[self._final_text(r, s, detoks) for s in r.seqs] for r in requests]
 
     def _detok(self, request: Request, seq: Sequence, detoks: dict) -> IncrementalDetokenizer:
@@ -173,7 +176,7 @@ class LLM:
             if seq.is_finished or seq.num_output_tokens < request.sampling_params.min_tokens:
                 continue
             detok = self._detok(request, seq, detoks)
-            delta = detok.step(seq.token_ids[len(detok.ids):])
+            delta = detok.step(seq.token_ids[len(detok.ids):seq.num_real_tokens])
             if delta.stop_str is not None:
                 self.engine.scheduler.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, delta.stop_str)
 
@@ -185,7 +188,7 @@ class LLM:
             return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
         detok = self._detok(request, seq, detoks)
         if not detok.stopped:
-            detok.step(seq.token_ids[len(detok.ids):])
+            detok.step(seq.token_ids[len(detok.ids):seq.num_real_tokens])
         return detok.output_text + detok.finish()
 
 

@@ -45,6 +45,7 @@ _FINISH_REASONS = {
 }
 
 _seq_ids = itertools.count()
+PLACEHOLDER = -1        # a token sampled by a step still on the device (async scheduling)
 
 
 class Sequence:
@@ -52,7 +53,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "block_hashes", "num_cached_blocks", "status", "stop_reason",
-                 "sample_index", "is_new", "logprobs")
+                 "sample_index", "is_new", "logprobs", "num_pending")
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int) -> None:
         self.seq_id: int = next(_seq_ids)
@@ -68,18 +69,34 @@ class Sequence:
         self.sample_index = sample_index      # which of the group's n samples (seed streams)
         self.is_new = True                    # the runner has not seen this sequence's state
         self.logprobs: list = []              # per output token, when asked for: (logprob, top-k dict)
+        # Async scheduling: trailing PLACEHOLDER tokens sampled by steps still on the device. They
+        # count as tokens for scheduling; update_from_output fills them in, oldest first.
+        self.num_pending = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def num_real_tokens(self) -> int:
+        """Tokens whose values are known on the host (placeholders excluded)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_real_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_real_tokens - self.num_prompt_tokens
+
+    def drop_pending(self) -> int:
+        """Forget the placeholders (their tokens, still on the device, are discarded); returns how many."""
+        n = self.num_pending
+        if n:
+            del self.token_ids[-n:]
+            self.num_pending = 0
+        return n
 
     @property
     def is_finished(self) -> bool:
@@ -135,6 +152,9 @@ class Request:
         self.stop_token_set = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos or eos_token_id is None else {eos_token_id})
         self.max_output_tokens = sampling_params.max_tokens or 1 << 62  # capped by the scheduler
+        # Penalties read the whole token history on the host: such requests don't run ahead.
+        p = sampling_params
+        self.needs_history = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         # Fixed here so a preempted and resumed request continues the same random stream.
         self.seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
 
@@ -180,7 +200,7 @@ SequenceGroup = Request
 def check_stop(request: Request, seq: Sequence, token: int) -> RequestStatus | None:
     """The stop checks after ``token`` was appended to ``seq``: EOS / stop tokens (not before
     ``min_tokens``, EOS not with ``ignore_eos``), then ``max_tokens`` and the context length."""
-    num_output = len(seq.token_ids) - seq.num_prompt_tokens
+    num_output = seq.num_real_tokens - seq.num_prompt_tokens
     if token in request.stop_token_set and num_output >= request.sampling_params.min_tokens:
         seq.stop_reason = token
         return RequestStatus.FINISHED_STOPPED

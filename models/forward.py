@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.kernels.paged_attention import AttentionMetadata
@@ -13,14 +14,23 @@ def _logits(model, hidden: jax.Array, logits_indices: jax.Array) -> jax.Array:
     return model.compute_logits(hidden[logits_indices])
 
 
+def feed_previous_tokens(input_ids: jax.Array, previous: jax.Array, index: jax.Array) -> jax.Array:
+    """Async scheduling: a token the host does not know yet (index >= 0) is taken from the
+    previous step's sampled tokens, still on the device."""
+    return jnp.where(index >= 0, previous[jnp.maximum(index, 0)], input_ids)
+
+
 def make_forward(model: nnx.Module, head: Callable = _logits) -> tuple[nnx.State, Callable]:
     """Returns (state, forward); ``forward(state, kv_caches, input_ids, md, logits_indices, *extra)``
+    (``input_ids`` may be ``(ids, previous step's tokens, index into them or -1)``)
     -> (kv_caches, head(model, hidden [T, D], logits_indices, *extra)); the default head returns the
     logits [R, V] (f32) of the rows asked for; a sampler plugs in here. The caches passed in are
     donated: use the returned ones."""
     graphdef, state = nnx.split(model)
 
-    def forward(state, kv_caches, input_ids: jax.Array, md: AttentionMetadata, logits_indices: jax.Array, *extra):
+    def forward(state, kv_caches, input_ids, md: AttentionMetadata, logits_indices: jax.Array, *extra):
+        if isinstance(input_ids, tuple):
+            input_ids = feed_previous_tokens(*input_ids)
         m = nnx.merge(graphdef, state)
         hidden, kv_caches = m(input_ids, kv_caches, md)
         return kv_caches, head(m, hidden, logits_indices, *extra)

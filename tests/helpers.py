@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from jaxengine.config import EngineConfig
-from jaxengine.core.scheduler import Scheduler
+from jaxengine.engine import Engine
 from jaxengine.core.scheduler_output import SchedulerOutput
 from jaxengine.request import Request
 from jaxengine.runner.fake_runner import HashRunner
@@ -26,12 +26,13 @@ class Clock:
 class Harness:
     """A scheduler plus the KV-simulating runner, stepped by hand."""
 
-    def __init__(self, clock: Clock | None = None, **overrides) -> None:
+    def __init__(self, clock: Clock | None = None, async_scheduling: bool = False, **overrides) -> None:
         self.config = EngineConfig().replace(**{**SMALL, **overrides})
         cache = self.config.cache
         self.clock = clock or Clock()
-        self.scheduler = Scheduler(self.config.scheduler, cache, clock=self.clock)
         self.runner = HashRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size)
+        self.engine = Engine(self.config, self.runner, clock=self.clock, async_scheduling=async_scheduling)
+        self.scheduler = self.engine.scheduler
         self.kv = self.scheduler.kv
         self.requests: dict[str, Request] = {}
         self.last: SchedulerOutput | None = None
@@ -48,12 +49,11 @@ class Harness:
         return request
 
     def step(self) -> dict[str, int]:
-        """One step; returns {request_id: tokens scheduled} (summed over a group's rows)."""
-        out = self.scheduler.schedule()
-        self.last = out
-        result = self.runner.execute(out)
-        self.finished = self.scheduler.update_from_output(out, result)
-        return scheduled_by_request(out)
+        """One engine step; returns {request_id: tokens scheduled} (summed over a group's rows)
+        of the latest schedule() (with async scheduling: the step launched ahead)."""
+        self.finished = self.engine.step()
+        self.last = self.engine.last_output
+        return scheduled_by_request(self.last)
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):

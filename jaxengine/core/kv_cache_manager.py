@@ -86,7 +86,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the prefix cache."""
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_real_tokens) // self.block_size   # known tokens only
         if num_full <= seq.num_cached_blocks:
             return
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_full, self.block_size,

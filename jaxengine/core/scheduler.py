@@ -15,7 +15,7 @@ from jaxengine.config import CacheConfig, SchedulerConfig
 from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
 from jaxengine.core.request_queue import make_queue
 from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput
-from jaxengine.request import Request, RequestStatus, Sequence, check_stop
+from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
 
 RUNNING = RequestStatus.RUNNING
 
@@ -142,6 +142,9 @@ class Scheduler:
                 if len(seq.token_ids) - nc != 1:
                     prefilling.append(group)
                     continue
+                if seq.num_pending and self._finishes_by_length(seq):
+                    num_seqs += 1                  # its token in flight is its last: no row, but
+                    continue                       # it holds its place until update_from_output
                 if nc >= len(seq.block_table) * bs:
                     self._budget = budget
                     if not self._make_room(group, lambda: kv.allocate_slots(seq, 1)):
@@ -182,6 +185,8 @@ class Scheduler:
         of what is left of the budget for a prefill. Preempts others if blocks run out."""
         kv = self.kv
         for seq in group.live_seqs:
+            if seq.num_pending and self._finishes_by_length(seq):
+                continue
             n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, self._budget)
             if n <= 0:
                 continue
@@ -202,6 +207,20 @@ class Scheduler:
         out.num_scheduled_tokens.append(n)
         out.num_samples.append(0 if not done else (1 if group.forked else group.sampling_params.n))
         out.scheduled_seqs.append(seq)
+
+    @staticmethod
+    def _finishes_by_length(seq: Sequence) -> bool:
+        """Its last token (a placeholder) reaches max_tokens: no further step for it."""
+        return len(seq.token_ids) - seq.num_prompt_tokens >= seq.request.max_output_tokens
+
+    def add_placeholders(self, out: SchedulerOutput) -> None:
+        """Async scheduling: before ``update_from_output(out)``, give every row of ``out`` that
+        samples one token a placeholder, so the next ``schedule()`` can run its decode (the
+        runner feeds it the token from the device). Not for fork rows (n > 1 samples)."""
+        for seq, k in zip(out.scheduled_seqs, out.num_samples):
+            if k == 1 and seq.status is RUNNING:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
 
     @staticmethod
     def _is_partial(group: Request) -> bool:
@@ -428,6 +447,7 @@ class Scheduler:
         self._finished.append(group)
 
     def _free_seq(self, seq: Sequence, status: RequestStatus) -> None:
+        seq.drop_pending()
         if seq.status is RequestStatus.SWAPPED:
             self.kv.host_pool.free(reversed(seq.block_table))
             seq.block_table = []
@@ -476,8 +496,10 @@ class Scheduler:
                     seq.request.prompt_logprobs[position] = entry     # by position: recompute-safe
         for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids):
             if seq.status is not RUNNING:
-                continue                                   # aborted while the step ran
-            if caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                if tokens and seq.num_pending and not seq.is_finished:
+                    self._fill_preempted(seq, tokens[0])   # preempted while its step ran: keep the token
+                continue                                   # (finished ones: aborted while it ran)
+            if caching and min(seq.num_computed_tokens, seq.num_real_tokens) // bs > seq.num_cached_blocks:
                 kv.cache_full_blocks(seq)
             if not tokens:
                 continue                                   # mid-prefill: nothing sampled
@@ -489,11 +511,14 @@ class Scheduler:
                 any_finished |= request.is_finished
                 continue
             token = tokens[0]
-            token_ids = seq.token_ids
-            token_ids.append(token)
+            if seq.num_pending:                            # async scheduling: fill the oldest placeholder
+                seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+                seq.num_pending -= 1
+            else:
+                seq.token_ids.append(token)
             # Cheap pre-filter on the hot path: most tokens can stop nothing.
             if (token in request.stop_token_set
-                    or len(token_ids) - seq.num_prompt_tokens >= request.max_output_tokens):
+                    or seq.num_real_tokens - seq.num_prompt_tokens >= request.max_output_tokens):
                 status = check_stop(request, seq, token)
                 if status is not None:
                     self._finish_seq(request, seq, status)
@@ -503,11 +528,28 @@ class Scheduler:
         finished, self._finished = self._finished, []
         return finished
 
+    def _fill_preempted(self, seq: Sequence, token: int) -> None:
+        """Async scheduling: a sequence swapped out or sent back to waiting by the step scheduled
+        ahead still gets the token its previous step sampled (discarding it could livelock: a
+        group swapped in and preempted again each step would never progress)."""
+        seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+        seq.num_pending -= 1
+        request = seq.request
+        if request.times.first_token is None:
+            request.times.first_token = self.clock()
+        status = check_stop(request, seq, token)
+        if status is None:
+            return
+        if len(request.live_seqs) > 1:
+            self._free_seq(seq, status)
+        else:
+            self._finish_request(request, status, None)
+
     @staticmethod
     def _record_logprobs(out: SchedulerOutput, logprobs: list) -> None:
         """Before the fork: a fork row's samples go to the leader and then to its new siblings."""
         for seq, row in zip(out.scheduled_seqs, logprobs):
-            if row and seq.status is RUNNING:          # None: not asked; []: nothing sampled
+            if row and not seq.is_finished:            # None: not asked; []: nothing sampled
                 seq.logprobs.append(row[0])
                 seq.request.fork_logprobs = row[1:]
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxengine.core.scheduler_output import SchedulerOutput
+from jaxengine.request import PLACEHOLDER
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.sampling_params import MAX_LOGIT_BIAS
 
@@ -44,6 +45,7 @@ class StepInputs:
     bias_values: np.ndarray
     prompt_lp_want: np.ndarray    # [T] bool: this token's logits score the next prompt token
     prompt_lp_target: np.ndarray  # [T] i32: that next prompt token
+    prev_index: np.ndarray        # [T] i32: sample row of the previous step whose token this is, or -1
     num_sample_rows: int = 0      # host-side: how many sample rows are real
 
     @property
@@ -74,6 +76,7 @@ class InputBatch:
         self.penalties[:, 2] = 1.0
         self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.int32)
         self.bias_values = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.float32)
+        self.pending_row = np.full(max_num_seqs, -1, np.int32)   # sample row of a PLACEHOLDER in the last step
         self.slot_of: dict[int, int] = {}
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
 
@@ -124,7 +127,12 @@ class InputBatch:
         token_slot = slots[token_row]
         pos = np.arange(num_tokens) - (ends - n)[token_row] + self.num_computed[slots][token_row]
         inputs = self.padded(t_pad, b_pad)
-        inputs.input_ids[:num_tokens] = self.tokens[token_slot, pos]
+        ids = self.tokens[token_slot, pos]
+        pending = ids == PLACEHOLDER                     # sampled by the step still on the device
+        if pending.any():
+            inputs.prev_index[:num_tokens] = np.where(pending, self.pending_row[token_slot], -1)
+            ids = np.where(pending, 0, ids)
+        inputs.input_ids[:num_tokens] = ids
         inputs.positions[:num_tokens] = pos
         inputs.slot_mapping[:num_tokens] = (self.block_tables[token_slot, pos // self.block_size] * self.block_size
                                             + pos % self.block_size)
@@ -175,11 +183,23 @@ class InputBatch:
             history=z((b_pad, self.tokens.shape[1]), np.int32), num_prompt=z(b_pad, np.int32),
             num_history=z(b_pad, np.int32), bias_ids=z((b_pad, MAX_LOGIT_BIAS), np.int32),
             bias_values=z((b_pad, MAX_LOGIT_BIAS), np.float32), prompt_lp_want=z(t_pad, bool),
-            prompt_lp_target=z(t_pad, np.int32))
+            prompt_lp_target=z(t_pad, np.int32), prev_index=np.full(t_pad, -1, np.int32))
 
-    def record(self, slots: np.ndarray, n: np.ndarray, samples: np.ndarray, first_tokens: np.ndarray) -> None:
-        """After a step: advance computed counts and append each sampling row's (first) token."""
+    def advance(self, slots: np.ndarray, n: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """At launch: advance computed counts and give each sampling row's sequence a
+        PLACEHOLDER token (filled by ``fill`` once the step's tokens are back). Returns the
+        (slots, positions) to fill."""
         self.num_computed[slots] += n
-        sampled = slots[samples > 0]
-        self.tokens[sampled, self.num_tokens[sampled]] = first_tokens
+        rows = np.flatnonzero(samples > 0)
+        sampled = slots[rows]
+        positions = self.num_tokens[sampled].copy()
+        self.tokens[sampled, positions] = PLACEHOLDER
+        self.pending_row[sampled] = (np.cumsum(samples) - samples)[rows]    # its first sample row
         self.num_tokens[sampled] += 1
+        return sampled, positions
+
+    def fill(self, slots: np.ndarray, positions: np.ndarray, seq_ids: list[int], tokens: np.ndarray) -> None:
+        """The step's tokens replace its placeholders, in slots still held by the same sequence."""
+        keep = np.fromiter((self.slot_of.get(s) == slot for s, slot in zip(seq_ids, slots.tolist())), bool,
+                           len(seq_ids))
+        self.tokens[slots[keep], positions[keep]] = tokens[keep]

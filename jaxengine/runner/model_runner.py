@@ -1,7 +1,9 @@
 """The model runner: SchedulerOutput -> padded bucketed arrays -> one jitted step -> sampled tokens."""
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
 import time
 
@@ -28,17 +30,20 @@ from jaxengine.sampling_params import MAX_LOGPROBS
 logger = logging.getLogger(__name__)
 
 
-def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp_want, prompt_lp_target):
+def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp_want, prompt_lp_target, *,
+                 max_rows: int):
     """Sample the rows asked for; score prompt tokens only in steps where a request wants
-    prompt logprobs (full-width logits for every token are costly)."""
+    prompt logprobs (full-width logits for every token are costly). The sampled tokens also come
+    back padded to ``max_rows``: the next step's input when it is launched before they are read."""
     result = sample(model.compute_logits(hidden[logits_indices]), smd, MAX_LOGPROBS)
+    next_tokens = jnp.zeros(max_rows, jnp.int32).at[:result.token_ids.shape[0]].set(result.token_ids)
     t = hidden.shape[0]
     nothing = (jnp.zeros(t, jnp.float32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
                jnp.zeros((t, MAX_LOGPROBS), jnp.float32))
     prompt_lp = jax.lax.cond(jnp.any(prompt_lp_want),
                              lambda: logprobs_of(model.compute_logits(hidden), prompt_lp_target, MAX_LOGPROBS),
                              lambda: nothing)
-    return result, prompt_lp
+    return result, prompt_lp, next_tokens
 
 
 def _checked_buckets(buckets: list[int] | None, largest: int, name: str) -> list[int] | None:
@@ -53,8 +58,9 @@ def _checked_buckets(buckets: list[int] | None, largest: int, name: str) -> list
 class PendingStep:
     """A launched step; ``result()`` waits for the device and returns the sampled tokens."""
 
-    def __init__(self, runner: "ModelRunner", out: SchedulerOutput, inputs, slots, device_result) -> None:
+    def __init__(self, runner: "ModelRunner", out: SchedulerOutput, inputs, slots, device_result, fills) -> None:
         self.runner, self.out, self.inputs, self.slots, self.device_result = runner, out, inputs, slots, device_result
+        self.fills = fills          # (slots, positions) of the placeholders this step's tokens fill
         self._result: ModelRunnerOutput | None = None if inputs is not None else ModelRunnerOutput([])
 
     def result(self) -> ModelRunnerOutput:
@@ -82,12 +88,14 @@ class ModelRunner:
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype)
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype)
-        self.state, self.step_fn = make_forward(model, head=_sample_head)
+        max_rows = self.request_buckets[-1]
+        self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows))
+        self._previous_tokens = jnp.zeros(max_rows, jnp.int32)   # the last launched step's tokens
+        self._uncollected: collections.deque[PendingStep] = collections.deque()
         self.num_compiles = 0            # compilations after start-up
         self.device_wait_s = 0.0         # time blocked on the device's results (the rest is host work)
         self.forbid = False
         self._known_compiles = 0
-        self._pending: PendingStep | None = None
         if warm_up:
             self.compile_all(progress)
 
@@ -136,34 +144,41 @@ class ModelRunner:
 
     def dispatch(self, out: SchedulerOutput) -> "PendingStep":
         """Prepare the inputs and launch the step without waiting for it (JAX dispatches
-        asynchronously); ``result()`` of the returned handle waits. The previous step's result
-        must have been collected: its tokens are this step's inputs."""
-        if self._pending is not None:
-            raise RuntimeError("dispatch: the previous step's result() was not collected")
+        asynchronously); ``result()`` of the returned handle waits. One earlier step may still be
+        uncollected (async scheduling): its tokens reach this step's inputs on the device."""
+        if len(self._uncollected) > 1:
+            raise RuntimeError("dispatch: two earlier steps are uncollected")
         self.batch.update(out)
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
             self.kv_caches = self.mover.apply(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in,
                                               out.blocks_to_copy)
             self._check_compiles("block moves")
         if not out.seq_ids:
-            return PendingStep(self, out, None, None, None)
+            return PendingStep(self, out, None, None, None, None)
         inputs, slots, _ = self.batch.prepare(out)
         device_result = self._run(inputs)
+        self._previous_tokens = device_result[2]
         self._check_compiles(f"step bucket {inputs.bucket}")
-        self._pending = PendingStep(self, out, inputs, slots, device_result)
-        return self._pending
+        fills = self.batch.advance(slots, np.asarray(out.num_scheduled_tokens, np.int32),
+                                   np.asarray(out.num_samples, np.int32))
+        step = PendingStep(self, out, inputs, slots, device_result, fills)
+        self._uncollected.append(step)
+        return step
 
     def _collect(self, step: "PendingStep") -> ModelRunnerOutput:
-        self._pending = None
+        if not self._uncollected or self._uncollected[0] is not step:
+            raise RuntimeError("steps must be collected in launch order")
+        self._uncollected.popleft()
         out, inputs, slots = step.out, step.inputs, step.slots
-        result, prompt_lp = step.device_result
+        result, prompt_lp, _ = step.device_result
         wait = time.perf_counter()
         tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
         self.device_wait_s += time.perf_counter() - wait
         samples = np.asarray(out.num_samples, np.int32)
         first = np.cumsum(samples) - samples
-        self.batch.record(slots, np.asarray(out.num_scheduled_tokens, np.int32), samples,
-                          tokens[first[samples > 0]])
+        fill_slots, positions = step.fills
+        seq_ids = [s for s, k in zip(out.seq_ids, out.num_samples) if k > 0]
+        self.batch.fill(fill_slots, positions, seq_ids, tokens[first[samples > 0]])
         tolist = tokens.tolist()
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
         return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples),
@@ -176,9 +191,9 @@ class ModelRunner:
                                inputs.sample_index, inputs.step, inputs.want_logprobs, inputs.presence_penalty,
                                inputs.frequency_penalty, inputs.repetition_penalty, inputs.history,
                                inputs.num_prompt, inputs.num_history, inputs.bias_ids, inputs.bias_values)
-        self.kv_caches, result = self.step_fn(self.state, self.kv_caches, inputs.input_ids, md,
-                                              inputs.logits_indices, smd, inputs.prompt_lp_want,
-                                              inputs.prompt_lp_target)
+        ids = (inputs.input_ids, self._previous_tokens, inputs.prev_index)
+        self.kv_caches, result = self.step_fn(self.state, self.kv_caches, ids, md, inputs.logits_indices, smd,
+                                              inputs.prompt_lp_want, inputs.prompt_lp_target)
         return result
 
     def _prompt_logprobs(self, inputs: StepInputs, slots: np.ndarray, out: SchedulerOutput, prompt_lp) -> list | None:

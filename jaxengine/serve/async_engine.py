@@ -235,7 +235,7 @@ class AsyncEngine:
 
     def _choice_delta(self, tracked: _Tracked, seq: Sequence) -> ChoiceDelta | None:
         sent = tracked.sent.get(seq.seq_id, 0)
-        new = seq.token_ids[seq.num_prompt_tokens + sent:]
+        new = seq.token_ids[seq.num_prompt_tokens + sent:seq.num_real_tokens]      # placeholders excluded
         text = self._text(tracked, seq, new) if self.tokenizer is not None else ""
         finished = seq.is_finished and seq.seq_id not in tracked.done
         if not new and not finished:
@@ -254,9 +254,9 @@ class AsyncEngine:
         the step now running is discarded)."""
         params = tracked.request.sampling_params
         detok = self._detok(tracked, seq)
-        if params.stop and not seq.is_finished and len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
+        if params.stop and not seq.is_finished and seq.num_output_tokens < params.min_tokens:
             return ""                # stop strings count only from min_tokens on: hold the text back
-        delta = detok.step(seq.token_ids[len(detok.ids):])
+        delta = detok.step(seq.token_ids[len(detok.ids):seq.num_real_tokens])
         if delta.stop_str is not None and not seq.is_finished:
             self.engine.scheduler.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, delta.stop_str)
         return delta.text

@@ -3,7 +3,8 @@
 After every step: the budget and max_num_seqs hold, ref counts equal the number of block
 tables holding each block, free + used = pool, partial prefills stay under their bound. At the
 end every request has finished and every block is free. With the KV-simulating runner, output
-tokens are identical whatever the budget, pool, preemption mode, policy or prefix caching.
+tokens are identical whatever the budget, pool, preemption mode, policy, prefix caching or
+async scheduling (steps launched before the previous step's tokens are known).
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def configs(draw, workload: list[Spec]):
         max_num_partial_prefills=draw(st.integers(1, 3)),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         preemption_mode=draw(st.sampled_from(["auto", "recompute", "swap"])),
+        async_scheduling=draw(st.booleans()),
     )
 
 
@@ -121,6 +123,7 @@ def check_invariants(h: Harness) -> None:
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.seq_ids) <= cfg.max_num_seqs and min(out.num_scheduled_tokens, default=1) >= 1
     assert sum(g.max_num_running_seqs for g in s.running) <= cfg.max_num_seqs
+    assert len(h.runner.tokens) <= cfg.max_num_seqs        # sequences the runner holds state for
     assert sum(Scheduler_is_partial(g) for g in s.running) <= cfg.max_num_partial_prefills
     device, host = Counter(), Counter()
     for g in s.running:
@@ -159,7 +162,7 @@ def assert_all_released(h: Harness) -> None:
 REFERENCE = dict(block_size=4, num_gpu_blocks=4096, num_cpu_blocks=0, max_num_batched_tokens=4096,
                  max_num_seqs=64, enable_prefix_caching=False, max_model_len=256)
 
-SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=int(__import__("os").environ.get("PROPERTY_EXAMPLES", 400)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
@@ -201,3 +204,20 @@ def test_equal_priority_prefills_do_not_preempt_each_other_forever():
     h = run_workload(workload, config)
     assert h.outputs() == run_workload(workload, REFERENCE, check=False).outputs()
     assert sum(r.num_preemptions for r in h.requests.values()) <= 4
+
+
+def test_async_scheduling_runs_ahead_and_changes_nothing():
+    """Aborts, EOS, preemption by swap and recompute while a step is in flight; same outputs."""
+    workload = [Spec(f"r{i}", tuple(range(1 + i, 12 + i)), 10 + i, 1 + (i % 3 == 0), i % 2, i, 0, i % 2 == 0,
+                     9 if i == 4 else None) for i in range(8)]
+    config = dict(block_size=2, num_gpu_blocks=40, num_cpu_blocks=16, watermark=0.0, enable_prefix_caching=True,
+                  max_num_batched_tokens=16, max_num_seqs=6, max_model_len=256, enable_chunked_prefill=True,
+                  long_prefill_token_threshold=0, max_num_partial_prefills=2, policy="fcfs",
+                  preemption_mode="auto")
+    sync = run_workload(workload, config)
+    fast = run_workload(workload, {**config, "async_scheduling": True})
+    assert fast.outputs() == sync.outputs()
+    assert fast.engine.num_run_ahead > 0.5 * fast.engine.num_steps
+    assert sum(r.num_preemptions for r in fast.requests.values()) > 0
+    assert fast.requests["r4"].status is RequestStatus.FINISHED_ABORTED
+    assert_all_released(fast)

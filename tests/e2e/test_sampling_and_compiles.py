@@ -172,3 +172,26 @@ def test_prompt_logprobs_match_transformers_across_prefill_chunks(hf_and_llm):
         assert all(plp[i][t] == pytest.approx(ref[i - 1, t], abs=1e-4) for t in top3)
     for mine, other in zip(out[1].prompt_logprobs[1:], plp[1:9]):         # same prefix, other batch
         assert mine.keys() == other.keys() and all(mine[t] == pytest.approx(other[t], abs=1e-5) for t in mine)
+
+
+def test_async_scheduling_gives_the_same_tokens_and_logprobs(hf_and_llm, tmp_path_factory):
+    """The module's engine schedules ahead (the default); one without it must agree on every
+    token and logprob of a seeded workload with preemption, n > 1, stop tokens and penalties."""
+    llm = hf_and_llm[1]
+    sync = LLM(llm.model_path, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
+               max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False, async_scheduling=False)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(60)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 2]), temperature=rng.choice([0, 1.0]),
+                             seed=i, stop_token_ids=rng.choice([[], [rng.randrange(256)]]), logprobs=2,
+                             repetition_penalty=rng.choice([1.0, 1.0, 1.3])) for i in range(60)]
+    before = llm.engine.num_run_ahead
+    fast = llm.generate(prompts, params, use_tqdm=False)
+    slow = sync.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.num_run_ahead - before > 50 and sync.engine.num_run_ahead == 0
+    for a, b in zip(fast, slow):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert [c.finish_reason for c in a.outputs] == [c.finish_reason for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs):
+            np.testing.assert_allclose([max(t.values()) for t in ca.logprobs], [max(t.values()) for t in cb.logprobs],
+                                       rtol=1e-5)
