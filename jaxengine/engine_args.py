@@ -38,8 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fraction of KV blocks kept free when admitting prompts")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"],
                    help="paged attention: the Pallas kernel (auto picks it on CUDA GPUs) or the plain-jnp path")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule and launch step n+1 while step n computes (default on)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch step n+1 while step n computes (default: on for a GPU, "
+                        "off on the CPU, where host and device share the cores)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority (lower value first; may preempt)")
 

@@ -39,11 +39,13 @@ class LLM:
                  attention_backend: str = "auto", skip_tokenizer_init: bool = False, warm_up: bool = True,
                  progress: bool = True, model_config: ModelConfig | None = None,
                  token_buckets: list[int] | None = None, request_buckets: list[int] | None = None,
-                 async_scheduling: bool = True) -> None:
+                 async_scheduling: bool | None = None) -> None:
         """``model``: a checkpoint folder or .gguf file, None for the default, or an already built
         model module with its ``model_config`` (benchmarks on random weights; no tokenizer).
         ``token_buckets`` / ``request_buckets`` replace the power-of-two step shapes.
-        ``async_scheduling``: schedule and launch step n + 1 while step n computes (see Engine)."""
+        ``async_scheduling``: schedule and launch step n + 1 while step n computes (see Engine);
+        None = on for an accelerator, off on the CPU (whose cores the host work shares: measured,
+        it gains nothing there)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
         self._load(model, model_config, dtype, attention_backend, skip_tokenizer_init, progress)
@@ -65,6 +67,8 @@ class LLM:
                     num_gpu_blocks * per_block / (1 << 20))
         self.runner = ModelRunner(self.model, mc, self.config, dtype=DTYPES[dtype], warm_up=warm_up, progress=progress,
                                   token_buckets=token_buckets, request_buckets=request_buckets)
+        if async_scheduling is None:
+            async_scheduling = jax.devices()[0].platform != "cpu"
         self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id(),
                              async_scheduling=async_scheduling)
         self._ids = itertools.count()

@@ -26,21 +26,28 @@ def workload(n: int, vocab: int, seed: int = 0):
     return prompts, outputs
 
 
-def run_engine(llm: LLM, prompts, outputs) -> dict:
+def run_engine(llm: LLM, prompts, outputs, async_scheduling: bool = True) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+    llm.engine.async_scheduling = async_scheduling
+    llm.engine.scheduler.kv.reset_prefix_cache()       # repeated runs must not hit the earlier run's prompts
     llm.engine.traces = []
-    llm.runner.device_wait_s = 0.0
+    runner = llm.runner
+    runner.device_wait_s = runner.idle_s = 0.0
+    runner.num_launches = runner.num_idle_launches = 0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    host = seconds - llm.runner.device_wait_s      # no overlap yet: the device idles during host work
+    host = seconds - runner.device_wait_s          # host time not spent waiting for results
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs)
     traces = llm.engine.traces
-    return {"seconds": seconds, "output_tokens": produced, "tok_per_s": produced / seconds, "steps": len(traces),
+    return {"async_scheduling": async_scheduling, "seconds": seconds, "output_tokens": produced,
+            "tok_per_s": produced / seconds, "steps": len(traces),
             "prefill_tokens": sum(t.num_prefill_tokens for t in traces),
             "preemptions": sum(t.num_preemptions for t in traces), "host_s": host,
-            "host_ms_per_step": host / len(traces) * 1e3, "device_idle_fraction": host / seconds}
+            "host_ms_per_step": host / len(traces) * 1e3,
+            "idle_launch_fraction": runner.num_idle_launches / max(runner.num_launches, 1),
+            "device_idle_s": runner.idle_s, "device_idle_fraction": runner.idle_s / seconds}
 
 
 def run_transformers(path, prompts, outputs, batch: int) -> dict:
@@ -66,6 +73,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--baseline-batch", type=int, default=16)
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--compare-sync", action="store_true", help="also run with async scheduling off")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     args = p.parse_args()
@@ -79,9 +87,14 @@ def main() -> None:
     print(f"jaxengine: {engine['tok_per_s']:.1f} output tok/s ({engine['output_tokens']} tokens in "
           f"{engine['seconds']:.1f} s, {engine['steps']} steps; start-up {startup:.1f} s); the f32 matmul "
           f"peak allows {peak:.0f} tok/s: {engine['tok_per_s'] / peak:.1%} of it")
-    print(f"host work (scheduling, input preparation, dispatch, update): {engine['host_ms_per_step']:.1f} ms/step, "
-          f"the device idle {engine['device_idle_fraction']:.1%} of the run")
     result = {"engine": engine, "startup_s": startup, "matmul_peak_tok_per_s": peak}
+    if args.compare_sync:      # async, sync, async again: the order's effect shows
+        result["engine_sync"] = run_engine(llm, prompts, outputs, async_scheduling=False)
+        result["engine_again"] = run_engine(llm, prompts, outputs)
+    for run in filter(None, (engine, result.get("engine_sync"), result.get("engine_again"))):
+        print(f"async_scheduling={run['async_scheduling']}: {run['tok_per_s']:.1f} tok/s; host work "
+              f"{run['host_ms_per_step']:.2f} ms/step; {run['idle_launch_fraction']:.1%} of steps launched onto "
+              f"an idle device; device idle {run['device_idle_s']:.2f} s ({run['device_idle_fraction']:.2%})")
     if not args.skip_baseline:
         base = run_transformers(llm.model_path, prompts, outputs, args.baseline_batch)
         print(f"transformers generate, static batches of {base['batch']}: {base['tok_per_s']:.1f} output tok/s "

@@ -94,6 +94,10 @@ class ModelRunner:
         self._uncollected: collections.deque[PendingStep] = collections.deque()
         self.num_compiles = 0            # compilations after start-up
         self.device_wait_s = 0.0         # time blocked on the device's results (the rest is host work)
+        self.num_launches = 0
+        self.num_idle_launches = 0       # launched when no earlier step was still computing
+        self.idle_s = 0.0                # device idle before those launches, from the last result read
+        self._last_ready: float | None = None
         self.forbid = False
         self._known_compiles = 0
         if warm_up:
@@ -156,6 +160,7 @@ class ModelRunner:
         if not out.seq_ids:
             return PendingStep(self, out, None, None, None, None)
         inputs, slots, _ = self.batch.prepare(out)
+        self._count_launch()
         device_result = self._run(inputs)
         self._previous_tokens = device_result[2]
         self._check_compiles(f"step bucket {inputs.bucket}")
@@ -165,6 +170,15 @@ class ModelRunner:
         self._uncollected.append(step)
         return step
 
+    def _count_launch(self) -> None:
+        """Is the device idle as this step launches? (Busy: an earlier step is still computing.)"""
+        self.num_launches += 1
+        if self._uncollected and not self._uncollected[-1].device_result[2].is_ready():
+            return
+        self.num_idle_launches += 1
+        if not self._uncollected and self._last_ready is not None:
+            self.idle_s += time.perf_counter() - self._last_ready
+
     def _collect(self, step: "PendingStep") -> ModelRunnerOutput:
         if not self._uncollected or self._uncollected[0] is not step:
             raise RuntimeError("steps must be collected in launch order")
@@ -173,7 +187,8 @@ class ModelRunner:
         result, prompt_lp, _ = step.device_result
         wait = time.perf_counter()
         tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
-        self.device_wait_s += time.perf_counter() - wait
+        self._last_ready = time.perf_counter()
+        self.device_wait_s += self._last_ready - wait
         samples = np.asarray(out.num_samples, np.int32)
         first = np.cumsum(samples) - samples
         fill_slots, positions = step.fills

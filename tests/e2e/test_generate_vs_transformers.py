@@ -1,5 +1,6 @@
 """Greedy generation through the whole engine is token-for-token transformers' `generate`, whatever
-the budget, pool, preemption mode, prefix caching or group size (tiny random checkpoints)."""
+the budget, pool, preemption mode, prefix caching, group size or async scheduling (tiny random
+checkpoints)."""
 import numpy as np
 import pytest
 import torch
@@ -39,7 +40,7 @@ def greedy(llm, prompts, n=1):
 
 def test_every_architecture_matches_transformers_generate(checkpoint):
     _, folder, hf_model = checkpoint
-    outs = greedy(engine(folder), PROMPTS)
+    outs = greedy(engine(folder, async_scheduling=True), PROMPTS)       # tokens fed on the device
     assert [o.outputs[0].token_ids for o in outs] == reference(hf_model, PROMPTS)
 
 
@@ -58,6 +59,11 @@ def llama(tmp_path_factory):
     ("tiny pool: swap", dict(num_kv_blocks=14, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False)),
     ("prefix caching", dict(enable_prefix_caching=True)),
     ("no chunked prefill, priority", dict(enable_chunked_prefill=False, scheduling_policy="priority")),
+    ("async: tiny budget", dict(max_num_batched_tokens=8, async_scheduling=True)),
+    ("async: tiny pool, recompute", dict(num_kv_blocks=14, preemption_mode="recompute", enable_prefix_caching=False,
+                                         async_scheduling=True)),
+    ("async: tiny pool, swap", dict(num_kv_blocks=14, preemption_mode="swap", swap_space=0.01,
+                                    enable_prefix_caching=False, async_scheduling=True)),
 ])
 def test_scheduling_never_changes_greedy_tokens(llama, name, options):
     folder, _, expected = llama

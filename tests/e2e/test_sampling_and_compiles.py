@@ -15,6 +15,7 @@ def hf_and_llm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama-sampling")
     hf = make_checkpoint(folder, "llama")
     return hf, LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
+                   async_scheduling=True,
                    max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False)
 
 
