@@ -110,3 +110,20 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, kv_heads, group, head_size, pag
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         q.astype(dtype), kc.astype(dtype), vc.astype(dtype), md)
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ragged_batches(seed):
+    """Random mixes: decodes, whole prompts and chunks after a cached prefix, any lengths, page
+    boundaries crossed anywhere; random GQA ratio and page size."""
+    rng = np.random.default_rng(100 + seed)
+    rows = []
+    for _ in range(rng.integers(1, 7)):
+        kind = rng.integers(3)
+        context = 0 if kind == 1 else int(rng.integers(1, 90))
+        rows.append((context, 1 if kind == 0 else int(rng.integers(2, 40))))
+    group = int(rng.choice([1, 2, 3, 4, 8]))
+    got, want, real = run_both(rows, page_size=int(rng.choice([16, 32])), kv_heads=int(rng.choice([1, 2])),
+                               group=group, extra_tokens=int(rng.integers(0, 9)), extra_rows=int(rng.integers(0, 3)),
+                               seed=seed)
+    assert_close(got, want, real, 1e-5)

@@ -119,3 +119,14 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     server.wait_idle()
     assert server.metric("request_success_total", finished_reason="abort") == aborted + 1
     assert server.metric("kv_cache_usage_perc") == 0 and server.metric("num_requests_running") == 0
+
+
+def test_api_key_comes_from_the_environment_too(monkeypatch):
+    from jaxengine.serve.__main__ import parse_args
+
+    monkeypatch.setenv("JAXENGINE_API_KEY", "from-env")
+    assert parse_args([]).api_key == "from-env"
+    assert parse_args(["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("JAXENGINE_API_KEY")
+    args = parse_args([])
+    assert (args.api_key, args.host, args.port, args.model) == (None, "127.0.0.1", 8000, None)
