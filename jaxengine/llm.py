@@ -148,6 +148,9 @@ class LLM:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary of {vocab} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples can never run together (max_num_seqs="
+                             f"{self.config.scheduler.max_num_seqs})")
         limit = self.config.scheduler.max_model_len
         if len(ids) + (params.max_tokens or 1) > limit + 1:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "

@@ -60,6 +60,8 @@ class Scheduler:
         cfg, n = self.config, request.num_prompt_tokens
         if n > cfg.max_model_len:
             return f"prompt has {n} tokens, more than max_model_len={cfg.max_model_len}"
+        if request.sampling_params.n > cfg.max_num_seqs:
+            return f"n={request.sampling_params.n} samples can never run together: max_num_seqs={cfg.max_num_seqs}"
         pool_tokens = self.kv.num_usable_blocks * self.block_size
         if self.kv.num_blocks_to_hold(request) > self.kv.num_usable_blocks:
             return f"prompt has {n} tokens, more than the KV cache pool holds ({pool_tokens} tokens)"

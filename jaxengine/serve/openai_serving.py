@@ -85,23 +85,14 @@ class OpenAIServing:
             return self._completion_stream(request_id, deltas, params.n, include_usage), True
         return self._completion_full(request_id, deltas, params.n, len(prompts)), False
 
-    async def _completion_stream(self, request_id: str, deltas, n: int, include_usage: bool):
-        usage = p.UsageInfo()
-        async with aclosing(deltas):
-            async for i, delta in deltas:
-                if delta.error:
-                    yield _sse(p.error_body(delta.error_status, delta.error))
-                    break
-                _count(usage, delta)
-                for c in delta.choices:
-                    choice = p.CompletionChoice(index=i * n + c.index, text=c.text, finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason, logprobs=self._completion_logprobs(c))
-                    yield _sse(p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice]))
-            else:
-                if include_usage:
-                    yield _sse(p.CompletionResponse(id=request_id, model=self.model_name, choices=[],
-                                                    usage=_total(usage)))
-        yield "data: [DONE]\n\n"
+    def _completion_stream(self, request_id: str, deltas, n: int, include_usage: bool):
+        def chunk(i: int, c, usage: p.UsageInfo | None = None) -> p.CompletionResponse:
+            choices = [] if c is None else [p.CompletionChoice(
+                index=i * n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=self._completion_logprobs(c))]
+            return p.CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+        return _sse_stream(deltas, chunk, include_usage)
 
     async def _completion_full(self, request_id: str, deltas, n: int, num_prompts: int):
         choices, usage = await _gather(deltas, n, num_prompts)
@@ -145,27 +136,19 @@ class OpenAIServing:
             return self._chat_stream(request_id, deltas, include_usage), True
         return self._chat_full(request_id, deltas, params.n), False
 
-    async def _chat_stream(self, request_id: str, deltas, include_usage: bool):
-        usage, started = p.UsageInfo(), set()
-        async with aclosing(deltas):
-            async for _, delta in deltas:
-                if delta.error:
-                    yield _sse(p.error_body(delta.error_status, delta.error))
-                    break
-                _count(usage, delta)
-                for c in delta.choices:
-                    message = p.DeltaMessage(content=c.text)
-                    if c.index not in started:
-                        started.add(c.index)
-                        message.role = "assistant"
-                    choice = p.ChatStreamChoice(index=c.index, delta=message, finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason, logprobs=self._chat_logprobs(c))
-                    yield _sse(p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
-            else:
-                if include_usage:
-                    yield _sse(p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                                     usage=_total(usage)))
-        yield "data: [DONE]\n\n"
+    def _chat_stream(self, request_id: str, deltas, include_usage: bool):
+        started: set[int] = set()
+
+        def chunk(_i: int, c, usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
+            if c is None:
+                return p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
+            message = p.DeltaMessage(content=c.text, role=None if c.index in started else "assistant")
+            started.add(c.index)
+            choice = p.ChatStreamChoice(index=c.index, delta=message, finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason, logprobs=self._chat_logprobs(c))
+            return p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
+
+        return _sse_stream(deltas, chunk, include_usage)
 
     async def _chat_full(self, request_id: str, deltas, n: int):
         choices, usage = await _gather(deltas, n, 1)
@@ -192,6 +175,24 @@ class OpenAIServing:
 def _sse(payload) -> str:
     body = payload.model_dump_json(exclude_none=True) if hasattr(payload, "model_dump_json") else json.dumps(payload)
     return f"data: {body}\n\n"
+
+
+async def _sse_stream(deltas, chunk, include_usage: bool):
+    """Server-sent events: ``chunk(prompt index, choice delta)`` per choice delta, an error
+    event if the request fails, ``chunk(0, None, usage)`` last when asked for, then [DONE]."""
+    usage = p.UsageInfo()
+    async with aclosing(deltas):
+        async for i, delta in deltas:
+            if delta.error:
+                yield _sse(p.error_body(delta.error_status, delta.error))
+                break
+            _count(usage, delta)
+            for c in delta.choices:
+                yield _sse(chunk(i, c))
+        else:
+            if include_usage:
+                yield _sse(chunk(0, None, _total(usage)))
+    yield "data: [DONE]\n\n"
 
 
 def _count(usage: p.UsageInfo, delta: RequestDelta) -> None:

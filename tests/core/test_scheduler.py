@@ -210,6 +210,8 @@ def test_requests_that_can_never_fit_finish_at_once_with_a_reason():
     nochunk = Harness(max_num_batched_tokens=8, enable_chunked_prefill=False)
     r = nochunk.add("r", 9)
     assert r.status is RequestStatus.FINISHED_IGNORED and "chunked prefill disabled" in r.status_reason
+    wide = h.add("wide", 2, n=9)                         # more samples than max_num_seqs=8 could ever run
+    assert wide.status is RequestStatus.FINISHED_IGNORED and "max_num_seqs=8" in wide.status_reason
 
 
 def test_a_sequence_that_outgrows_the_whole_pool_ends_with_an_error_and_frees_it():

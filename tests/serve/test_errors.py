@@ -32,6 +32,7 @@ BAD = [  # (endpoint, body changes, param named in the error)
     ("completions", {"stop_token_ids": [999]}, "stop_token_ids"),
     ("completions", {"logit_bias": {"x": 1.0}}, "logit_bias"),
     ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"n": 33}, "n"),                                 # more than max_num_seqs: would never run
 ]
 
 
