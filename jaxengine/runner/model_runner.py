@@ -20,6 +20,7 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.runner.buckets import request_buckets as default_request_buckets
+from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
@@ -101,6 +102,7 @@ class ModelRunner:
         self.forbid = False
         self._known_compiles = 0
         if warm_up:
+            enable_persistent_cache()
             self.compile_all(progress)
 
     # ---- compilation ----
