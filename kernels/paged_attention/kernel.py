@@ -23,6 +23,10 @@ from jax.experimental import pallas as pl
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 
+# f32 dots at full f32 precision (Triton would use TF32 by default); bf16 dots are unaffected.
+EXACT = jax.lax.Precision.HIGHEST
+
+
 @dataclass(frozen=True)
 class BlockSizes:
     block_q: int            # query tokens per tile
@@ -170,7 +174,7 @@ def _kernel(row_ref, first_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_
         pages = tables_ref[row, pl.ds(i * pages_per_block, pages_per_block)]
         k = k_ref[pages, :, head, :].reshape(span, -1)                            # [span, H]
         v = v_ref[pages, :, head, :].reshape(span, -1)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=EXACT, preferred_element_type=jnp.float32)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = i * span + jax.lax.broadcasted_iota(jnp.int32, (rows, span), 1)
@@ -182,7 +186,7 @@ def _kernel(row_ref, first_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                         # no key yet: keep exp finite
         p = jnp.exp(s - m_safe[:, None])
         correction = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=EXACT,
                                  preferred_element_type=jnp.float32)
         return m_new, l * correction + p.sum(axis=1), acc * correction[:, None] + pv
 
