@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -85,8 +86,11 @@ class LLM:
             return
         path = default_model_path(progress) if model is None else Path(model)
         self.model_path = path
+        start = time.perf_counter()
         self.model, self.model_config = load_model(path, DTYPES[dtype],
                                                    attention_fn=select_attention(attention_backend))
+        if progress:
+            print(f"jaxengine: loaded {path.name} in {time.perf_counter() - start:.1f} s", flush=True)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
 
     def _eos_token_id(self) -> int | None:

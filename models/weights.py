@@ -16,6 +16,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.registry import get_model_class
@@ -179,7 +180,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     tensors, unknown = {}, []
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
         hf_name = gguf_name_to_hf(t.name)
         if hf_name is None:
             unknown.append(t.name)
