@@ -119,7 +119,7 @@ class ModelRunner:
         # compile on first use and are counted.
         self.kv_caches = self.mover.warm_up(self.kv_caches, 4 * self.batch.max_blocks_per_seq)
         self._known_compiles = self._compile_count()
-        logger.info("compiled %d step buckets in %.1f s", len(pairs), time.perf_counter() - start)
+        logger.debug("compiled %d step buckets in %.1f s", len(pairs), time.perf_counter() - start)
         if progress:
             print(f"jaxengine: compiled {len(pairs)} step buckets in {time.perf_counter() - start:.1f} s")
 
