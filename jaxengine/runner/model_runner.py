@@ -119,9 +119,11 @@ class ModelRunner:
         # compile on first use and are counted.
         self.kv_caches = self.mover.warm_up(self.kv_caches, 4 * self.batch.max_blocks_per_seq)
         self._known_compiles = self._compile_count()
-        logger.debug("compiled %d step buckets in %.1f s", len(pairs), time.perf_counter() - start)
+        message = f"compiled {len(pairs)} step buckets in {time.perf_counter() - start:.1f} s"
         if progress:
-            print(f"jaxengine: compiled {len(pairs)} step buckets in {time.perf_counter() - start:.1f} s")
+            print(f"jaxengine: {message}", flush=True)
+        else:
+            logger.info(message)
 
     def _compile_count(self) -> int:
         return self.step_fn._cache_size() + self.mover.cache_sizes()
