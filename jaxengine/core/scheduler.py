@@ -501,7 +501,7 @@ class Scheduler:
                 if tokens and seq.num_pending and not seq.is_finished:
                     self._fill_preempted(seq, tokens[0])   # preempted while its step ran: keep the token
                 continue                                   # (finished ones: aborted while it ran)
-            if caching and min(seq.num_computed_tokens, seq.num_real_tokens) // bs > seq.num_cached_blocks:
+            if caching and min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs > seq.num_cached_blocks:
                 kv.cache_full_blocks(seq)
             if not tokens:
                 continue                                   # mid-prefill: nothing sampled
@@ -513,14 +513,15 @@ class Scheduler:
                 any_finished |= request.is_finished
                 continue
             token = tokens[0]
-            if seq.num_pending:                            # async scheduling: fill the oldest placeholder
-                seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
-                seq.num_pending -= 1
+            token_ids, pending = seq.token_ids, seq.num_pending
+            if pending:                                    # async scheduling: fill the oldest placeholder
+                token_ids[len(token_ids) - pending] = token
+                seq.num_pending = pending = pending - 1
             else:
-                seq.token_ids.append(token)
+                token_ids.append(token)
             # Cheap pre-filter on the hot path: most tokens can stop nothing.
             if (token in request.stop_token_set
-                    or seq.num_real_tokens - seq.num_prompt_tokens >= request.max_output_tokens):
+                    or len(token_ids) - pending - seq.num_prompt_tokens >= request.max_output_tokens):
                 status = check_stop(request, seq, token)
                 if status is not None:
                     self._finish_seq(request, seq, status)
