@@ -61,6 +61,7 @@ class _Server(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)    # "no TPU found" is no news
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine
     from jaxengine.serve.metrics import EngineMetrics
