@@ -74,16 +74,25 @@ async def _respond(raw: Request, result, is_stream: bool):
 
 
 def _add_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
-        return await call_next(request)
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on /v1/*. Plain ASGI on purpose: Starlette's
+    BaseHTTPMiddleware wraps ``receive``, and then a handler no longer sees its client leave."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -131,3 +131,25 @@ def test_api_key_comes_from_the_environment_too(monkeypatch):
     monkeypatch.delenv("JAXENGINE_API_KEY")
     args = parse_args([])
     assert (args.api_key, args.host, args.port, args.model) == (None, "127.0.0.1", 8000, None)
+
+
+def test_clients_that_give_up_on_whole_responses_free_their_requests(server, monkeypatch):
+    import time
+
+    from jaxengine.serve.async_engine import AsyncEngine
+
+    original = AsyncEngine._emit_all
+    monkeypatch.setattr(AsyncEngine, "_emit_all", lambda self: (time.sleep(0.005), original(self)))   # a slow model
+    aborted = server.metric("request_success_total", finished_reason="abort")
+    body = {**GOOD, "prompt": "slow", "max_tokens": 120, "ignore_eos": True}
+
+    async def give_up():
+        async with httpx.AsyncClient(headers=AUTH, timeout=0.1) as c:
+            return await asyncio.gather(*(c.post(f"{server.url}/v1/completions", json=body) for _ in range(8)),
+                                        return_exceptions=True)
+
+    results = asyncio.run(give_up())
+    assert all(isinstance(r, httpx.TimeoutException) for r in results), results
+    server.wait_idle()
+    assert server.metric("request_success_total", finished_reason="abort") >= aborted + 1
+    assert server.metric("kv_cache_usage_perc") == 0
