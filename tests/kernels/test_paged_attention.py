@@ -4,7 +4,6 @@ chunks after a prefix hit, padding rows), GQA ratios 1/4/8, page sizes 4/16, win
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,7 +1,6 @@
 """Full-sequence logits against transformers (PyTorch, CPU) for every supported architecture."""
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 from jaxengine.kernels.paged_attention import AttentionMetadata

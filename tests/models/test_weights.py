@@ -3,7 +3,6 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 

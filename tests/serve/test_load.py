@@ -34,7 +34,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, i: int, leave: bool) -
 
 
 def test_200_concurrent_streams_with_a_fifth_of_clients_leaving(server):
-    before = {k: server.metric(f"request_success_total", finished_reason=k) for k in ("length", "abort")}
+    before = {k: server.metric("request_success_total", finished_reason=k) for k in ("length", "abort")}
     prompt_before, generated_before = server.metric("prompt_tokens_total"), server.metric("generation_tokens_total")
 
     async def run():
