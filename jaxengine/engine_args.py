@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from jaxengine.kernels.paged_attention.backend import BACKENDS
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -36,8 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="wait this fraction of the last prompt's latency before admitting new prompts")
     g.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of KV blocks kept free when admitting prompts")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"],
-                   help="paged attention: the Pallas kernel (auto picks it on CUDA GPUs) or the plain-jnp path")
+    g.add_argument("--attention-backend", default="auto", choices=list(BACKENDS),
+                   help="paged attention: the Pallas kernels (auto picks them on CUDA GPUs of compute capability "
+                        "8.0+; pallas-triton / pallas-mosaic force one) or the plain-jnp path")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step n+1 while step n computes (default: on for a GPU, "
                         "off on the CPU, where host and device share the cores)")

@@ -1,34 +1,58 @@
-"""Which paged-attention implementation the model uses: ``auto | pallas | reference``."""
+"""Which paged-attention implementation the model uses: ``auto | pallas | reference``, plus
+``pallas-triton`` and ``pallas-mosaic`` to force one of the two Pallas kernels."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 
-BACKENDS = ("auto", "pallas", "reference")
+BACKENDS = ("auto", "pallas", "pallas-triton", "pallas-mosaic", "reference")
+
+# Whether ``pallas`` uses the Mosaic GPU kernel on Hopper for the layouts it serves (16-bit
+# caches, head size a multiple of 64). Off until scripts/gpu_check.sh has measured it faster than
+# the Triton kernel on an H100/H200 (its table compares the two): no GPU run has done so yet.
+MOSAIC_ON_HOPPER = False
 
 
 def select_attention(backend: str = "auto", device: jax.Device | None = None) -> Callable:
     """``reference``: the plain-jnp path (tiled for the CPU, checked against the per-token
-    reference). ``pallas``: the ragged Pallas kernel (interpreted on the CPU, for tests).
-    ``auto``: Pallas on a CUDA GPU of compute capability 8.0 or newer (the Triton lowering),
-    else the reference."""
+    reference). ``pallas``: the ragged Pallas kernels (interpreted on the CPU, for tests): the
+    Triton-lowered one, or on Hopper the Mosaic GPU one where it serves the layout and
+    ``MOSAIC_ON_HOPPER``. ``auto``: ``pallas`` on a CUDA GPU of compute capability 8.0 or newer
+    (the Triton lowering's floor), else the reference."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend: must be one of {list(BACKENDS)}, got {backend!r}")
     device = device or jax.devices()[0]
     if backend == "auto":
-        backend = "pallas" if _triton_capable(device) else "reference"
-    if backend == "pallas":
-        from jaxengine.kernels.paged_attention.kernel import paged_attention_pallas
+        backend = "pallas" if _capability(device) >= (8, 0) else "reference"
+    if backend == "reference":
+        from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
 
+        return paged_attention_tiled
+    from jaxengine.kernels.paged_attention.kernel import paged_attention_pallas
+    from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic
+
+    if backend == "pallas-triton":
         return paged_attention_pallas
-    from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
+    if backend == "pallas-mosaic":
+        return paged_attention_mosaic
+    if MOSAIC_ON_HOPPER and _capability(device)[0] == 9:
+        return functools.partial(_mosaic_where_supported, fallback=paged_attention_pallas)
+    return paged_attention_pallas
 
-    return paged_attention_tiled
+
+def _mosaic_where_supported(q, k_cache, v_cache, md, *, fallback: Callable, **kw):
+    """The Mosaic GPU kernel for the layouts it serves, decided when the layer is traced."""
+    from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic, supports
+
+    if supports(q, k_cache):
+        return paged_attention_mosaic(q, k_cache, v_cache, md, **kw)
+    return fallback(q, k_cache, v_cache, md, **kw)
 
 
-def _triton_capable(device: jax.Device) -> bool:
+def _capability(device: jax.Device) -> tuple[int, int]:
     if device.platform != "gpu":
-        return False
-    capability = getattr(device, "compute_capability", "0.0")
-    return float(capability) >= 8.0
+        return (0, 0)
+    major, _, minor = str(getattr(device, "compute_capability", "0.0")).partition(".")
+    return int(major), int(minor or 0)

@@ -90,14 +90,8 @@ def paged_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     sizes = sizes or block_sizes(head_size, k_cache.shape[1], q.dtype, group_p)
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
-    tiles = _tiles(md, num_tokens, sizes.block_q)
+    tiles, qk, tables = prepare_tiles(q, md, scale, group_p, sizes.block_q, sizes.pages_per_block, num_kv_heads)
     num_tiles, rows = tiles[0].shape[0], sizes.block_q * group_p
-    # [K, (T + block_q) * Gp, H]: a tile's queries for one KV head are contiguous rows; the tail
-    # padding lets the last tile load a full block.
-    qk = (q * scale).reshape(num_tokens, num_kv_heads, group, head_size).transpose(1, 0, 2, 3)
-    qk = jnp.pad(qk, ((0, 0), (0, sizes.block_q), (0, group_p - group), (0, 0))).reshape(num_kv_heads, -1, head_size)
-    width = md.block_tables.shape[1]
-    tables = jnp.pad(md.block_tables, ((0, 0), (0, -width % sizes.pages_per_block)))
     kernel = functools.partial(_kernel, rows=rows, group=group, group_p=group_p, page_size=k_cache.shape[1],
                                pages_per_block=sizes.pages_per_block, sliding_window=sliding_window,
                                soft_cap=soft_cap)
@@ -110,11 +104,32 @@ def paged_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         compiler_params=_compiler_params(sizes, interpret),
         name="ragged_paged_attention",
     )(*tiles, tables, qk, k_cache, v_cache)
-    out = out.reshape(num_kv_heads, num_tiles * sizes.block_q, group_p, head_size)
-    out = out[:, _token_tile_rows(md, num_tokens, sizes.block_q), :group]               # [K, T, G, H]
-    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_size)
+    return gather_tile_outputs(out, md, num_tokens, sizes.block_q, group_p, group)
+
+
+def prepare_tiles(q: jax.Array, md: AttentionMetadata, scale: float, group_p: int, block_q: int,
+                  pages_per_block: int, num_kv_heads: int) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+    """The per-tile scalars (``_tiles``), the scaled queries as [K, (T + block_q) * Gp, H] (a tile's
+    queries for one KV head are contiguous rows; the tail padding lets the last tile load a full
+    block) and the block tables padded to a multiple of ``pages_per_block``."""
+    num_tokens, num_heads, head_size = q.shape
+    group = num_heads // num_kv_heads
+    qk = (q * scale).reshape(num_tokens, num_kv_heads, group, head_size).transpose(1, 0, 2, 3)
+    qk = jnp.pad(qk, ((0, 0), (0, block_q), (0, group_p - group), (0, 0))).reshape(num_kv_heads, -1, head_size)
+    width = md.block_tables.shape[1]
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, -width % pages_per_block)))
+    return _tiles(md, num_tokens, block_q), qk, tables
+
+
+def gather_tile_outputs(out: jax.Array, md: AttentionMetadata, num_tokens: int, block_q: int, group_p: int,
+                        group: int) -> jax.Array:
+    """Per-tile outputs [K, tiles * block_q * Gp, H] back to [T, N, H]; padding tokens are zero."""
+    num_kv_heads, _, head_size = out.shape
+    out = out.reshape(num_kv_heads, -1, group_p, head_size)
+    out = out[:, _token_tile_rows(md, num_tokens, block_q), :group]                    # [K, T, G, H]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_kv_heads * group, head_size)
     real = jnp.arange(num_tokens) < md.query_start_loc[-1]
-    return jnp.where(real[:, None, None], out, 0).astype(q.dtype)
+    return jnp.where(real[:, None, None], out, 0).astype(out.dtype)
 
 
 def _compiler_params(sizes: BlockSizes, interpret: bool):

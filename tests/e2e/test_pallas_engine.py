@@ -24,3 +24,26 @@ def test_pallas_backend_generates_what_the_reference_does(tmp_path, variant):
             outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert outputs["pallas"] == outputs["reference"]
     assert all(len(t) == 10 for t in outputs["pallas"])
+
+
+def test_mosaic_kernel_generates_what_the_triton_kernel_does(tmp_path):
+    """bf16 (the Mosaic GPU kernel takes 16-bit caches), head size 64: the Hopper kernel,
+    interpreted, against the Triton-lowered one, which rounds P to bf16 the same way."""
+    import jax
+
+    from jaxengine.llm import LLM
+    from tests.kernels.mosaic_interpret import transposed_wgmma_operands
+
+    if jax.devices()[0].platform != "cpu" and not str(jax.devices()[0].compute_capability).startswith("9."):
+        pytest.skip("the Mosaic GPU kernel runs on sm_90 or interpreted")
+    make_checkpoint(tmp_path, "llama", head_dim=64)
+    engine = dict(skip_tokenizer_init=True, block_size=16, max_num_batched_tokens=32, max_num_seqs=4,
+                  max_model_len=128, num_kv_blocks=40, progress=False, dtype="bfloat16")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outputs = {}
+    with transposed_wgmma_operands():
+        for backend in ("pallas-triton", "pallas-mosaic"):
+            llm = LLM(tmp_path, attention_backend=backend, **engine)
+            outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert outputs["pallas-mosaic"] == outputs["pallas-triton"]
+    assert all(len(t) == 6 for t in outputs["pallas-mosaic"])

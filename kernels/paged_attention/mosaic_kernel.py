@@ -1,0 +1,191 @@
+"""Ragged paged attention for Hopper (sm_90) with Pallas' Mosaic GPU backend: TMA page copies
+into a ring of shared-memory buffers and WGMMA for both matmuls.
+
+Same contract, query tiling and output layout as the Triton-lowered kernel (``kernel.py``); what
+differs is how a program gets its data. One warpgroup per program (grid: query tile x KV head)
+holds a 64-row query tile (``block_q`` tokens x the padded group of query heads) in shared memory.
+Each iteration covers ``pages_per_block`` pages: their K and V head slices arrive by one TMA copy
+per page on a barrier that expects one arrival per page, ``num_stages - 1`` iterations ahead of
+the one in the matrix units, so the copy engine streams the cache and the SM only does arithmetic.
+The queries are gathered tile-major first, so every TMA copy starts on a 64-row boundary. Scores
+and the online softmax stay in registers in f32 (WGMMA accumulator layout); P is cast to the
+cache dtype for the second WGMMA. 16-bit dtypes only (WGMMA takes f32 only as TF32); f32 caches
+use the Triton kernel.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxengine.kernels.paged_attention.kernel import BlockSizes, prepare_tiles, gather_tile_outputs, validate
+from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
+
+ROWS = 64                     # WGMMA's M for one warpgroup
+SWIZZLE = 128                 # bytes: a 64-element bf16 row, the widest TMA/WGMMA swizzle
+DTYPES = ("bfloat16", "float16")
+
+# By (head size, page size, dtype): pages_per_block (keys per iteration = pages_per_block * page
+# size) and num_stages (the ring's depth); block_q follows from the group (64 rows per tile) and
+# num_warps is one warpgroup. Starting points for scripts/gpu_check.sh's sweep.
+TUNED: dict[tuple[int, int, str], BlockSizes] = {
+    (head, page, dtype): BlockSizes(ROWS, max(1, 64 // page), num_stages=2)
+    for head in (64, 128) for page in (16, 32, 64) for dtype in DTYPES
+}
+
+
+def supports(q: jax.Array, k_cache: jax.Array) -> bool:
+    """Whether this kernel serves the layout (else use the Triton kernel): 16-bit q and caches of
+    one dtype, head size a multiple of 64, pages of 8+ tokens, at most 64 query heads per KV head."""
+    head_size, page_size, num_kv_heads = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
+    return (jnp.dtype(q.dtype).name in DTYPES and k_cache.dtype == q.dtype and head_size % 64 == 0
+            and page_size % 8 == 0 and q.shape[1] // num_kv_heads <= ROWS)
+
+
+def paged_attention_mosaic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
+                           scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                           interpret: bool | None = None, sizes: BlockSizes | None = None) -> jax.Array:
+    """q [T, N, H], caches [P, S, K, H] -> [T, N, H]; same contract as ``reference.paged_attention``.
+    ``interpret=None`` interprets on the CPU (Mosaic GPU's interpreter) and compiles elsewhere.
+    ``sizes``: pages_per_block (keys per iteration / page size) and num_stages (the ring's depth)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    validate(q, k_cache, v_cache, md)
+    num_tokens, num_heads, head_size = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    sizes = sizes or TUNED.get((head_size, page_size, q.dtype.name), BlockSizes(ROWS, max(1, 64 // page_size)))
+    _validate_layout(q, k_cache, sizes)
+    group = num_heads // num_kv_heads
+    group_p = pl.next_power_of_2(group)
+    block_q = ROWS // group_p
+    tiles, qk, tables = prepare_tiles(q, md, scale, group_p, block_q, sizes.pages_per_block, num_kv_heads)
+    row, first, count, first_pos = tiles
+    # Tile-major queries [K, tiles * 64, H]: each tile's TMA load starts on a 64-row boundary
+    # (Mosaic GPU cannot lay out a copy from an unaligned dynamic row offset).
+    qk = qk[:, (first[:, None] * group_p + jnp.arange(ROWS)[None, :]).reshape(-1)]
+    if interpret is None:
+        interpret = jax.devices()[0].platform == "cpu"
+    body = functools.partial(_kernel, plgpu=plgpu, group=group, group_p=group_p, page_size=page_size,
+                             pages_per_block=sizes.pages_per_block, stages=sizes.num_stages,
+                             sliding_window=sliding_window, soft_cap=soft_cap)
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_kv_heads, row.shape[0] * ROWS, head_size), q.dtype),
+        grid=(row.shape[0], num_kv_heads),
+        grid_names=("tile", "head"),
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params() if interpret else False,
+    )(row, count, first_pos, tables, qk, k_cache, v_cache)
+    return gather_tile_outputs(out, md, num_tokens, block_q, group_p, group)
+
+
+def _validate_layout(q: jax.Array, k_cache: jax.Array, sizes: BlockSizes) -> None:
+    if not supports(q, k_cache):
+        raise ValueError(f"mosaic kernel: needs a 16-bit q and caches of its dtype, a head size that is a multiple "
+                         f"of 64, a page size of 8 or more and at most {ROWS} query heads per KV head; got "
+                         f"{q.dtype}/{k_cache.dtype}, head size {q.shape[-1]}, page size {k_cache.shape[1]}, "
+                         f"{q.shape[1] // k_cache.shape[2]} heads per KV head")
+    span = sizes.pages_per_block * k_cache.shape[1]
+    if span % 16 or span > 256 or sizes.num_stages < 2:
+        raise ValueError(f"mosaic kernel: keys per iteration (pages_per_block * page size) must be a multiple of "
+                         f"16 up to 256 and num_stages >= 2; got {span} and {sizes.num_stages}")
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, plgpu,
+            group, group_p, page_size, pages_per_block, stages, sliding_window, soft_cap):
+    head_size, dtype = q_ref.shape[-1], q_ref.dtype
+    span = pages_per_block * page_size
+    swizzle = min(SWIZZLE, head_size * jnp.dtype(dtype).itemsize)
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+    def scoped(qo_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers):
+        tile, head = jax.lax.axis_index("tile"), jax.lax.axis_index("head")
+        row, count, first_pos = row_ref[tile], count_ref[tile], pos_ref[tile]
+        plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(tile * ROWS, ROWS)], qo_smem, q_barrier)
+        start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0) // span
+        stop = jnp.where(count > 0, (first_pos + count - 1) // span + 1, 0)
+
+        def fetch(step, slot):
+            """One TMA copy per page of the step's K and V head slices; each barrier expects one
+            arrival per page."""
+            for j in range(pages_per_block):
+                page = tables_ref[row, step * pages_per_block + j]
+                rows = pl.ds(j * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, head, :], k_smem.at[slot, rows], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, head, :], v_smem.at[slot, rows], v_barriers.at[slot])
+
+        for ahead in range(stages - 1):                # fill the ring
+            @pl.when(start + ahead < stop)
+            def _():
+                fetch(start + ahead, ahead)
+
+        plgpu.barrier_wait(q_barrier)
+        q_row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, span), 0)
+        key = jax.lax.broadcasted_iota(jnp.int32, (ROWS, span), 1)
+        q_pos = first_pos + q_row // group_p
+        q_real = (q_row // group_p < count) & (q_row % group_p < group)
+
+        def step(i, carry):
+            acc, m, l = carry
+            slot = jax.lax.rem(i - start, stages)
+
+            @pl.when(i + stages - 1 < stop)
+            def _():
+                # The slot it refills was last read by step i - 1, whose WGMMAs have completed.
+                fetch(i + stages - 1, jax.lax.rem(i - start + stages - 1, stages))
+
+            plgpu.barrier_wait(k_barriers.at[slot])
+
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((ROWS, span), jnp.float32))
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            key_pos = i * span + key
+            mask = (key_pos <= q_pos) & q_real
+            if sliding_window is not None:
+                mask &= key_pos > q_pos - sliding_window
+            s = jnp.where(mask, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)      # no key yet: keep exp finite
+            p = jnp.exp(s - jax.lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            correction = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_safe))
+            l = l * correction + p.sum(axis=1)
+            acc = acc * jax.lax.broadcast_in_dim(correction, acc.shape, [0])
+            p16 = p.astype(dtype)
+            plgpu.barrier_wait(v_barriers.at[slot])
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                return acc_ref[...]
+
+            return acc + pl.run_scoped(values, plgpu.ACC((ROWS, head_size), jnp.float32)), m_new, l
+
+        init = (jnp.zeros((ROWS, head_size), jnp.float32), jnp.full((ROWS,), -jnp.inf, jnp.float32),
+                jnp.zeros((ROWS,), jnp.float32))
+        acc, _, l = jax.lax.fori_loop(start, stop, step, init)
+        l = jnp.where(l > 0, l, 1.0)
+        qo_smem[...] = (acc / jax.lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[head, pl.ds(tile * ROWS, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((ROWS, head_size), dtype, transforms=transforms),
+        plgpu.SMEM((stages, span, head_size), dtype, transforms=transforms),
+        plgpu.SMEM((stages, span, head_size), dtype, transforms=transforms),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+    )

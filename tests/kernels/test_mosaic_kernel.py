@@ -1,0 +1,161 @@
+"""The Hopper (Mosaic GPU) ragged paged-attention kernel against the plain-jnp reference, run by
+Mosaic GPU's interpreter on the CPU with its race detector on (compiled on an sm_90 GPU):
+decode-only, prefill-only and mixed batches, chunks after a prefix-cache hit, 1-token and
+many-page contexts, GQA 1/3/4/8, pages 16/32/64, head sizes 64/128, bf16 and f16, sliding
+window, soft cap, ring depths, padding; its lowering for CUDA; the backend choice."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxengine.kernels.paged_attention import mosaic_kernel, paged_attention
+from jaxengine.kernels.paged_attention.backend import select_attention
+from jaxengine.kernels.paged_attention.kernel import BlockSizes, paged_attention_pallas
+from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic, supports
+from tests.kernels.mosaic_interpret import transposed_wgmma_operands
+from tests.kernels.test_paged_attention import make_batch
+from tests.kernels.test_pallas_kernel import CASES, MIXED, assert_close
+
+ON_CPU = jax.devices()[0].platform == "cpu"
+HOPPER = not ON_CPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+pytestmark = pytest.mark.skipif(not (ON_CPU or HOPPER), reason="the Mosaic GPU kernel runs on sm_90 or interpreted")
+
+
+@pytest.fixture(autouse=True)
+def race_checked_interpreter(monkeypatch):
+    """Interpret with the happens-before race detector; fail on any race it reports."""
+    if not ON_CPU:
+        yield
+        return
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    monkeypatch.setattr(mosaic_kernel, "_interpret_params", lambda: InterpretGPUParams(detect_races=True))
+    with transposed_wgmma_operands():
+        yield
+    assert not interpreter.get_races().races_found
+
+
+def run_both(rows, *, page_size=16, kv_heads=2, group=4, head_size=64, dtype=jnp.bfloat16, extra_tokens=5,
+             extra_rows=2, seed=0, sizes=None, **kw):
+    rng = np.random.default_rng(seed)
+    num_tokens = sum(n for _, n in rows) + extra_tokens
+    q, kc, vc, md, _ = make_batch(rng, rows, page_size, kv_heads, group, num_tokens, len(rows) + extra_rows,
+                                  head_size=head_size)
+    q, kc, vc = q.astype(dtype), kc.astype(dtype), vc.astype(dtype)
+    scale = head_size ** -0.5
+    want = paged_attention(q, kc, vc, md, scale=scale, **kw)
+    got = paged_attention_mosaic(q, kc, vc, md, scale=scale, sizes=sizes, **kw)
+    return np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in rows)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_kernel_matches_reference(case, group):
+    got, want, real = run_both(CASES[case], group=group)
+    assert_close(got, want, real, 2e-2)
+
+
+@pytest.mark.parametrize("page_size,head_size,dtype", [(32, 64, jnp.bfloat16), (16, 128, jnp.bfloat16),
+                                                       (64, 128, jnp.float16), (32, 128, jnp.float16)])
+def test_page_sizes_head_sizes_and_f16(page_size, head_size, dtype):
+    got, want, real = run_both(MIXED, page_size=page_size, head_size=head_size, dtype=dtype, group=2)
+    assert_close(got, want, real, 2e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(sliding_window=7), dict(soft_cap=5.0), dict(sliding_window=20, soft_cap=2.0)])
+def test_sliding_window_and_soft_cap(kw):
+    got, want, real = run_both(MIXED, group=4, **kw)
+    assert_close(got, want, real, 2e-2)
+
+
+@pytest.mark.parametrize("sizes", [BlockSizes(64, 1, num_stages=2), BlockSizes(64, 2, num_stages=3),
+                                   BlockSizes(64, 8, num_stages=4)])
+def test_ring_depths_and_keys_per_step(sizes):
+    """16 to 128 keys per step and rings of 2-4 slots, over contexts of up to 10 pages."""
+    got, want, real = run_both([(150, 3), (0, 20), (70, 1), (33, 2)], group=3, kv_heads=3, sizes=sizes)
+    assert_close(got, want, real, 2e-2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_ragged_batches(seed):
+    rng = np.random.default_rng(200 + seed)
+    rows = []
+    for _ in range(rng.integers(1, 6)):
+        kind = rng.integers(3)
+        context = 0 if kind == 1 else int(rng.integers(1, 90))
+        rows.append((context, 1 if kind == 0 else int(rng.integers(2, 40))))
+    got, want, real = run_both(rows, page_size=int(rng.choice([16, 32])), group=int(rng.choice([1, 2, 3, 4, 8])),
+                               kv_heads=int(rng.choice([1, 2])), extra_tokens=int(rng.integers(0, 9)),
+                               extra_rows=int(rng.integers(0, 3)), seed=seed)
+    assert_close(got, want, real, 2e-2)
+
+
+def test_unsupported_layouts_are_refused_by_name():
+    rng = np.random.default_rng(0)
+    q, kc, vc, md, _ = make_batch(rng, MIXED, 16, 2, 4, 60, 6, head_size=64)
+    with pytest.raises(ValueError, match="16-bit q"):
+        paged_attention_mosaic(q, kc, vc, md, scale=0.1)                          # f32
+    q, kc, vc = (a.astype(jnp.bfloat16) for a in (q, kc, vc))
+    with pytest.raises(ValueError, match="keys per iteration"):
+        paged_attention_mosaic(q, kc, vc, md, scale=0.1, sizes=BlockSizes(64, 32))    # 512 keys
+    with pytest.raises(ValueError, match="num_stages"):
+        paged_attention_mosaic(q, kc, vc, md, scale=0.1, sizes=BlockSizes(64, 4, num_stages=1))
+    assert supports(q, kc) and not supports(q.astype(jnp.float32), kc.astype(jnp.float32))
+    assert not supports(jnp.zeros((4, 4, 32), jnp.bfloat16), jnp.zeros((4, 16, 1, 32), jnp.bfloat16))
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the GPU compiles it for real")
+@pytest.mark.parametrize("kv_heads,group,head_size,page_size,kw", [
+    (8, 4, 128, 16, {}),                                  # Llama-3-8B's layout
+    (3, 3, 64, 32, dict(sliding_window=9, soft_cap=3.0)),  # SmolLM2's, with a window and a cap
+    (2, 1, 64, 64, {}),
+])
+def test_kernel_lowers_for_hopper(kv_heads, group, head_size, page_size, kw):
+    """Without a GPU: Pallas' Mosaic GPU lowering (layout inference, TMA and WGMMA operands) accepts
+    the kernel for sm_90 through jax.export; the GPU check compiles and runs it."""
+    from jax import export
+
+    rng = np.random.default_rng(0)
+    q, kc, vc, md, _ = make_batch(rng, MIXED, page_size, kv_heads, group, 80, 6, head_size=head_size)
+    fn = jax.jit(lambda q, kc, vc, md: paged_attention_mosaic(q, kc, vc, md, scale=0.1, interpret=False, **kw))
+    exported = export.export(fn, platforms=["cuda"])(*(a.astype(jnp.bfloat16) for a in (q, kc, vc)), md)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_backend_choice(monkeypatch):
+    from jaxengine.kernels.paged_attention import backend
+    from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
+
+    cpu = jax.devices("cpu")[0]
+    assert select_attention("auto", cpu) is paged_attention_tiled
+    assert select_attention("reference", cpu) is paged_attention_tiled
+    assert select_attention("pallas", cpu) is paged_attention_pallas
+    assert select_attention("pallas-triton", cpu) is paged_attention_pallas
+    assert select_attention("pallas-mosaic", cpu) is paged_attention_mosaic
+    with pytest.raises(ValueError, match="attention_backend: must be one of"):
+        select_attention("triton", cpu)
+
+    class Gpu:
+        platform = "gpu"
+
+        def __init__(self, capability):
+            self.compute_capability = capability
+
+    assert select_attention("auto", Gpu("7.5")) is paged_attention_tiled          # below Triton's floor
+    assert select_attention("auto", Gpu("8.0")) is paged_attention_pallas
+    assert select_attention("auto", Gpu("9.0")) is paged_attention_pallas          # until measured faster
+    monkeypatch.setattr(backend, "MOSAIC_ON_HOPPER", True)
+    assert select_attention("auto", Gpu("8.9")) is paged_attention_pallas
+    hopper = select_attention("auto", Gpu("9.0"))
+    used = []
+    monkeypatch.setattr(mosaic_kernel, "paged_attention_mosaic",
+                        lambda *a, **kw: used.append("mosaic") or paged_attention_mosaic(*a, **kw))
+    rng = np.random.default_rng(0)
+    q, kc, vc, md, _ = make_batch(rng, MIXED, 16, 2, 4, 60, 6, head_size=64)
+    want = np.asarray(paged_attention(q, kc, vc, md, scale=0.1))
+    for dtype, kernel in ((jnp.float32, []), (jnp.bfloat16, ["mosaic"])):     # f32: the Triton kernel
+        used.clear()
+        got = hopper(*(a.astype(dtype) for a in (q, kc, vc)), md, scale=0.1)
+        assert used == kernel and got.dtype == dtype
+        assert_close(np.asarray(got, np.float32), want, sum(n for _, n in MIXED), 2e-2)
