@@ -3,12 +3,13 @@
     python scripts/bench_gpu.py ceilings|kernel|engine --out DIR [--smoke]
 
 ceilings: HBM copy bandwidth and bf16 matmul rate, measured here (the baselines).
-kernel:   the Pallas ragged paged-attention kernel against the plain-jnp path and the copy
-          bandwidth, on a decode batch (256 requests x 2k context, Llama-3-8B heads: 32 query,
-          8 KV, head size 128, bf16) and a mixed batch; a block-size sweep for the decode case.
-engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf16): offline
-          throughput for 1,000 requests of 128 prompt / 128 output tokens (ignore_eos), and the
-          decode step time at batch 256 against its roofline floor.
+kernel:   the two Pallas ragged paged-attention kernels (Triton-lowered; Mosaic GPU on Hopper)
+          against the plain-jnp path and the copy bandwidth, on a decode batch (256 requests x 2k
+          context, Llama-3-8B heads: 32 query, 8 KV, head size 128, bf16) and a mixed batch; the
+          KV write; block-size sweeps of both kernels for the decode case.
+engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf16) with the
+          kernel that measured faster: offline throughput for 1,000 requests of 128 prompt / 128
+          output tokens (ignore_eos), and the decode step time at batch 256 against its roofline floor.
 Each writes DIR/<name>.json.
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ import numpy as np
 
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled, write_kv
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, paged_attention_pallas
+from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic
+
+KERNELS = {"pallas": paged_attention_pallas, "mosaic": paged_attention_mosaic}
 
 
 def timed(fn, *args, reps: int = 10) -> float:
@@ -75,29 +79,50 @@ def attention_batch(rows, page_size, kv_heads, group, head_size, dtype, seed=0):
     return q, k, v, md, kv_bytes
 
 
-def kernel(smoke: bool, copy_gbs: float) -> dict:
+def kernel(smoke: bool, copy_gbs: float, save) -> dict:
+    """``save(results)`` after each part, so a part cut short by the time limit keeps the others."""
     heads = (2, 4, 64) if smoke else (8, 4, 128)            # KV heads, group, head size
     context, batch = (64, 8) if smoke else (2048, 256)
     cases = {"decode": [(context - 1, 1)] * batch,
              "mixed": [(context - 1, 1)] * (batch // 2) + [(context // 2, context // 4)] * 4}
+    if jax.devices()[0].platform == "cpu":      # a dry run: Mosaic GPU's interpreter needs the tests' patch
+        from tests.kernels.mosaic_interpret import transposed_wgmma_operands
+
+        global _INTERPRETER_PATCH                # held: the patch ends when the context is collected
+        _INTERPRETER_PATCH = transposed_wgmma_operands()
+        _INTERPRETER_PATCH.__enter__()
     out = {}
     for name, rows in cases.items():
-        try:
-            out[name] = kernel_case(rows, heads, copy_gbs)
-        except Exception as error:      # noqa: BLE001 - record it, measure the rest
-            out[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-    out["decode_sweep"] = sweep(cases["decode"], heads, copy_gbs)
+        out[name] = kernel_case(rows, heads, copy_gbs)
+        save(out)
+    out["decode_sweep_mosaic"] = sweep(cases["decode"], heads, copy_gbs, "mosaic", mosaic_sizes())
+    save(out)
+    out["decode_sweep"] = sweep(cases["decode"], heads, copy_gbs, "pallas", triton_sizes(heads))
     return out
 
 
 def kernel_case(rows, heads, copy_gbs: float) -> dict:
-    """Pallas vs the plain-jnp path on one batch, and the KV write (an XLA scatter, in place)."""
+    """Each Pallas kernel vs the plain-jnp path on one batch, and the KV write (an XLA scatter,
+    in place). A kernel that fails is recorded and the rest measured."""
     q, k, v, md, kv_bytes = attention_batch(rows, 16, *heads, jnp.bfloat16)
-    pallas = jax.jit(lambda q, k, v, md: paged_attention_pallas(q, k, v, md, scale=0.088))
     reference = jax.jit(lambda q, k, v, md: paged_attention_tiled(q, k, v, md, scale=0.088))
-    t_pallas, t_ref = timed(pallas, q, k, v, md), timed(reference, q, k, v, md)
-    err = float(jnp.max(jnp.abs(pallas(q, k, v, md).astype(jnp.float32) - reference(q, k, v, md).astype(jnp.float32))))
-    gbs = kv_bytes / t_pallas / 1e9
+    t_ref = timed(reference, q, k, v, md)
+    want = reference(q, k, v, md).astype(jnp.float32)
+    result = {"reference_ms": round(t_ref * 1e3, 3), "kv_gb": round(kv_bytes / 1e9, 3)}
+    for name, attention in KERNELS.items():
+        fn = jax.jit(lambda q, k, v, md, attention=attention: attention(q, k, v, md, scale=0.088))
+        try:
+            t = timed(fn, q, k, v, md)
+            err = float(jnp.max(jnp.abs(fn(q, k, v, md).astype(jnp.float32) - want)))
+        except Exception as error:      # noqa: BLE001 - record it, measure the rest
+            result[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            continue
+        gbs = kv_bytes / t / 1e9
+        result.update({f"{name}_ms": round(t * 1e3, 3), f"{name}_speedup_vs_reference": round(t_ref / t, 2),
+                       f"{name}_gbs": round(gbs, 1), f"{name}_fraction_of_copy_bw": round(gbs / copy_gbs, 3),
+                       f"{name}_max_abs_err_vs_reference": err})
+    if "pallas_ms" in result and "mosaic_ms" in result:
+        result["mosaic_speedup_vs_pallas"] = round(result["pallas_ms"] / result["mosaic_ms"], 2)
     new_kv = jnp.zeros((q.shape[0], heads[0], heads[2]), jnp.bfloat16)
     write = jax.jit(lambda k, v, md: write_kv(k, v, new_kv, new_kv, md.slot_mapping), donate_argnums=(0, 1))
     k, v = write(k, v, md)                                   # compile; then time in place
@@ -106,32 +131,45 @@ def kernel_case(rows, heads, copy_gbs: float) -> dict:
     for _ in range(10):
         k, v = write(k, v, md)
     jax.block_until_ready(k)
-    t_write = (time.perf_counter() - start) / 10
-    return {"pallas_ms": round(t_pallas * 1e3, 3), "reference_ms": round(t_ref * 1e3, 3),
-            "speedup_vs_reference": round(t_ref / t_pallas, 2), "kv_gb": round(kv_bytes / 1e9, 3),
-            "pallas_gbs": round(gbs, 1), "fraction_of_copy_bw": round(gbs / copy_gbs, 3),
-            "max_abs_err_vs_reference": err, "kv_write_xla_scatter_ms": round(t_write * 1e3, 3)}
+    result["kv_write_xla_scatter_ms"] = round((time.perf_counter() - start) / 10 * 1e3, 3)
+    return result
 
 
-def sweep(rows, heads, copy_gbs) -> list[dict]:
-    """Decode timings over block sizes (to update kernel.TUNED)."""
+def triton_sizes(heads) -> list[BlockSizes]:
+    base = block_sizes(heads[2], 16, jnp.bfloat16, heads[1])
+    return [BlockSizes(base.block_q, pages, warps, stages)
+            for pages in (1, 2, 4, 8) for warps in (4, 8) for stages in (1, 2, 3)]
+
+
+def mosaic_sizes() -> list[BlockSizes]:
+    return [BlockSizes(64, pages, num_stages=stages) for pages in (1, 2, 4, 8) for stages in (2, 3, 4)]
+
+
+def sweep(rows, heads, copy_gbs, name: str, candidates: list[BlockSizes]) -> list[dict]:
+    """Decode timings over block sizes (to update the kernel's TUNED table)."""
     q, k, v, md, kv_bytes = attention_batch(rows, 16, *heads, jnp.bfloat16)
-    group = heads[1]
-    base = block_sizes(heads[2], 16, jnp.bfloat16, group)
     results = []
-    for pages in (1, 2, 4, 8):
-        for warps in (4, 8):
-            for stages in (1, 2, 3):
-                sizes = BlockSizes(base.block_q, pages, warps, stages)
-                fn = jax.jit(lambda q, k, v, md, s=sizes: paged_attention_pallas(q, k, v, md, scale=0.088, sizes=s))
-                try:
-                    t = timed(fn, q, k, v, md, reps=5)
-                except Exception as error:                     # noqa: BLE001 - a size Triton refuses
-                    results.append({"sizes": sizes.__dict__, "error": str(error)[:200]})
-                    continue
-                results.append({"sizes": sizes.__dict__, "ms": round(t * 1e3, 3),
-                                "fraction_of_copy_bw": round(kv_bytes / t / 1e9 / copy_gbs, 3)})
+    for sizes in candidates:
+        fn = jax.jit(lambda q, k, v, md, s=sizes: KERNELS[name](q, k, v, md, scale=0.088, sizes=s))
+        try:
+            t = timed(fn, q, k, v, md, reps=5)
+        except Exception as error:                     # noqa: BLE001 - a size the compiler refuses
+            results.append({"sizes": sizes.__dict__, "error": str(error)[:200]})
+            continue
+        results.append({"sizes": sizes.__dict__, "ms": round(t * 1e3, 3),
+                        "fraction_of_copy_bw": round(kv_bytes / t / 1e9 / copy_gbs, 3)})
     return sorted(results, key=lambda r: r.get("ms", 1e9))
+
+
+def faster_kernel(out: Path) -> str:
+    """The attention backend for the engine run: the Pallas kernel that measured faster on the
+    decode batch (the Triton one if the kernel benchmark did not run)."""
+    try:
+        decode = json.loads((out / "kernel.json").read_text())["decode"]
+    except (OSError, KeyError, ValueError):
+        return "pallas-triton"
+    mosaic, triton = decode.get("mosaic_ms"), decode.get("pallas_ms")
+    return "pallas-mosaic" if mosaic is not None and (triton is None or mosaic < triton) else "pallas-triton"
 
 
 # ---------------------------------------------------------------- engine
@@ -146,7 +184,7 @@ def llama3_8b(smoke: bool):
                        max_position_embeddings=8192)
 
 
-def engine(smoke: bool, ceil: dict) -> dict:
+def engine(smoke: bool, ceil: dict, backend: str) -> dict:
     from flax import nnx
 
     from jaxengine import SamplingParams
@@ -156,7 +194,9 @@ def engine(smoke: bool, ceil: dict) -> dict:
 
     cfg = llama3_8b(smoke)
     start = time.perf_counter()
-    model = LlamaForCausalLM(cfg, jnp.bfloat16, select_attention("auto"), rngs=nnx.Rngs(0))
+    if jax.devices()[0].platform == "cpu":                # a dry run: the kernels would be interpreted
+        backend = "reference"
+    model = LlamaForCausalLM(cfg, jnp.bfloat16, select_attention(backend), rngs=nnx.Rngs(0))
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     init_s = time.perf_counter() - start
     num_requests, batch = (32, 16) if smoke else (1000, 256)
@@ -166,13 +206,14 @@ def engine(smoke: bool, ceil: dict) -> dict:
                    max_model_len=512, block_size=16, token_buckets=sorted({batch, 1024 if not smoke else 64, budget}),
                    request_buckets=sorted({batch // 4, batch}), enable_prefix_caching=False,
                    num_kv_blocks=256 if smoke else 8192)
-    backend, fallback_reason = "auto", None
-    try:
-        llm = LLM(model, **options)
-    except Exception as error:          # noqa: BLE001 - one GPU run: still measure the engine
-        backend, fallback_reason = "reference", f"{type(error).__name__}: {str(error)[:300]}"
-        model.layers.self_attn.attention_fn = select_attention("reference")
-        llm = LLM(model, **options)
+    failures = {}
+    for backend in dict.fromkeys([backend, "pallas-triton", "reference"]):   # one GPU run: still measure the engine
+        model.layers.self_attn.attention_fn = select_attention(backend)
+        try:
+            llm = LLM(model, **options)
+            break
+        except Exception as error:          # noqa: BLE001 - recorded; the next backend is tried
+            failures[backend] = f"{type(error).__name__}: {str(error)[:300]}"
     compile_s = time.perf_counter() - start
     steps = record_steps(llm)
     rng = np.random.default_rng(0)
@@ -183,7 +224,7 @@ def engine(smoke: bool, ceil: dict) -> dict:
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     decode = [s for s in steps if s["decode"] == batch and s["prefill"] == 0]
-    result = {"attention_backend": backend, "pallas_failure": fallback_reason,
+    result = {"attention_backend": backend, "failed_backends": failures,
               "num_params": int(num_params), "init_s": round(init_s, 1), "startup_compile_s": round(compile_s, 1),
               "requests": num_requests, "output_tokens": tokens, "seconds": round(seconds, 2),
               "output_tok_s": round(tokens / seconds, 1), "steps": len(steps),
@@ -225,12 +266,17 @@ def decode_floor_ms(cfg, num_params: int, batch: int, context: float, ceil: dict
 TARGETS = [  # (label, file, key path, target text, passes)
     ("HBM copy bandwidth (GB/s)", "ceilings", ("copy_bandwidth_gbs",), "baseline", None),
     ("bf16 matmul (TFLOP/s)", "ceilings", ("bf16_matmul_tflops",), "baseline", None),
-    ("decode attention, fraction of copy bandwidth", "kernel", ("decode", "fraction_of_copy_bw"), ">= 0.70",
-     lambda v: v >= 0.70),
-    ("decode attention vs plain-jnp path (speed-up)", "kernel", ("decode", "speedup_vs_reference"), "> 1",
-     lambda v: v > 1),
-    ("mixed batch attention (ms)", "kernel", ("mixed", "pallas_ms"), "-", None),
+    ("decode attention (Triton kernel), fraction of copy bandwidth", "kernel", ("decode", "pallas_fraction_of_copy_bw"),
+     ">= 0.70", lambda v: v >= 0.70),
+    ("decode attention (Mosaic kernel), fraction of copy bandwidth", "kernel", ("decode", "mosaic_fraction_of_copy_bw"),
+     ">= 0.70", lambda v: v >= 0.70),
+    ("decode attention (Triton kernel) vs plain-jnp path (speed-up)", "kernel", ("decode", "pallas_speedup_vs_reference"),
+     "> 1", lambda v: v > 1),
+    ("decode: Mosaic kernel speed-up over Triton kernel", "kernel", ("decode", "mosaic_speedup_vs_pallas"), "-", None),
+    ("mixed batch attention, Triton kernel (ms)", "kernel", ("mixed", "pallas_ms"), "-", None),
+    ("mixed batch attention, Mosaic kernel (ms)", "kernel", ("mixed", "mosaic_ms"), "-", None),
     ("KV write, XLA scatter, decode batch (ms)", "kernel", ("decode", "kv_write_xla_scatter_ms"), "-", None),
+    ("engine's attention backend", "engine", ("attention_backend",), "-", None),
     ("decode step at batch 256 / roofline floor", "engine", ("decode_vs_floor",), "<= 1.25", lambda v: v <= 1.25),
     ("offline output tok/s (1000 x 128/128)", "engine", ("output_tok_s",), ">= 15000", lambda v: v >= 15000),
 ]
@@ -262,13 +308,19 @@ def main() -> None:
     if args.what == "summary":
         return summary(args.out)
     info = {"device": str(jax.devices()[0]), "jax": jax.__version__}
+    path = args.out / f"{args.what}.json"
+
+    def save(part: dict) -> None:
+        path.write_text(json.dumps({**info, **part}, indent=1))
+
     if args.what == "ceilings":
-        result = {**info, **ceilings(args.smoke)}
+        result = ceilings(args.smoke)
     else:
         ceil = json.loads((args.out / "ceilings.json").read_text())
-        result = {**info, **(kernel(args.smoke, ceil["copy_bandwidth_gbs"]) if args.what == "kernel"
-                             else engine(args.smoke, ceil))}
-    (args.out / f"{args.what}.json").write_text(json.dumps(result, indent=1))
+        result = (kernel(args.smoke, ceil["copy_bandwidth_gbs"], save) if args.what == "kernel"
+                  else engine(args.smoke, ceil, faster_kernel(args.out)))
+    save(result)
+    result = {**info, **result}
     print(json.dumps(result)[:2000], flush=True)
 
 
