@@ -5,8 +5,8 @@
 #    GPU kernel's tests run on Hopper only;
 # 2. ceilings: HBM copy bandwidth and bf16 matmul rate (the baselines);
 # 3. kernel timings of both Pallas kernels (Triton, Mosaic GPU): decode 256 x 2k (Llama-3-8B heads,
-#    bf16) and a mixed batch, against the plain-jnp path and the copy bandwidth, the KV write, and
-#    block-size sweeps;
+#    bf16) and a mixed batch, against the plain-jnp path and the copy bandwidth; the KV write (XLA
+#    scatter and Pallas kernel); block-size sweeps;
 # 4. the engine on a random-weight Llama-3-8B (bf16) with the kernel that measured faster: offline
 #    throughput (1000 x 128/128) and the decode step at batch 256 against its roofline floor.
 # Each part has its own time limit (under 9 minutes in all, ~8.5 at worst); results land in OUT_DIR as JSON
@@ -28,7 +28,8 @@ log "environment: $(tail -1 "$OUT_DIR/environment.txt")"
 
 log "kernel tests (compiled)"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/kernels/test_pallas_kernel.py tests/kernels/test_mosaic_kernel.py > "$OUT_DIR/kernel_tests.txt" 2>&1
+  tests/kernels/test_pallas_kernel.py tests/kernels/test_mosaic_kernel.py tests/kernels/test_kv_write.py \
+  > "$OUT_DIR/kernel_tests.txt" 2>&1
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
 log "kernel tests: $(grep -E 'passed|failed|error' "$OUT_DIR/kernel_tests.txt" | tail -1)"
 
