@@ -149,7 +149,7 @@ def triton_sizes(heads) -> list[BlockSizes]:
 
 
 def mosaic_sizes() -> list[BlockSizes]:
-    return [BlockSizes(64, pages, num_stages=stages) for pages in (1, 2, 4, 8) for stages in (2, 3, 4)]
+    return [BlockSizes(64, pages, num_stages=stages) for pages in (4, 8, 16) for stages in (2, 3, 4)]
 
 
 def sweep(rows, heads, copy_gbs, name: str, candidates: list[BlockSizes]) -> list[dict]:

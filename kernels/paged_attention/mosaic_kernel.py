@@ -26,6 +26,7 @@ from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 ROWS = 64                     # WGMMA's M for one warpgroup
 SWIZZLE = 128                 # bytes: a 64-element bf16 row, the widest TMA/WGMMA swizzle
 DTYPES = ("bfloat16", "float16")
+SMEM_BYTES = 227 * 1024      # shared memory one Hopper block may take
 
 # By (head size, page size, dtype): pages_per_block (keys per iteration = pages_per_block * page
 # size) and num_stages (the ring's depth); block_q follows from the group (64 rows per tile) and
@@ -88,9 +89,14 @@ def _validate_layout(q: jax.Array, k_cache: jax.Array, sizes: BlockSizes) -> Non
                          f"{q.dtype}/{k_cache.dtype}, head size {q.shape[-1]}, page size {k_cache.shape[1]}, "
                          f"{q.shape[1] // k_cache.shape[2]} heads per KV head")
     span = sizes.pages_per_block * k_cache.shape[1]
-    if span % 16 or span > 256 or sizes.num_stages < 2:
-        raise ValueError(f"mosaic kernel: keys per iteration (pages_per_block * page size) must be a multiple of "
-                         f"16 up to 256 and num_stages >= 2; got {span} and {sizes.num_stages}")
+    if span % 64 or span > 256 or sizes.num_stages < 2:
+        # 64: a 128-byte swizzle of 16-bit keys (WGMMA's K for P @ V); 256: WGMMA's largest N.
+        raise ValueError(f"mosaic kernel: keys per iteration (pages_per_block * page size) must be 64, 128, 192 or "
+                         f"256 and num_stages >= 2; got {span} and {sizes.num_stages}")
+    smem = (ROWS + 2 * sizes.num_stages * span) * q.shape[-1] * q.dtype.itemsize
+    if smem > SMEM_BYTES:
+        raise ValueError(f"mosaic kernel: {smem} bytes of shared memory for the query tile and a ring of "
+                         f"{sizes.num_stages} x {span} keys exceed Hopper's {SMEM_BYTES}; fewer stages or keys")
 
 
 def _interpret_params():
