@@ -12,32 +12,41 @@
 # Each part has its own time limit (under 9 minutes in all, ~8.5 at worst); results land in OUT_DIR as JSON
 # (gpu_check.json) and a table (gpu_check.md), printed last. Add --smoke to dry-run tiny sizes.
 set -u
-cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
+mkdir -p "$OUT_DIR" && OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 SMOKE="${2:-}"
-mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+cd "$(dirname "$0")/.."
+# The source tree as the installed package, without installing it (the machine's venv stays as it
+# is): jaxengine/ with kernels/ and models/ inside it, as pyproject's package-dir maps them, linked
+# in a temporary folder that comes first on the path. pytest runs with -P and in importlib mode so
+# that neither Python nor pytest puts the checkout's own jaxengine/ (which lacks those two) before it.
+SHIM="$(mktemp -d)"
+mkdir "$SHIM/jaxengine"
+ln -s "$PWD"/jaxengine/* "$SHIM/jaxengine/"
+ln -s "$PWD/kernels" "$SHIM/jaxengine/kernels"
+ln -s "$PWD/models" "$SHIM/jaxengine/models"
+export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
-PY="${PYTHON:-python3}"
+PY="${PYTHON:-python3}"          # may carry options: left unquoted below
 start=$SECONDS
 log() { echo "[gpu_check $((SECONDS - start))s] $*"; }
 
-{ nvidia-smi; "$PY" -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'; } \
+{ nvidia-smi; $PY -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'; } \
   > "$OUT_DIR/environment.txt" 2>&1
 log "environment: $(tail -1 "$OUT_DIR/environment.txt")"
 
 log "kernel tests (compiled)"
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 "$PY" -m pytest -q -p no:cacheprovider \
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 $PY -P -m pytest -q -p no:cacheprovider --import-mode=importlib \
   tests/kernels/test_pallas_kernel.py tests/kernels/test_mosaic_kernel.py tests/kernels/test_kv_write.py \
   > "$OUT_DIR/kernel_tests.txt" 2>&1
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
 log "kernel tests: $(grep -E 'passed|failed|error' "$OUT_DIR/kernel_tests.txt" | tail -1)"
 
 log "ceilings"
-timeout 40 "$PY" scripts/bench_gpu.py ceilings --out "$OUT_DIR" $SMOKE > "$OUT_DIR/ceilings.log" 2>&1
+timeout 40 $PY scripts/bench_gpu.py ceilings --out "$OUT_DIR" $SMOKE > "$OUT_DIR/ceilings.log" 2>&1
 log "kernel benchmark"
-timeout 130 "$PY" scripts/bench_gpu.py kernel --out "$OUT_DIR" $SMOKE > "$OUT_DIR/kernel.log" 2>&1
+timeout 130 $PY scripts/bench_gpu.py kernel --out "$OUT_DIR" $SMOKE > "$OUT_DIR/kernel.log" 2>&1
 log "engine benchmark"
-timeout 200 "$PY" scripts/bench_gpu.py engine --out "$OUT_DIR" $SMOKE > "$OUT_DIR/engine.log" 2>&1
+timeout 200 $PY scripts/bench_gpu.py engine --out "$OUT_DIR" $SMOKE > "$OUT_DIR/engine.log" 2>&1
 log "done; logs in $OUT_DIR"
-"$PY" scripts/bench_gpu.py summary --out "$OUT_DIR"
+$PY scripts/bench_gpu.py summary --out "$OUT_DIR"
