@@ -303,6 +303,11 @@ def summary(out: Path) -> None:
             value = value.get(key) if isinstance(value, dict) else None
         met = "-" if passes is None or value is None else ("yes" if passes(value) else "NO")
         lines.append(f"| {label} | {'missing' if value is None else value} | {target} | {met} |")
+    for key, label in (("decode_sweep", "Triton"), ("decode_sweep_mosaic", "Mosaic")):
+        best = next((r for r in results.get("kernel", {}).get(key, []) if "ms" in r), None)
+        if best:                                    # what the TUNED table should say for this layout
+            sizes = ", ".join(f"{k}={v}" for k, v in best["sizes"].items())
+            lines.append(f"| best {label} sizes, decode (ms) | {best['ms']} ({sizes}) | - | - |")
     (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -36,11 +36,11 @@ log() { echo "[gpu_check $((SECONDS - start))s] $*"; }
 log "environment: $(tail -1 "$OUT_DIR/environment.txt")"
 
 log "kernel tests (compiled)"
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 $PY -P -m pytest -q -p no:cacheprovider --import-mode=importlib \
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 $PY -P -m pytest -v -p no:cacheprovider --import-mode=importlib \
   tests/kernels/test_pallas_kernel.py tests/kernels/test_mosaic_kernel.py tests/kernels/test_kv_write.py \
   > "$OUT_DIR/kernel_tests.txt" 2>&1
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
-log "kernel tests: $(grep -E 'passed|failed|error' "$OUT_DIR/kernel_tests.txt" | tail -1)"
+log "kernel tests: $(grep -c ' PASSED' "$OUT_DIR/kernel_tests.txt") passed, $(grep -c ' FAILED' "$OUT_DIR/kernel_tests.txt") failed; $(tail -1 "$OUT_DIR/kernel_tests.txt")"
 
 log "ceilings"
 timeout 40 $PY scripts/bench_gpu.py ceilings --out "$OUT_DIR" $SMOKE > "$OUT_DIR/ceilings.log" 2>&1
