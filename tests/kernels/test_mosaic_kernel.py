@@ -14,7 +14,8 @@ from jaxengine.kernels.paged_attention.kernel import BlockSizes, paged_attention
 from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic, supports
 from tests.kernels.mosaic_interpret import transposed_wgmma_operands
 from tests.kernels.test_paged_attention import make_batch
-from tests.kernels.test_pallas_kernel import CASES, MIXED, assert_close
+from tests.kernels.test_pallas_kernel import CASES, MIXED, assert_close, random_ragged_batch
+from tests.kernels.test_pallas_kernel import run_both as run_both_kernels
 
 ON_CPU = jax.devices()[0].platform == "cpu"
 HOPPER = not ON_CPU and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
@@ -36,19 +37,17 @@ def race_checked_interpreter(monkeypatch):
     assert not interpreter.get_races().races_found
 
 
-def run_both(rows, *, page_size=16, kv_heads=2, group=4, head_size=64, dtype=jnp.bfloat16, extra_tokens=5,
-             extra_rows=2, seed=0, sizes=None, **kw):
-    rng = np.random.default_rng(seed)
-    num_tokens = sum(n for _, n in rows) + extra_tokens
-    q, kc, vc, md, _ = make_batch(rng, rows, page_size, kv_heads, group, num_tokens, len(rows) + extra_rows,
-                                  head_size=head_size)
-    q, kc, vc = q.astype(dtype), kc.astype(dtype), vc.astype(dtype)
-    scale = head_size ** -0.5
-    want = paged_attention(q, kc, vc, md, scale=scale, **kw)
-    got = paged_attention_mosaic(q, kc, vc, md, scale=scale, sizes=sizes, **kw)
-    if ON_CPU:                                    # the interpreter is lenient: lower it for sm_90 too
-        lower_for_hopper(q, kc, vc, md, scale=scale, sizes=sizes, **kw)
-    return np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in rows)
+def run_both(rows, *, dtype=jnp.bfloat16, sizes=None, **kw):
+    """test_pallas_kernel's comparison, with this kernel."""
+    kernel = lowered_and_run if ON_CPU else paged_attention_mosaic
+    return run_both_kernels(rows, dtype=dtype, kernel=kernel, kernel_kw=dict(sizes=sizes), **kw)
+
+
+def lowered_and_run(*args, **kw):
+    """On the CPU each case is also lowered for sm_90: the interpreter is lenient about operand
+    shapes and shared memory."""
+    lower_for_hopper(*args, **kw)
+    return paged_attention_mosaic(*args, **kw)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -81,15 +80,8 @@ def test_ring_depths_and_keys_per_step(sizes):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_ragged_batches(seed):
-    rng = np.random.default_rng(200 + seed)
-    rows = []
-    for _ in range(rng.integers(1, 6)):
-        kind = rng.integers(3)
-        context = 0 if kind == 1 else int(rng.integers(1, 90))
-        rows.append((context, 1 if kind == 0 else int(rng.integers(2, 40))))
-    got, want, real = run_both(rows, page_size=int(rng.choice([16, 32])), group=int(rng.choice([1, 2, 3, 4, 8])),
-                               kv_heads=int(rng.choice([1, 2])), extra_tokens=int(rng.integers(0, 9)),
-                               extra_rows=int(rng.integers(0, 3)), seed=seed)
+    rows, options = random_ragged_batch(np.random.default_rng(200 + seed))
+    got, want, real = run_both(rows, seed=seed, **options)
     assert_close(got, want, real, 2e-2)
 
 

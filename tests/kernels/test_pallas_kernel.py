@@ -17,7 +17,9 @@ CASES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED, "one-token": [(0,
 
 
 def run_both(rows, *, page_size=16, kv_heads=2, group=4, head_size=64, dtype=jnp.float32, extra_tokens=5,
-             extra_rows=2, seed=0, **kw):
+             extra_rows=2, seed=0, kernel=paged_attention_pallas, kernel_kw=None, **kw):
+    """The kernel (interpreted on the CPU, compiled on a GPU) and the reference on one random
+    batch: (kernel's output, reference's, number of real tokens)."""
     rng = np.random.default_rng(seed)
     num_tokens = sum(n for _, n in rows) + extra_tokens
     q, kc, vc, md, _ = make_batch(rng, rows, page_size, kv_heads, group, num_tokens, len(rows) + extra_rows,
@@ -25,7 +27,7 @@ def run_both(rows, *, page_size=16, kv_heads=2, group=4, head_size=64, dtype=jnp
     q, kc, vc = q.astype(dtype), kc.astype(dtype), vc.astype(dtype)
     scale = head_size ** -0.5
     want = paged_attention(q, kc, vc, md, scale=scale, **kw)
-    got = paged_attention_pallas(q, kc, vc, md, scale=scale, **kw)         # interpreted on the CPU, compiled on a GPU
+    got = kernel(q, kc, vc, md, scale=scale, **kw, **(kernel_kw or {}))
     return np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in rows)
 
 
@@ -114,18 +116,21 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, kv_heads, group, head_size, pag
     assert target in exported.mlir_module()
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_ragged_batches(seed):
-    """Random mixes: decodes, whole prompts and chunks after a cached prefix, any lengths, page
-    boundaries crossed anywhere; random GQA ratio and page size."""
-    rng = np.random.default_rng(100 + seed)
+def random_ragged_batch(rng) -> tuple[list[tuple[int, int]], dict]:
+    """A random mix of decodes, whole prompts and chunks after a cached prefix, any lengths, page
+    boundaries crossed anywhere; random GQA ratio, page size and padding: (rows, run_both's options)."""
     rows = []
     for _ in range(rng.integers(1, 7)):
         kind = rng.integers(3)
         context = 0 if kind == 1 else int(rng.integers(1, 90))
         rows.append((context, 1 if kind == 0 else int(rng.integers(2, 40))))
-    group = int(rng.choice([1, 2, 3, 4, 8]))
-    got, want, real = run_both(rows, page_size=int(rng.choice([16, 32])), kv_heads=int(rng.choice([1, 2])),
-                               group=group, extra_tokens=int(rng.integers(0, 9)), extra_rows=int(rng.integers(0, 3)),
-                               seed=seed)
+    return rows, dict(page_size=int(rng.choice([16, 32])), kv_heads=int(rng.choice([1, 2])),
+                      group=int(rng.choice([1, 2, 3, 4, 8])), extra_tokens=int(rng.integers(0, 9)),
+                      extra_rows=int(rng.integers(0, 3)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ragged_batches(seed):
+    rows, options = random_ragged_batch(np.random.default_rng(100 + seed))
+    got, want, real = run_both(rows, seed=seed, **options)
     assert_close(got, want, real, 1e-5)
