@@ -8,7 +8,7 @@ kernel:   the two Pallas ragged paged-attention kernels (Triton-lowered; Mosaic 
           context, Llama-3-8B heads: 32 query, 8 KV, head size 128, bf16) and a mixed batch; the
           KV write; block-size sweeps of both kernels for the decode case.
 engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf16) with the
-          kernel that measured faster: offline throughput for 1,000 requests of 128 prompt / 128
+          kernel that measured faster, at the sweeps' best block sizes: offline throughput for 1,000 requests of 128 prompt / 128
           output tokens (ignore_eos), and the decode step time at batch 256 against its roofline floor.
 Each writes DIR/<name>.json.
 """
@@ -168,6 +168,26 @@ def sweep(rows, heads, copy_gbs, name: str, candidates: list[BlockSizes]) -> lis
     return sorted(results, key=lambda r: r.get("ms", 1e9))
 
 
+def use_best_sizes(out: Path, head_size: int, page_size: int) -> dict:
+    """Put each sweep's fastest sizes into its kernel's TUNED table for this layout (bf16), so the
+    engine run of the same call uses tuned kernels. Returns what it set."""
+    from jaxengine.kernels.paged_attention import kernel as triton_kernel, mosaic_kernel
+
+    try:
+        sweeps = json.loads((out / "kernel.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    chosen = {}
+    for key, module in (("decode_sweep", triton_kernel), ("decode_sweep_mosaic", mosaic_kernel)):
+        best = next((r["sizes"] for r in sweeps.get(key, []) if "ms" in r), None)
+        if best:
+            layout = (head_size, page_size, "bfloat16")
+            block_q = module.TUNED[layout].block_q        # the sweep kept the table's block_q
+            module.TUNED[layout] = BlockSizes(block_q, best["pages_per_block"], best["num_warps"], best["num_stages"])
+            chosen[key] = module.TUNED[layout].__dict__
+    return chosen
+
+
 def faster_kernel(out: Path) -> str:
     """The attention backend for the engine run: the Pallas kernel that measured faster on the
     decode batch (the Triton one if the kernel benchmark did not run)."""
@@ -180,6 +200,9 @@ def faster_kernel(out: Path) -> str:
 
 
 # ---------------------------------------------------------------- engine
+ENGINE_LAYOUT = (128, 16)           # the engine run's head size and page (block) size
+
+
 def llama3_8b(smoke: bool):
     from jaxengine.models.config import ModelConfig, RopeScaling
 
@@ -191,7 +214,7 @@ def llama3_8b(smoke: bool):
                        max_position_embeddings=8192)
 
 
-def engine(smoke: bool, ceil: dict, backend: str) -> dict:
+def engine(smoke: bool, ceil: dict, backend: str, tuned: dict) -> dict:
     from flax import nnx
 
     from jaxengine import SamplingParams
@@ -231,7 +254,7 @@ def engine(smoke: bool, ceil: dict, backend: str) -> dict:
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     decode = [s for s in steps if s["decode"] == batch and s["prefill"] == 0]
-    result = {"attention_backend": backend, "failed_backends": failures,
+    result = {"attention_backend": backend, "failed_backends": failures, "block_sizes_from_sweeps": tuned,
               "num_params": int(num_params), "init_s": round(init_s, 1), "startup_compile_s": round(compile_s, 1),
               "requests": num_requests, "output_tokens": tokens, "seconds": round(seconds, 2),
               "output_tok_s": round(tokens / seconds, 1), "steps": len(steps),
@@ -333,7 +356,7 @@ def main() -> None:
     else:
         ceil = json.loads((args.out / "ceilings.json").read_text())
         result = (kernel(args.smoke, ceil["copy_bandwidth_gbs"], save) if args.what == "kernel"
-                  else engine(args.smoke, ceil, faster_kernel(args.out)))
+                  else engine(args.smoke, ceil, faster_kernel(args.out), use_best_sizes(args.out, *ENGINE_LAYOUT)))
     save(result)
     result = {**info, **result}
     print(json.dumps(result)[:2000], flush=True)
