@@ -5,8 +5,9 @@
 ceilings: HBM copy bandwidth and bf16 matmul rate, measured here (the baselines).
 kernel:   the two Pallas ragged paged-attention kernels (Triton-lowered; Mosaic GPU on Hopper)
           against the plain-jnp path and the copy bandwidth, on a decode batch (256 requests x 2k
-          context, Llama-3-8B heads: 32 query, 8 KV, head size 128, bf16) and a mixed batch; the
-          KV write; block-size sweeps of both kernels for the decode case.
+          context, Llama-3-8B heads: 32 query, 8 KV, head size 128, bf16) and a mixed batch, with
+          JAX's own decode-only Pallas kernel as a yardstick on the decode batch; the KV write;
+          block-size sweeps of both kernels for the decode case.
 engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf16) with the
           kernel that measured faster, at the sweeps' best block sizes: offline throughput for 1,000 requests of 128 prompt / 128
           output tokens (ignore_eos), and the decode step time at batch 256 against its roofline floor.
@@ -124,6 +125,8 @@ def kernel_case(rows, heads, copy_gbs: float) -> dict:
                        f"{name}_max_abs_err_vs_reference": err})
     if "pallas_ms" in result and "mosaic_ms" in result:
         result["mosaic_speedup_vs_pallas"] = round(result["pallas_ms"] / result["mosaic_ms"], 2)
+    if all(n == 1 for _, n in rows):
+        result.update(jax_decode_kernel(q, k, v, md, want, t_ref, kv_bytes, copy_gbs))
     new_kv = jnp.zeros((q.shape[0], heads[0], heads[2]), jnp.bfloat16)
     for name, write_fn in (("xla_scatter", write_kv), ("pallas", write_kv_pallas)):
         write = jax.jit(lambda k, v, md, f=write_fn: f(k, v, new_kv, new_kv, md.slot_mapping), donate_argnums=(0, 1))
@@ -140,6 +143,28 @@ def kernel_case(rows, heads, copy_gbs: float) -> dict:
             continue
         result[f"kv_write_{name}_ms"] = round((time.perf_counter() - start) / 10 * 1e3, 3)
     return result
+
+
+def jax_decode_kernel(q, k, v, md, want, t_ref, kv_bytes, copy_gbs) -> dict:
+    """JAX's own decode-only paged attention (Pallas, Triton lowering; pages laid out [K, P, S, H]
+    and split-K over 16 partitions by default) on the same decode batch: an outside yardstick."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_paged_attention
+
+    width = md.block_tables.shape[1]
+    splits = min(16, width)
+    k_pages, v_pages = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))
+    fn = jax.jit(lambda q, kp, vp, tables, lengths: jax_paged_attention(
+        q * 0.088, kp, vp, tables, lengths, k_splits=splits, pages_per_compute_block=min(8, width // splits),
+        interpret=jax.devices()[0].platform == "cpu"))
+    args = (q, k_pages, v_pages, md.block_tables, md.seq_lens)
+    try:
+        t = timed(fn, *args)
+        err = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - want)))
+    except Exception as error:      # noqa: BLE001 - record it, measure the rest
+        return {"jax_decode_error": f"{type(error).__name__}: {str(error)[:300]}"}
+    gbs = kv_bytes / t / 1e9
+    return {"jax_decode_ms": round(t * 1e3, 3), "jax_decode_fraction_of_copy_bw": round(gbs / copy_gbs, 3),
+            "jax_decode_max_abs_err_vs_reference": err, "jax_decode_speedup_vs_reference": round(t_ref / t, 2)}
 
 
 def triton_sizes(heads) -> list[BlockSizes]:
@@ -303,6 +328,8 @@ TARGETS = [  # (label, file, key path, target text, passes)
     ("decode attention (Triton kernel) vs plain-jnp path (speed-up)", "kernel", ("decode", "pallas_speedup_vs_reference"),
      "> 1", lambda v: v > 1),
     ("decode: Mosaic kernel speed-up over Triton kernel", "kernel", ("decode", "mosaic_speedup_vs_pallas"), "-", None),
+    ("decode: JAX's decode-only Pallas kernel, fraction of copy bandwidth", "kernel",
+     ("decode", "jax_decode_fraction_of_copy_bw"), "yardstick", None),
     ("mixed batch attention, Triton kernel (ms)", "kernel", ("mixed", "pallas_ms"), "-", None),
     ("mixed batch attention, Mosaic kernel (ms)", "kernel", ("mixed", "mosaic_ms"), "-", None),
     ("KV write, XLA scatter, decode batch (ms)", "kernel", ("decode", "kv_write_xla_scatter_ms"), "-", None),

@@ -5,7 +5,8 @@
 #    GPU kernel's tests run on Hopper only;
 # 2. ceilings: HBM copy bandwidth and bf16 matmul rate (the baselines);
 # 3. kernel timings of both Pallas kernels (Triton, Mosaic GPU): decode 256 x 2k (Llama-3-8B heads,
-#    bf16) and a mixed batch, against the plain-jnp path and the copy bandwidth; the KV write (XLA
+#    bf16) and a mixed batch, against the plain-jnp path, JAX's decode-only Pallas kernel and the
+#    copy bandwidth; the KV write (XLA
 #    scatter and Pallas kernel); block-size sweeps;
 # 4. the engine on a random-weight Llama-3-8B (bf16) with the kernel that measured faster: offline
 #    throughput (1000 x 128/128) and the decode step at batch 256 against its roofline floor.
