@@ -97,9 +97,9 @@ def kernel(smoke: bool, copy_gbs: float, save) -> dict:
     for name, rows in cases.items():
         out[name] = kernel_case(rows, heads, copy_gbs)
         save(out)
-    out["decode_sweep_mosaic"] = sweep(cases["decode"], heads, copy_gbs, "mosaic", mosaic_sizes())
-    save(out)
-    out["decode_sweep"] = sweep(cases["decode"], heads, copy_gbs, "pallas", triton_sizes(heads))
+    for key, name, sizes in (("decode_sweep_mosaic", "mosaic", mosaic_sizes()),
+                             ("decode_sweep", "pallas", triton_sizes(heads))):
+        out[key] = sweep(cases["decode"], heads, copy_gbs, name, sizes, lambda part: save({**out, key: part}))
     return out
 
 
@@ -177,8 +177,9 @@ def mosaic_sizes() -> list[BlockSizes]:
     return [BlockSizes(64, pages, num_stages=stages) for pages in (4, 8, 16) for stages in (2, 3, 4)]
 
 
-def sweep(rows, heads, copy_gbs, name: str, candidates: list[BlockSizes]) -> list[dict]:
-    """Decode timings over block sizes (to update the kernel's TUNED table)."""
+def sweep(rows, heads, copy_gbs, name: str, candidates: list[BlockSizes], save) -> list[dict]:
+    """Decode timings over block sizes (to update the kernel's TUNED table), fastest first;
+    ``save(results so far)`` after each."""
     q, k, v, md, kv_bytes = attention_batch(rows, 16, *heads, jnp.bfloat16)
     results = []
     for sizes in candidates:
@@ -190,6 +191,7 @@ def sweep(rows, heads, copy_gbs, name: str, candidates: list[BlockSizes]) -> lis
             continue
         results.append({"sizes": sizes.__dict__, "ms": round(t * 1e3, 3),
                         "fraction_of_copy_bw": round(kv_bytes / t / 1e9 / copy_gbs, 3)})
+        save(sorted(results, key=lambda r: r.get("ms", 1e9)))
     return sorted(results, key=lambda r: r.get("ms", 1e9))
 
 
