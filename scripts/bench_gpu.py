@@ -16,6 +16,7 @@ Each writes DIR/<name>.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -127,8 +128,10 @@ def kernel_case(rows, heads, copy_gbs: float) -> dict:
         result["mosaic_speedup_vs_pallas"] = round(result["pallas_ms"] / result["mosaic_ms"], 2)
     if all(n == 1 for _, n in rows):
         result.update(jax_decode_kernel(q, k, v, md, want, t_ref, kv_bytes, copy_gbs))
-    new_kv = jnp.zeros((q.shape[0], heads[0], heads[2]), jnp.bfloat16)
-    for name, write_fn in (("xla_scatter", write_kv), ("pallas", write_kv_pallas)):
+    new_kv = jax.random.normal(jax.random.key(3), (q.shape[0], heads[0], heads[2]), jnp.bfloat16)
+    writers = [("xla_scatter", write_kv), ("pallas", write_kv_pallas)] + [
+        (f"pallas_{n}_tokens", functools.partial(write_kv_pallas, block_tokens=n)) for n in (8, 32, 64)]
+    for name, write_fn in writers:
         write = jax.jit(lambda k, v, md, f=write_fn: f(k, v, new_kv, new_kv, md.slot_mapping), donate_argnums=(0, 1))
         try:
             k, v = write(k, v, md)                           # compile; then time in place

@@ -15,14 +15,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-BLOCK_TOKENS = 16
+# Tokens per program by (head size, page size, dtype name): a program moves block_tokens rows of
+# head_size elements. Starting points (about 4 KB per program); scripts/gpu_check.sh times others.
+TUNED: dict[tuple[int, int, str], int] = {
+    (64, 16, "bfloat16"): 32, (128, 16, "bfloat16"): 16, (64, 16, "float32"): 16, (128, 16, "float32"): 8,
+}
+DEFAULT_BLOCK_TOKENS = 16
 
 
 def write_kv_pallas(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
-                    *, block_tokens: int = BLOCK_TOKENS, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                    *, block_tokens: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V rows [T, K, H] into caches [P, S, K, H] at their slots; same contract as
     ``reference.write_kv``."""
     num_pages, page_size, num_kv_heads, head_size = k_cache.shape
+    if block_tokens is None:
+        block_tokens = TUNED.get((head_size, page_size, k_cache.dtype.name), DEFAULT_BLOCK_TOKENS)
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_size) or slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"write_kv: expected k, v [T, {num_kv_heads}, {head_size}] and slot_mapping [T]; got "
                          f"{k.shape}, {v.shape}, {slot_mapping.shape}")
