@@ -33,9 +33,12 @@ PY="${PYTHON:-python3}"          # may carry options: left unquoted below
 start=$SECONDS
 log() { echo "[gpu_check $((SECONDS - start))s] $*"; }
 
+# The device tool brings back at most 8 files from $OUT: these 7 are environment + logs
+# (bench.log), kernel_tests.txt, ceilings/kernel/engine.json, gpu_check.json and gpu_check.md.
+BENCH_LOG="$OUT_DIR/bench.log"
 { nvidia-smi; $PY -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'; } \
-  > "$OUT_DIR/environment.txt" 2>&1
-log "environment: $(tail -1 "$OUT_DIR/environment.txt")"
+  > "$BENCH_LOG" 2>&1
+log "environment: $(tail -1 "$BENCH_LOG")"
 
 log "kernel tests (compiled)"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 $PY -P -m pytest -v -p no:cacheprovider --import-mode=importlib \
@@ -44,11 +47,12 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 $PY -P -m pytest -v -p no:cache
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
 log "kernel tests: $(grep -c ' PASSED' "$OUT_DIR/kernel_tests.txt") passed, $(grep -c ' FAILED' "$OUT_DIR/kernel_tests.txt") failed; $(tail -1 "$OUT_DIR/kernel_tests.txt")"
 
-log "ceilings"
-timeout 40 $PY scripts/bench_gpu.py ceilings --out "$OUT_DIR" $SMOKE > "$OUT_DIR/ceilings.log" 2>&1
-log "kernel benchmark"
-timeout 130 $PY scripts/bench_gpu.py kernel --out "$OUT_DIR" $SMOKE > "$OUT_DIR/kernel.log" 2>&1
-log "engine benchmark"
-timeout 200 $PY scripts/bench_gpu.py engine --out "$OUT_DIR" $SMOKE > "$OUT_DIR/engine.log" 2>&1
+for part in "ceilings 40" "kernel 130" "engine 200"; do
+  set -- $part
+  log "$1"
+  echo "=== $1" >> "$BENCH_LOG"
+  timeout "$2" $PY scripts/bench_gpu.py "$1" --out "$OUT_DIR" $SMOKE >> "$BENCH_LOG" 2>&1
+  echo "=== $1: exit status $?" >> "$BENCH_LOG"
+done
 log "done; logs in $OUT_DIR"
 $PY scripts/bench_gpu.py summary --out "$OUT_DIR"
