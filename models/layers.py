@@ -74,6 +74,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.cfg = cfg
         self.attention_fn = attention_fn
+        self.kv_write_fn = write_kv       # the XLA scatter; kernels.paged_attention.kv_write has a Pallas one
 
     def __call__(self, x: jax.Array, cache: KVCache, md: AttentionMetadata,
                  inv_freq: np.ndarray) -> tuple[jax.Array, KVCache]:
@@ -86,7 +87,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, md.positions, inv_freq), apply_rope(k, md.positions, inv_freq)
-        cache = write_kv(*cache, k, v, md.slot_mapping)     # writes precede the reads of this step
+        cache = self.kv_write_fn(*cache, k, v, md.slot_mapping)     # writes precede the reads of this step
         o = self.attention_fn(q, *cache, md, scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
         return jnp.einsum("tnh,nhd->td", o, self.o_proj[...]), cache
 

@@ -9,7 +9,7 @@ kernel:   the two Pallas ragged paged-attention kernels (Triton-lowered; Mosaic 
           JAX's own decode-only Pallas kernel as a yardstick on the decode batch; the KV write;
           block-size sweeps of both kernels for the decode case.
 engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf16) with the
-          kernel that measured faster, at the sweeps' best block sizes: offline throughput for 1,000 requests of 128 prompt / 128
+          attention kernel and KV write that measured faster, at the sweeps' best block sizes: offline throughput for 1,000 requests of 128 prompt / 128
           output tokens (ignore_eos), and the decode step time at batch 256 against its roofline floor.
 Each writes DIR/<name>.json.
 """
@@ -218,6 +218,18 @@ def use_best_sizes(out: Path, head_size: int, page_size: int) -> dict:
     return chosen
 
 
+def faster_kv_write(out: Path) -> str:
+    """``pallas`` if the Pallas KV write measured faster than the XLA scatter over the decode and
+    mixed batches together, else ``xla_scatter``."""
+    try:
+        cases = [json.loads((out / "kernel.json").read_text())[name] for name in ("decode", "mixed")]
+        pallas = sum(c["kv_write_pallas_ms"] for c in cases)
+        scatter = sum(c["kv_write_xla_scatter_ms"] for c in cases)
+    except (OSError, KeyError, ValueError):
+        return "xla_scatter"
+    return "pallas" if pallas < scatter else "xla_scatter"
+
+
 def faster_kernel(out: Path) -> str:
     """The attention backend for the engine run: the Pallas kernel that measured faster on the
     decode batch (the Triton one if the kernel benchmark did not run)."""
@@ -244,7 +256,7 @@ def llama3_8b(smoke: bool):
                        max_position_embeddings=8192)
 
 
-def engine(smoke: bool, ceil: dict, backend: str, tuned: dict) -> dict:
+def engine(smoke: bool, ceil: dict, backend: str, kv_write: str, tuned: dict) -> dict:
     from flax import nnx
 
     from jaxengine import SamplingParams
@@ -255,7 +267,7 @@ def engine(smoke: bool, ceil: dict, backend: str, tuned: dict) -> dict:
     cfg = llama3_8b(smoke)
     start = time.perf_counter()
     if jax.devices()[0].platform == "cpu":                # a dry run: the kernels would be interpreted
-        backend = "reference"
+        backend, kv_write = "reference", "xla_scatter"
     model = LlamaForCausalLM(cfg, jnp.bfloat16, select_attention(backend), rngs=nnx.Rngs(0))
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     init_s = time.perf_counter() - start
@@ -269,13 +281,16 @@ def engine(smoke: bool, ceil: dict, backend: str, tuned: dict) -> dict:
                    request_buckets=[batch], enable_prefix_caching=False,
                    num_kv_blocks=256 if smoke else 8192)
     failures = {}
-    for backend in dict.fromkeys([backend, "pallas-triton", "reference"]):   # one GPU run: still measure the engine
+    # One GPU run: if a kernel fails to compile in the model, still measure the engine without it.
+    for backend, kv_write in dict.fromkeys([(backend, kv_write), ("pallas-triton", kv_write),
+                                            ("pallas-triton", "xla_scatter"), ("reference", "xla_scatter")]):
         model.layers.self_attn.attention_fn = select_attention(backend)
+        model.layers.self_attn.kv_write_fn = write_kv_pallas if kv_write == "pallas" else write_kv
         try:
             llm = LLM(model, **options)
             break
-        except Exception as error:          # noqa: BLE001 - recorded; the next backend is tried
-            failures[backend] = f"{type(error).__name__}: {str(error)[:300]}"
+        except Exception as error:          # noqa: BLE001 - recorded; the next pair is tried
+            failures[f"{backend} + {kv_write}"] = f"{type(error).__name__}: {str(error)[:300]}"
     compile_s = time.perf_counter() - start
     steps = record_steps(llm)
     rng = np.random.default_rng(0)
@@ -286,7 +301,7 @@ def engine(smoke: bool, ceil: dict, backend: str, tuned: dict) -> dict:
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     decode = [s for s in steps if s["decode"] == batch and s["prefill"] == 0]
-    result = {"attention_backend": backend, "failed_backends": failures, "block_sizes_from_sweeps": tuned,
+    result = {"attention_backend": backend, "kv_write": kv_write, "failed_backends": failures, "block_sizes_from_sweeps": tuned,
               "num_params": int(num_params), "init_s": round(init_s, 1), "startup_compile_s": round(compile_s, 1),
               "requests": num_requests, "output_tokens": tokens, "seconds": round(seconds, 2),
               "output_tok_s": round(tokens / seconds, 1), "steps": len(steps),
@@ -344,6 +359,7 @@ TARGETS = [  # (label, file, key path, target text, passes)
     ("KV write, XLA scatter, mixed batch (ms)", "kernel", ("mixed", "kv_write_xla_scatter_ms"), "-", None),
     ("KV write, Pallas kernel, mixed batch (ms)", "kernel", ("mixed", "kv_write_pallas_ms"), "-", None),
     ("engine's attention backend", "engine", ("attention_backend",), "-", None),
+    ("engine's KV write", "engine", ("kv_write",), "-", None),
     ("decode step at batch 256 / roofline floor", "engine", ("decode_vs_floor",), "<= 1.25", lambda v: v <= 1.25),
     ("offline output tok/s (1000 x 128/128)", "engine", ("output_tok_s",), ">= 15000", lambda v: v >= 15000),
 ]
@@ -390,7 +406,8 @@ def main() -> None:
     else:
         ceil = json.loads((args.out / "ceilings.json").read_text())
         result = (kernel(args.smoke, ceil["copy_bandwidth_gbs"], save) if args.what == "kernel"
-                  else engine(args.smoke, ceil, faster_kernel(args.out), use_best_sizes(args.out, *ENGINE_LAYOUT)))
+                  else engine(args.smoke, ceil, faster_kernel(args.out), faster_kv_write(args.out),
+                              use_best_sizes(args.out, *ENGINE_LAYOUT)))
     save(result)
     result = {**info, **result}
     print(json.dumps(result)[:2000], flush=True)

@@ -47,3 +47,27 @@ def test_mosaic_kernel_generates_what_the_triton_kernel_does(tmp_path):
             outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert outputs["pallas-mosaic"] == outputs["pallas-triton"]
     assert all(len(t) == 6 for t in outputs["pallas-mosaic"])
+
+
+def test_pallas_kv_write_generates_what_the_scatter_does():
+    """The Pallas KV write (interpreted) in place of the XLA scatter, in the whole engine: the same
+    greedy tokens and logprobs, with prefills, chunks and decodes writing into the cache."""
+    from flax import nnx
+
+    from jaxengine.kernels.paged_attention.kv_write import write_kv_pallas
+    from jaxengine.llm import LLM
+    from jaxengine.models.config import ModelConfig
+    from jaxengine.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    engine = dict(model_config=cfg, block_size=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128,
+                  num_kv_blocks=40, progress=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    outputs = {}
+    for name, writer in (("scatter", model.layers.self_attn.kv_write_fn), ("pallas", write_kv_pallas)):
+        model.layers.self_attn.kv_write_fn = writer
+        llm = LLM(model, **engine)
+        outputs[name] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                         for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert outputs["pallas"] == outputs["scatter"]
