@@ -1,4 +1,6 @@
 """Checkpoint loading: sharded safetensors, clear errors, GGUF (written here with the gguf package)."""
+import re
+
 import gguf
 import jax.numpy as jnp
 import numpy as np
@@ -173,3 +175,35 @@ def test_the_jitted_step_donates_the_kv_cache(llama):
     assert all(c.is_deleted() for c in caches)                            # reused in place, not copied
     k0 = np.asarray(new_caches[0][0])                                     # layer 0 of k: [P, S, K, H]
     assert k0[1, :3].any() and not k0[1, 3:].any() and not k0[2:].any()   # 3 rows in block 1, nothing else
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_the_compiled_step_never_copies_the_kv_cache(kernels):
+    """The caches ride the layer scan's carry and are written in place: XLA's compiled step has no
+    copy of a cache-sized array (with the plain-jnp path, and with the Pallas attention and KV
+    write kernels, as the CPU runs them) and aliases the donated caches to its outputs."""
+    from flax import nnx
+
+    from jaxengine.kernels.paged_attention import AttentionMetadata
+    from jaxengine.kernels.paged_attention.backend import select_attention
+    from jaxengine.kernels.paged_attention.kv_write import write_kv_pallas
+    from jaxengine.models.config import ModelConfig
+    from jaxengine.models.forward import make_forward
+    from jaxengine.models.llama import LlamaForCausalLM, init_kv_caches
+
+    cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), attention_fn=select_attention(kernels))
+    if kernels == "pallas":
+        model.layers.self_attn.kv_write_fn = write_kv_pallas
+    state, forward = make_forward(model)
+    caches = init_kv_caches(cfg, 64, 16)                  # [2 layers, 64 blocks, 16, 2 heads, 16]
+    md = AttentionMetadata.build([(0, 3, [1]), (20, 1, [2, 3])], 16, num_tokens=16, max_blocks=4)
+    hlo = forward.lower(state, caches, jnp.zeros(16, jnp.int32), md, jnp.asarray([2, 3])).compile().as_text()
+    cache_shapes = ("[2,64,16,2,16]", "[128,16,2,16]", "[2048,2,16]")       # stacked, flat, as rows
+    copies = [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in cache_shapes)]
+    assert copies == []
+    header = hlo.splitlines()[0]
+    aliased = dict(re.findall(r"\{(\d+)\}: \((\d+), \{\}", header))          # output -> parameter
+    params = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
+    shapes = re.findall(r"(?:\w+\[[\d,]*\])", re.sub(r"/\*index=\d+\*/", "", params))
+    assert [shapes[int(aliased[out])] for out in ("0", "1")] == ["f32[2,64,16,2,16]"] * 2   # k and v in place
