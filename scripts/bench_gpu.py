@@ -31,7 +31,7 @@ from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, pa
 from jaxengine.kernels.paged_attention.kv_write import write_kv_pallas
 from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic
 
-KERNELS = {"pallas": paged_attention_pallas, "mosaic": paged_attention_mosaic}
+KERNELS = {"pallas": paged_attention_pallas, "mosaic": paged_attention_mosaic}     # Triton, Mosaic GPU
 
 
 def timed(fn, *args, reps: int = 10) -> float:
@@ -96,41 +96,57 @@ def kernel(smoke: bool, copy_gbs: float, save) -> dict:
         _INTERPRETER_PATCH.__enter__()
     out = {}
     for name, rows in cases.items():
-        out[name] = kernel_case(rows, heads, copy_gbs)
+        out[name] = kernel_case(rows, heads, copy_gbs, lambda part: save({**out, name: part}))
         save(out)
-    for key, name, sizes in (("decode_sweep_mosaic", "mosaic", mosaic_sizes()),
-                             ("decode_sweep", "pallas", triton_sizes(heads))):
+    for key, name, sizes in (("decode_sweep", "pallas", triton_sizes(heads)),
+                             ("decode_sweep_mosaic", "mosaic", mosaic_sizes())):
         out[key] = sweep(cases["decode"], heads, copy_gbs, name, sizes, lambda part: save({**out, key: part}))
     return out
 
 
-def kernel_case(rows, heads, copy_gbs: float) -> dict:
-    """Each Pallas kernel vs the plain-jnp path on one batch, and the KV write (an XLA scatter,
-    in place). A kernel that fails is recorded and the rest measured."""
+def kernel_case(rows, heads, copy_gbs: float, save) -> dict:
+    """Each Pallas kernel vs the plain-jnp path on one batch (JAX's decode kernel too, on a decode
+    batch), and the KV write. A kernel that fails is recorded and the rest measured; ``save`` after
+    each, and the Mosaic kernel (the one a hang would most likely come from) last."""
     q, k, v, md, kv_bytes = attention_batch(rows, 16, *heads, jnp.bfloat16)
     reference = jax.jit(lambda q, k, v, md: paged_attention_tiled(q, k, v, md, scale=0.088))
     t_ref = timed(reference, q, k, v, md)
     want = reference(q, k, v, md).astype(jnp.float32)
     result = {"reference_ms": round(t_ref * 1e3, 3), "kv_gb": round(kv_bytes / 1e9, 3)}
-    for name, attention in KERNELS.items():
-        fn = jax.jit(lambda q, k, v, md, attention=attention: attention(q, k, v, md, scale=0.088))
-        try:
-            t = timed(fn, q, k, v, md)
-            err = float(jnp.max(jnp.abs(fn(q, k, v, md).astype(jnp.float32) - want)))
-        except Exception as error:      # noqa: BLE001 - record it, measure the rest
-            result[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            continue
-        gbs = kv_bytes / t / 1e9
-        result.update({f"{name}_ms": round(t * 1e3, 3), f"{name}_speedup_vs_reference": round(t_ref / t, 2),
-                       f"{name}_gbs": round(gbs, 1), f"{name}_fraction_of_copy_bw": round(gbs / copy_gbs, 3),
-                       f"{name}_max_abs_err_vs_reference": err})
-    if "pallas_ms" in result and "mosaic_ms" in result:
-        result["mosaic_speedup_vs_pallas"] = round(result["pallas_ms"] / result["mosaic_ms"], 2)
+    result.update(attention_times("pallas", (q, k, v, md), want, t_ref, kv_bytes, copy_gbs))
+    save(result)
     if all(n == 1 for _, n in rows):
         result.update(jax_decode_kernel(q, k, v, md, want, t_ref, kv_bytes, copy_gbs))
+        save(result)
+    result.update(kv_write_times(rows, heads))
+    save(result)
+    result.update(attention_times("mosaic", (q, k, v, md), want, t_ref, kv_bytes, copy_gbs))
+    if "pallas_ms" in result and "mosaic_ms" in result:
+        result["mosaic_speedup_vs_pallas"] = round(result["pallas_ms"] / result["mosaic_ms"], 2)
+    return result
+
+
+def attention_times(name: str, args, want, t_ref: float, kv_bytes: int, copy_gbs: float) -> dict:
+    fn = jax.jit(lambda q, k, v, md: KERNELS[name](q, k, v, md, scale=0.088))
+    try:
+        t = timed(fn, *args)
+        err = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - want)))
+    except Exception as error:      # noqa: BLE001 - record it, measure the rest
+        return {f"{name}_error": f"{type(error).__name__}: {str(error)[:300]}"}
+    gbs = kv_bytes / t / 1e9
+    return {f"{name}_ms": round(t * 1e3, 3), f"{name}_speedup_vs_reference": round(t_ref / t, 2),
+            f"{name}_gbs": round(gbs, 1), f"{name}_fraction_of_copy_bw": round(gbs / copy_gbs, 3),
+            f"{name}_max_abs_err_vs_reference": err}
+
+
+def kv_write_times(rows, heads) -> dict:
+    """The batch's new K/V rows written in place (donated caches of their own): the XLA scatter,
+    and the Pallas kernel at its table's and other block sizes."""
+    q, k, v, md, _ = attention_batch(rows, 16, *heads, jnp.bfloat16, seed=1)
     new_kv = jax.random.normal(jax.random.key(3), (q.shape[0], heads[0], heads[2]), jnp.bfloat16)
     writers = [("xla_scatter", write_kv), ("pallas", write_kv_pallas)] + [
         (f"pallas_{n}_tokens", functools.partial(write_kv_pallas, block_tokens=n)) for n in (8, 32, 64)]
+    result = {}
     for name, write_fn in writers:
         write = jax.jit(lambda k, v, md, f=write_fn: f(k, v, new_kv, new_kv, md.slot_mapping), donate_argnums=(0, 1))
         try:
@@ -142,7 +158,7 @@ def kernel_case(rows, heads, copy_gbs: float) -> dict:
             jax.block_until_ready(k)
         except Exception as error:      # noqa: BLE001 - record it, measure the rest
             result[f"kv_write_{name}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            k, v = (jnp.zeros_like(x) for x in attention_batch(rows, 16, *heads, jnp.bfloat16)[1:3])
+            k, v = attention_batch(rows, 16, *heads, jnp.bfloat16, seed=1)[1:3]
             continue
         result[f"kv_write_{name}_ms"] = round((time.perf_counter() - start) / 10 * 1e3, 3)
     return result

@@ -42,7 +42,7 @@ log "environment: $(tail -1 "$BENCH_LOG")"
 
 log "kernel tests (compiled)"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 $PY -P -m pytest -v -p no:cacheprovider --import-mode=importlib \
-  tests/kernels/test_pallas_kernel.py tests/kernels/test_mosaic_kernel.py tests/kernels/test_kv_write.py \
+  tests/kernels/test_pallas_kernel.py tests/kernels/test_kv_write.py tests/kernels/test_mosaic_kernel.py \
   > "$OUT_DIR/kernel_tests.txt" 2>&1
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
 log "kernel tests: $(grep -c ' PASSED' "$OUT_DIR/kernel_tests.txt") passed, $(grep -c ' FAILED' "$OUT_DIR/kernel_tests.txt") failed; $(tail -1 "$OUT_DIR/kernel_tests.txt")"
