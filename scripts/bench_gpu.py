@@ -9,8 +9,9 @@ kernel:   the two Pallas ragged paged-attention kernels (Triton-lowered; Mosaic 
           JAX's own decode-only Pallas kernel as a yardstick on the decode batch; the KV write;
           block-size sweeps of both kernels for the decode case.
 engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf16) with the
-          attention kernel and KV write that measured faster, at the sweeps' best block sizes: offline throughput for 1,000 requests of 128 prompt / 128
-          output tokens (ignore_eos), and the decode step time at batch 256 against its roofline floor.
+          attention kernel and KV write that measured faster, at the sweeps' best block sizes:
+          offline throughput for 1,000 requests of 128 prompt / 128 output tokens (ignore_eos),
+          and the decode step time at batch 256 against its roofline floor.
 Each writes DIR/<name>.json.
 """
 from __future__ import annotations
@@ -317,7 +318,8 @@ def engine(smoke: bool, ceil: dict, backend: str, kv_write: str, tuned: dict) ->
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     decode = [s for s in steps if s["decode"] == batch and s["prefill"] == 0]
-    result = {"attention_backend": backend, "kv_write": kv_write, "failed_backends": failures, "block_sizes_from_sweeps": tuned,
+    result = {"attention_backend": backend, "kv_write": kv_write, "failed_backends": failures,
+              "block_sizes_from_sweeps": tuned,
               "num_params": int(num_params), "init_s": round(init_s, 1), "startup_compile_s": round(compile_s, 1),
               "requests": num_requests, "output_tokens": tokens, "seconds": round(seconds, 2),
               "output_tok_s": round(tokens / seconds, 1), "steps": len(steps),

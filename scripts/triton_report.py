@@ -13,6 +13,7 @@ pages of 16, bf16) at the block sizes that bench_gpu.py sweeps, and the Pallas K
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pickle
@@ -47,7 +48,7 @@ print(json.dumps(rows))
 """
 
 
-def exported_triton_ir(fn, *args) -> list[tuple[str, int, int]]:
+def exported_triton_ir(fn, *args, **kwargs) -> list[tuple[str, int, int]]:
     """(Triton IR as text, num_warps, num_stages) of each Triton custom call in fn's CUDA lowering."""
     import jax
     from jax import export
@@ -58,7 +59,7 @@ def exported_triton_ir(fn, *args) -> list[tuple[str, int, int]]:
 
     target = getattr(pl_triton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
     exported = export.export(jax.jit(fn), platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args, **kwargs)
     found = []
     with mlir.make_ir_context() as context:
         triton_lib.dialect.register_dialect(context)
@@ -93,17 +94,17 @@ def kernels() -> list[tuple[str, str, int, int]]:
     out = []
     for sizes in triton_sizes(heads):
         label = f"attention pages={sizes.pages_per_block} warps={sizes.num_warps} stages={sizes.num_stages}"
-        fn = lambda q, k, v, md, s=sizes: paged_attention_pallas(q, k, v, md, scale=0.088, interpret=False, sizes=s)  # noqa: E731
-        out += [(label, *found) for found in exported_triton_ir(fn, q, k, v, md)]
+        attention = functools.partial(paged_attention_pallas, scale=0.088, interpret=False, sizes=sizes)
+        out += [(label, *found) for found in exported_triton_ir(attention, q, k, v, md)]
     new = jnp.zeros((q.shape[0], heads[0], heads[2]), jnp.bfloat16)
-    fn = lambda k, v, slots: write_kv_pallas(k, v, new, new, slots, interpret=False)  # noqa: E731
-    out += [("kv write", *found) for found in exported_triton_ir(fn, k, v, md.slot_mapping)]
+    write = functools.partial(write_kv_pallas, k=new, v=new, interpret=False)
+    out += [("kv write", *found) for found in exported_triton_ir(write, k, v, slot_mapping=md.slot_mapping)]
     return out
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| kernel | registers | local (spills) | shared bytes | 128-bit loads | async copies (LDGSTS) | HMMA | HGMMA |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | registers | local (spills) | shared bytes | 128-bit loads | async copies (LDGSTS) | HMMA "
+             "| HGMMA |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['kernel']} | error: {row['error']} |||||||")

@@ -2,7 +2,8 @@
 shared memory, but not through a transposed view (``plgpu.transpose_ref``, which the hardware
 takes as a descriptor bit): its index helper only knows slices. ``transposed_wgmma_operands``
 patches the interpreter's WGMMA callback to read such an operand untransposed and transpose the
-values, and to take an operand held in registers (the left one may be) by value; everything else (TMA copies, barriers, the simulated shared memory) is JAX's own."""
+values, and to take an operand held in registers (the left one may be) by value; everything else
+(TMA copies, barriers, the simulated shared memory) is JAX's own."""
 from __future__ import annotations
 
 import contextlib
