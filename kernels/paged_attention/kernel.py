@@ -129,7 +129,7 @@ def gather_tile_outputs(out: jax.Array, md: AttentionMetadata, num_tokens: int, 
     out = out[:, _token_tile_rows(md, num_tokens, block_q), :group]                    # [K, T, G, H]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_kv_heads * group, head_size)
     real = jnp.arange(num_tokens) < md.query_start_loc[-1]
-    return jnp.where(real[:, None, None], out, 0).astype(out.dtype)
+    return jnp.where(real[:, None, None], out, 0)                  # keeps the kernel output dtype
 
 
 def _compiler_params(sizes: BlockSizes, interpret: bool):
