@@ -1,7 +1,7 @@
 """Offline throughput on the default model (SmolLM2-135M) on this CPU, against transformers
 `generate` in static batches of the same requests, measured in the same run.
 
-Workload (issue 4): 64 requests, prompts uniform in 32-512 tokens, outputs uniform in 32-256 with
+Workload: 64 requests, prompts uniform in 32-512 tokens, outputs uniform in 32-256 with
 ignore_eos. Output tokens/s counts the tokens each request asked for.
 
     python scripts/bench_offline.py [--requests 64] [--baseline-batch 16] [--skip-baseline]
