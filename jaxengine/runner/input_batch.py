@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jaxengine.core.scheduler_output import SchedulerOutput
@@ -31,14 +32,14 @@ class StepInputs:
     top_p: np.ndarray
     top_k: np.ndarray
     min_p: np.ndarray
-    seed: np.ndarray
+    seed: np.ndarray              # [R, 2] u32: high and low words
     sample_index: np.ndarray
     step: np.ndarray
     want_logprobs: np.ndarray
     presence_penalty: np.ndarray
     frequency_penalty: np.ndarray
     repetition_penalty: np.ndarray
-    history: np.ndarray           # [R, W]
+    history: np.ndarray | None    # [R, W]; None when no row applies penalties
     num_prompt: np.ndarray
     num_history: np.ndarray
     bias_ids: np.ndarray          # [R, MAX_LOGIT_BIAS]
@@ -51,6 +52,12 @@ class StepInputs:
     @property
     def bucket(self) -> tuple[int, int]:
         return len(self.input_ids), len(self.seq_lens)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A signed or unsigned 64-bit seed as its (high, low) 32-bit words (two's complement)."""
+    seed &= 0xFFFFFFFFFFFFFFFF
+    return seed >> 32, seed & 0xFFFFFFFF
 
 
 class InputBatch:
@@ -68,7 +75,7 @@ class InputBatch:
         self.top_p = np.ones(max_num_seqs, np.float32)
         self.top_k = np.zeros(max_num_seqs, np.int32)
         self.min_p = np.zeros(max_num_seqs, np.float32)
-        self.seed = np.zeros(max_num_seqs, np.uint32)
+        self.seed = np.zeros((max_num_seqs, 2), np.uint32)            # the 64-bit seed as (high, low) words
         self.sample_index = np.zeros(max_num_seqs, np.int32)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)     # -1: none asked for
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)
@@ -78,6 +85,7 @@ class InputBatch:
         self.bias_values = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.float32)
         self.pending_row = np.full(max_num_seqs, -1, np.int32)   # sample row of a PLACEHOLDER in the last step
         self.slot_of: dict[int, int] = {}
+        self._zero_history: dict[int, jax.Array] = {}
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
 
     # ---- state updates from the scheduler ----
@@ -105,7 +113,7 @@ class InputBatch:
             self.bias_ids[slot], self.bias_values[slot] = 0, 0.0
             if bias:
                 self.bias_ids[slot, :len(bias)], self.bias_values[slot, :len(bias)] = zip(*bias)
-            self.seed[slot], self.sample_index[slot] = new.seed & 0xFFFFFFFF, new.sample_index
+            self.seed[slot], self.sample_index[slot] = seed_words(new.seed), new.sample_index
         for seq_id, table in out.block_tables.items():
             self._set_table(self.slot_of[seq_id], table)
 
@@ -166,6 +174,7 @@ class InputBatch:
         inputs.presence_penalty[:r], inputs.frequency_penalty[:r], inputs.repetition_penalty[:r] = pen.T
         inputs.bias_ids[:r], inputs.bias_values[:r] = self.bias_ids[s], self.bias_values[s]
         if (pen[:, :2] != 0).any() or (pen[:, 2] != 1).any():      # the history only when it is used
+            inputs.history = np.zeros((len(inputs.seq_lens), self.tokens.shape[1]), np.int32)
             inputs.history[:r] = self.tokens[s]
             inputs.num_prompt[:r], inputs.num_history[:r] = self.num_prompt_tokens[s], self.num_tokens[s]
 
@@ -177,13 +186,21 @@ class InputBatch:
             query_start_loc=z(b_pad + 1, np.int32), seq_lens=z(b_pad, np.int32),
             block_tables=z((b_pad, self.max_blocks_per_seq), np.int32), logits_indices=z(b_pad, np.int32),
             temperature=z(b_pad, np.float32), top_p=np.ones(b_pad, np.float32), top_k=z(b_pad, np.int32),
-            min_p=z(b_pad, np.float32), seed=z(b_pad, np.uint32), sample_index=z(b_pad, np.int32),
+            min_p=z(b_pad, np.float32), seed=z((b_pad, 2), np.uint32), sample_index=z(b_pad, np.int32),
             step=z(b_pad, np.int32), want_logprobs=z(b_pad, bool), presence_penalty=z(b_pad, np.float32),
             frequency_penalty=z(b_pad, np.float32), repetition_penalty=np.ones(b_pad, np.float32),
-            history=z((b_pad, self.tokens.shape[1]), np.int32), num_prompt=z(b_pad, np.int32),
+            history=None, num_prompt=z(b_pad, np.int32),
             num_history=z(b_pad, np.int32), bias_ids=z((b_pad, MAX_LOGIT_BIAS), np.int32),
             bias_values=z((b_pad, MAX_LOGIT_BIAS), np.float32), prompt_lp_want=z(t_pad, bool),
             prompt_lp_target=z(t_pad, np.int32), prev_index=np.full(t_pad, -1, np.int32))
+
+    def zero_history(self, b_pad: int) -> jax.Array:
+        """The history of a step without penalties: one device-resident array per row bucket,
+        so such a step builds and sends none."""
+        history = self._zero_history.get(b_pad)
+        if history is None:
+            history = self._zero_history[b_pad] = jax.device_put(np.zeros((b_pad, self.tokens.shape[1]), np.int32))
+        return history
 
     def advance(self, slots: np.ndarray, n: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """At launch: advance computed counts and give each sampling row's sequence a

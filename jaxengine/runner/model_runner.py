@@ -219,7 +219,8 @@ class ModelRunner:
                                inputs.block_tables)
         smd = SamplingMetadata(inputs.temperature, inputs.top_p, inputs.top_k, inputs.min_p, inputs.seed,
                                inputs.sample_index, inputs.step, inputs.want_logprobs, inputs.presence_penalty,
-                               inputs.frequency_penalty, inputs.repetition_penalty, inputs.history,
+                               inputs.frequency_penalty, inputs.repetition_penalty,
+                               self.batch.zero_history(len(inputs.seq_lens)) if inputs.history is None else inputs.history,
                                inputs.num_prompt, inputs.num_history, inputs.bias_ids, inputs.bias_values)
         ids = (inputs.input_ids, self._previous_tokens, inputs.prev_index)
         return (self.state, self.kv_caches, ids, md, inputs.logits_indices, smd, inputs.prompt_lp_want,

@@ -39,6 +39,30 @@ def test_seeded_sampling_reproduces_and_seeds_and_samples_differ(llm):
     assert group[0] == a[0] and len({tuple(t) for t in group}) == 3     # sample 0 is seed 7's stream
 
 
+def test_all_64_bits_of_a_seed_count_and_negative_seeds_work(llm):
+    a = tokens(llm, temperature=1.0, seed=7)
+    high = tokens(llm, temperature=1.0, seed=7 + (1 << 32))            # the same low 32 bits
+    assert high != a and tokens(llm, temperature=1.0, seed=7 + (1 << 32)) == high
+    negative = tokens(llm, temperature=1.0, seed=-7)
+    assert negative not in (a, high) and tokens(llm, temperature=1.0, seed=-7) == negative
+    extremes = [tokens(llm, temperature=1.0, seed=s) for s in (-(1 << 63), (1 << 63) - 1)]
+    assert extremes[0] != extremes[1] and all(len(t[0]) == 12 for t in extremes)
+
+
+def test_a_seed_below_2_to_the_32_keeps_its_stream():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxengine.runner.input_batch import seed_words
+    from jaxengine.sample.sampler import _row_key
+
+    for seed in (0, 7, (1 << 32) - 1):
+        ours = _row_key(jnp.asarray(seed_words(seed), jnp.uint32), 2, 5)
+        plain = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 2), 5)
+        assert jax.random.key_data(ours).tolist() == jax.random.key_data(plain).tolist()
+    assert seed_words(-1) == (0xFFFFFFFF, 0xFFFFFFFF) and seed_words(-(1 << 63)) == (0x80000000, 0)
+
+
 def test_a_request_stream_does_not_depend_on_its_batch(llm):
     alone = tokens(llm, temperature=0.9, top_p=0.9, top_k=20, seed=3)
     others = [[random.Random(i).randrange(256) for _ in range(9)] for i in range(5)]
@@ -127,6 +151,25 @@ def test_repetition_penalty_matches_its_definition_on_transformers_logits(hf_and
         plain = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == refs
     assert sum(o.outputs[0].token_ids != r for o, r in zip(plain, refs)) >= 2   # the penalty mattered
+
+
+def test_the_penalty_history_is_built_and_sent_only_for_steps_that_apply_penalties(llm, monkeypatch):
+    """Other steps pass one device-resident zero history per row bucket: nothing built or copied."""
+    import jax
+
+    histories = []
+    for bucket, executable in list(llm.runner._executables.items()):
+        def spy(*args, executable=executable):
+            histories.append(args[5].history)       # the SamplingMetadata argument
+            return executable(*args)
+        monkeypatch.setitem(llm.runner._executables, bucket, spy)
+    llm.generate([PROMPT, PROMPT[:2]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert histories and all(h is histories[0] for h in histories) and isinstance(histories[0], jax.Array)
+    assert not np.asarray(histories[0]).any() and histories[0].shape == (8, 65)
+    histories.clear()
+    llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True, presence_penalty=0.5), use_tqdm=False)
+    assert [type(h) for h in histories] == [np.ndarray] * 3
+    assert histories[0][0, :5].tolist() == histories[2][0, :5].tolist() == PROMPT
 
 
 def test_presence_frequency_and_logit_bias_exact_values():
