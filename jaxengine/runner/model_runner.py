@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 from jaxengine.config import EngineConfig
 from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
@@ -24,7 +23,6 @@ from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
-from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.sampler import SamplerOutput, logprobs_of, sample
 from jaxengine.sampling_params import MAX_LOGPROBS
 
@@ -59,9 +57,8 @@ def _checked_buckets(buckets: list[int] | None, largest: int, name: str) -> list
 class PendingStep:
     """A launched step; ``result()`` waits for the device and returns the sampled tokens."""
 
-    def __init__(self, runner: "ModelRunner", out: SchedulerOutput, inputs, slots, device_result, fills) -> None:
+    def __init__(self, runner: "ModelRunner", out: SchedulerOutput, inputs, slots, device_result) -> None:
         self.runner, self.out, self.inputs, self.slots, self.device_result = runner, out, inputs, slots, device_result
-        self.fills = fills          # (slots, positions) of the placeholders this step's tokens fill
         self._result: ModelRunnerOutput | None = None if inputs is not None else ModelRunnerOutput([])
 
     def result(self) -> ModelRunnerOutput:
@@ -169,14 +166,12 @@ class ModelRunner:
             self.kv_caches = self.mover.apply(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in,
                                               out.blocks_to_copy)
         if not out.seq_ids:
-            return PendingStep(self, out, None, None, None, None)
-        inputs, slots, _ = self.batch.prepare(out)
+            return PendingStep(self, out, None, None, None)
+        inputs, slots = self.batch.prepare(out)
         self._count_launch()
         device_result = self._run(inputs)
         self._previous_tokens = device_result[2]
-        fills = self.batch.advance(slots, np.asarray(out.num_scheduled_tokens, np.int32),
-                                   np.asarray(out.num_samples, np.int32))
-        step = PendingStep(self, out, inputs, slots, device_result, fills)
+        step = PendingStep(self, out, inputs, slots, device_result)
         self._uncollected.append(step)
         return step
 
@@ -199,11 +194,9 @@ class ModelRunner:
         tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
         self._last_ready = time.perf_counter()
         self.device_wait_s += self._last_ready - wait
+        self.batch.record_samples(out, slots, tokens)
         samples = np.asarray(out.num_samples, np.int32)
         first = np.cumsum(samples) - samples
-        fill_slots, positions = step.fills
-        seq_ids = [s for s, k in zip(out.seq_ids, out.num_samples) if k > 0]
-        self.batch.fill(fill_slots, positions, seq_ids, tokens[first[samples > 0]])
         tolist = tokens.tolist()
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
         return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples),
@@ -215,16 +208,9 @@ class ModelRunner:
         return result
 
     def _step_args(self, inputs: StepInputs) -> tuple:
-        md = AttentionMetadata(inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens,
-                               inputs.block_tables)
-        smd = SamplingMetadata(inputs.temperature, inputs.top_p, inputs.top_k, inputs.min_p, inputs.seed,
-                               inputs.sample_index, inputs.step, inputs.want_logprobs, inputs.presence_penalty,
-                               inputs.frequency_penalty, inputs.repetition_penalty,
-                               self.batch.zero_history(len(inputs.seq_lens)) if inputs.history is None else inputs.history,
-                               inputs.num_prompt, inputs.num_history, inputs.bias_ids, inputs.bias_values)
         ids = (inputs.input_ids, self._previous_tokens, inputs.prev_index)
-        return (self.state, self.kv_caches, ids, md, inputs.logits_indices, smd, inputs.prompt_lp_want,
-                inputs.prompt_lp_target)
+        return (self.state, self.kv_caches, ids, inputs.attention, inputs.logits_indices, inputs.sampling,
+                inputs.prompt_lp_want, inputs.prompt_lp_target)
 
     def _prompt_logprobs(self, inputs: StepInputs, slots: np.ndarray, out: SchedulerOutput, prompt_lp) -> list | None:
         """Per row: [(position, {prompt token: logprob, top-k...})] for the prompt tokens this step scored."""
@@ -240,7 +226,7 @@ class ModelRunner:
             for t in np.flatnonzero(want[start:start + n]) + start:
                 entry = dict(zip(ids[t, :k].tolist(), top[t, :k].tolist()))
                 entry[int(inputs.prompt_lp_target[t])] = float(lp[t])
-                entries.append((int(inputs.positions[t]) + 1, entry))
+                entries.append((int(inputs.attention.positions[t]) + 1, entry))
             rows[i] = entries or None
             start += n
         return rows

@@ -154,18 +154,21 @@ def test_repetition_penalty_matches_its_definition_on_transformers_logits(hf_and
 
 
 def test_the_penalty_history_is_built_and_sent_only_for_steps_that_apply_penalties(llm, monkeypatch):
-    """Other steps pass one device-resident zero history per row bucket: nothing built or copied."""
+    """Other steps pass one device-resident zero history (and logit bias) per row bucket:
+    nothing built or copied."""
     import jax
 
-    histories = []
+    histories, biases = [], []
     for bucket, executable in list(llm.runner._executables.items()):
         def spy(*args, executable=executable):
             histories.append(args[5].history)       # the SamplingMetadata argument
+            biases.append(args[5].bias_values)
             return executable(*args)
         monkeypatch.setitem(llm.runner._executables, bucket, spy)
     llm.generate([PROMPT, PROMPT[:2]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert histories and all(h is histories[0] for h in histories) and isinstance(histories[0], jax.Array)
     assert not np.asarray(histories[0]).any() and histories[0].shape == (8, 65)
+    assert all(b is biases[0] for b in biases) and isinstance(biases[0], jax.Array)
     histories.clear()
     llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True, presence_penalty=0.5), use_tqdm=False)
     assert [type(h) for h in histories] == [np.ndarray] * 3

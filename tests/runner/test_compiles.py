@@ -51,7 +51,8 @@ def test_a_step_without_executable_compiles_once_and_is_logged(llm, caplog):
     before = len(LOWERINGS)
     with caplog.at_level(logging.WARNING):
         first = cold.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert cold.runner.num_compiles == 1 and len(LOWERINGS) == before + 1 and list(cold.runner._executables) == [(16, 8)]
+    assert cold.runner.num_compiles == 1 and len(LOWERINGS) == before + 1
+    assert list(cold.runner._executables) == [(16, 8)]
     assert "compilation after start-up (step bucket (16, 8)); 1 so far" in caplog.text
     assert cold.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == first
     assert cold.runner.num_compiles == 1 and len(LOWERINGS) == before + 1          # compiled once, then reused
