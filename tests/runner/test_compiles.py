@@ -66,3 +66,27 @@ def test_inside_forbid_compiles_a_step_without_executable_is_refused(llm):
     with llm.runner.forbid_compiles(), pytest.raises(CompilationError, match=r"step bucket \(16, 8\)"):
         llm.generate([[7, 8, 9]], SamplingParams(max_tokens=3), use_tqdm=False)
     assert llm.runner.num_compiles == 0 and len(LOWERINGS) == before                # refused before compiling
+
+
+def test_block_moves_beyond_the_compiled_sizes_compile_once_and_are_told():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxengine.runner.kv_cache import BlockMover
+
+    told = []
+    mover = BlockMover(16, 4, (3, 1, 5), 2, jnp.float32, on_compile=told.append)
+    caches = tuple(jnp.arange(2 * 16 * 15, dtype=jnp.float32).reshape(2, 16, 3, 1, 5) + i for i in range(2))
+    mover.compile_up_to(caches, 2)
+    before = len(LOWERINGS)
+    caches = mover.apply(caches, [], [], [(1, 9)])                   # one pair: compiled at start-up
+    assert told == [] and len(LOWERINGS) == before
+    expected = [np.array(c) for c in caches]
+    for e in expected:
+        e[:, [10, 11, 12]] = e[:, [2, 3, 4]]
+    caches = mover.apply(caches, [], [], [(2, 10), (3, 11), (4, 12)])  # three pairs: padded to 4
+    assert told == ["block moves of 4"] and len(LOWERINGS) > before
+    assert all((np.asarray(c) == e).all() for c, e in zip(caches, expected))
+    lowered = len(LOWERINGS)
+    mover.apply(caches, [], [], [(2, 10), (3, 11), (4, 12)])
+    assert told == ["block moves of 4"] and len(LOWERINGS) == lowered
