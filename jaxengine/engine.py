@@ -88,24 +88,12 @@ class Engine:
         processing of the previous step: detokenising, stop strings, streaming). It may finish
         or abort requests; a row finished that way has its token discarded, so the outputs are
         the same as doing that work between steps."""
-        if self._in_flight is not None:
-            scheduler_output, pending = self._in_flight
-            self._in_flight = None
-        else:
-            scheduler_output = self._schedule()
-            pending = self._dispatch(scheduler_output)
-        if self.async_scheduling and self._can_run_ahead(scheduler_output):
-            self.scheduler.add_placeholders(scheduler_output)
-            following = self._schedule()
-            self._in_flight = (following, self._dispatch(following))
-            self.num_run_ahead += 1
+        out, pending = self._in_flight or self._launch()
+        self._in_flight = self._launch_ahead(out)
         if while_running is not None:
             while_running()
-        finished = self.scheduler.update_from_output(scheduler_output, pending.result())
-        self.last_trace = self._trace(scheduler_output)
-        if self.traces is not None:
-            self.traces.append(self.last_trace)
-        self.num_steps += 1
+        finished = self.scheduler.update_from_output(out, pending.result())
+        self._record(out)
         return finished
 
     def flush(self) -> None:
@@ -115,13 +103,20 @@ class Engine:
             self.step()
         self.step()
 
-    def _schedule(self) -> SchedulerOutput:
-        self.last_output = self.scheduler.schedule()
-        return self.last_output
-
-    def _dispatch(self, out: SchedulerOutput):
+    def _launch(self) -> tuple[SchedulerOutput, object]:
+        """Schedule a step and launch it on the runner (a handle whose ``result()`` waits)."""
+        out = self.last_output = self.scheduler.schedule()
         dispatch = getattr(self.runner, "dispatch", None)
-        return dispatch(out) if dispatch else _Done(self.runner.execute(out))
+        return out, dispatch(out) if dispatch else _Done(self.runner.execute(out))
+
+    def _launch_ahead(self, out: SchedulerOutput) -> tuple[SchedulerOutput, object] | None:
+        """Async scheduling: the next step, launched before ``out``'s tokens are known (each of
+        its sampling rows leaves a placeholder that the runner feeds from the device)."""
+        if not (self.async_scheduling and self._can_run_ahead(out)):
+            return None
+        self.scheduler.add_placeholders(out)
+        self.num_run_ahead += 1
+        return self._launch()
 
     @staticmethod
     def _can_run_ahead(out: SchedulerOutput) -> bool:
@@ -137,6 +132,12 @@ class Engine:
                 return finished
             finished += self.step()
         raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+
+    def _record(self, out: SchedulerOutput) -> None:
+        self.last_trace = self._trace(out)
+        if self.traces is not None:
+            self.traces.append(self.last_trace)
+        self.num_steps += 1
 
     def _trace(self, out: SchedulerOutput) -> StepTrace:
         s = self.scheduler

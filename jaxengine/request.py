@@ -53,7 +53,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "block_hashes", "num_cached_blocks", "status", "stop_reason",
-                 "sample_index", "is_new", "logprobs", "num_pending")
+                 "sample_index", "is_new", "logprobs", "num_pending", "pending_sample_row")
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int) -> None:
         self.seq_id: int = next(_seq_ids)
@@ -72,6 +72,7 @@ class Sequence:
         # Async scheduling: trailing PLACEHOLDER tokens sampled by steps still on the device. They
         # count as tokens for scheduling; update_from_output fills them in, oldest first.
         self.num_pending = 0
+        self.pending_sample_row = -1          # the latest placeholder's sample row in its step
 
     @property
     def num_tokens(self) -> int:

@@ -113,7 +113,7 @@ class Scheduler:
         self._out = out
         self._budget = self.config.max_num_batched_tokens
         self._preempted = False
-        self._step_new: list[tuple[Sequence, int]] = []   # (sequence, computed before the step)
+        self._step_new: list[Sequence] = []     # sequences the runner has not seen
         self._step_changed: list[Sequence] = []
         passed_delay = self._passed_delay(now)
         if self.config.policy == "priority" and len(self.waiting):
@@ -156,7 +156,7 @@ class Scheduler:
                     if not seq.is_new:
                         self._step_changed.append(seq)
                 if seq.is_new:
-                    self._step_new.append((seq, nc))
+                    self._step_new.append(seq)
                 seq.num_computed_tokens = nc + 1
                 budget -= 1
                 num_seqs += 1
@@ -199,7 +199,7 @@ class Scheduler:
     def _add_row(self, group: Request, seq: Sequence, n: int, table_changed: bool) -> None:
         out = self._out
         if seq.is_new:
-            self._step_new.append((seq, seq.num_computed_tokens))
+            self._step_new.append(seq)
         elif table_changed:
             self._step_changed.append(seq)
         seq.num_computed_tokens += n
@@ -218,11 +218,15 @@ class Scheduler:
     def add_placeholders(self, out: SchedulerOutput) -> None:
         """Async scheduling: before ``update_from_output(out)``, give every row of ``out`` that
         samples one token a placeholder, so the next ``schedule()`` can run its decode (the
-        runner feeds it the token from the device). Not for fork rows (n > 1 samples)."""
+        runner feeds it the token from the device, named by its sample row). Not for fork rows
+        (n > 1 samples)."""
+        sample_row = 0
         for seq, k in zip(out.scheduled_seqs, out.num_samples):
             if k == 1 and seq.status is RUNNING:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending += 1
+                seq.pending_sample_row = sample_row
+            sample_row += k
 
     @staticmethod
     def _is_partial(group: Request) -> bool:
@@ -465,17 +469,20 @@ class Scheduler:
         del self.requests[group.request_id]
 
     def _finalize(self, out: SchedulerOutput) -> None:
+        rows = out.scheduled_seqs
+        out.num_computed_tokens = [s.num_computed_tokens - n for s, n in zip(rows, out.num_scheduled_tokens)]
+        # A scheduled sequence with a placeholder decodes it: its one input token.
+        out.previous_sample_rows = [s.pending_sample_row if s.num_pending else -1 for s in rows]
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens)
         out.num_decode_tokens = out.num_scheduled_tokens.count(1)
         out.num_prefill_tokens = out.total_num_scheduled_tokens - out.num_decode_tokens
-        for seq, num_computed in self._step_new:
+        for seq in self._step_new:
             if seq.status is RUNNING and seq.is_new:
                 seq.is_new = False
                 req = seq.request
                 out.new_seqs.append(NewSequenceData(
-                    seq.seq_id, req.request_id, list(seq.token_ids), num_computed,
-                    list(seq.block_table), req.sampling_params, seq.sample_index, req.seed,
-                    seq.num_prompt_tokens))
+                    seq.seq_id, req.request_id, list(seq.token_ids), list(seq.block_table),
+                    req.sampling_params, seq.sample_index, req.seed, seq.num_prompt_tokens))
         for seq in self._step_changed:
             if seq.status is RUNNING and not seq.is_new:
                 out.block_tables[seq.seq_id] = list(seq.block_table)

@@ -1,6 +1,9 @@
 """The host -> device contract (``SchedulerOutput``) and the device -> host reply
-(``ModelRunnerOutput``). The runner never changes scheduling state; it keeps its own per-
-sequence state from ``new_seqs`` and ``block_tables`` and forgets the finished and preempted."""
+(``ModelRunnerOutput``). The scheduler owns every sequence's progress (computed tokens, the
+placeholders of async scheduling) and states it per row; the runner never changes scheduling
+state. It keeps only what it needs to build inputs: each sequence's tokens (from ``new_seqs``,
+then from its own sampled results), block table and sampling parameters, and forgets the
+finished and preempted."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,12 +14,12 @@ from jaxengine.sampling_params import SamplingParams
 @dataclass
 class NewSequenceData:
     """Everything the runner needs about a sequence it has not seen (a new admission, a resume
-    after recompute or swap-in, a forked sibling)."""
+    after recompute or swap-in, a forked sibling); its progress comes per row
+    (``SchedulerOutput.num_computed_tokens``)."""
 
     seq_id: int
     request_id: str
     token_ids: list[int]           # prompt + output so far (a copy)
-    num_computed_tokens: int       # before this step (a prefix-cache hit counts as computed)
     block_table: list[int]         # a copy
     sampling_params: SamplingParams
     sample_index: int              # which of the group's n samples (per-sample seed streams)
@@ -30,6 +33,11 @@ class SchedulerOutput:
     seq_ids: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)   # B: new tokens per row
     num_samples: list[int] = field(default_factory=list)            # B: 0 mid-prefill, 1, or n at a fork
+    # B: tokens in the KV cache before this step (a prefix-cache hit counts as computed).
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # B: async scheduling: the sample row of the previous step whose token is this row's last
+    # input (sampled but still on the device), or -1 when the host knows all the row's tokens.
+    previous_sample_rows: list[int] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     new_seqs: list[NewSequenceData] = field(default_factory=list)
     block_tables: dict[int, list[int]] = field(default_factory=dict)  # changed tables of known rows

@@ -25,17 +25,15 @@ class HashRunner:
         self.device_kv = np.full((num_gpu_blocks, block_size), UNWRITTEN, np.int64)
         self.host_kv = np.full((max(num_cpu_blocks, 1), block_size), UNWRITTEN, np.int64)
         self.tokens: dict[int, list[int]] = {}
-        self.computed: dict[int, int] = {}
         self.tables: dict[int, list[int]] = {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._sync_state(out)
         self._apply_block_moves(out)
         sampled = []
-        for seq_id, n, k in zip(out.seq_ids, out.num_scheduled_tokens, out.num_samples):
-            start = self.computed[seq_id]
+        for seq_id, start, n, k in zip(out.seq_ids, out.num_computed_tokens, out.num_scheduled_tokens,
+                                       out.num_samples):
             self._write(seq_id, start, n)
-            self.computed[seq_id] = start + n
             sampled.append([self._sample(seq_id, start + n, i) for i in range(k)])
         for seq_id, tokens in zip(out.seq_ids, sampled):
             if tokens:   # at a fork the leader keeps the first sample; siblings arrive as new
@@ -44,11 +42,10 @@ class HashRunner:
 
     def _sync_state(self, out: SchedulerOutput) -> None:
         for seq_id in (*out.finished_seq_ids, *out.preempted_seq_ids):
-            for d in (self.tokens, self.computed, self.tables):
+            for d in (self.tokens, self.tables):
                 d.pop(seq_id, None)
         for new in out.new_seqs:
             self.tokens[new.seq_id] = list(new.token_ids)
-            self.computed[new.seq_id] = new.num_computed_tokens
             self.tables[new.seq_id] = list(new.block_table)
         for seq_id, table in out.block_tables.items():
             self.tables[seq_id] = list(table)

@@ -1,56 +1,49 @@
 """Persistent host buffers for the sequences the runner knows, and per-step padded inputs.
 
-State lives in numpy arrays indexed by a slot per sequence (tokens, computed count, block
-table, sampling parameters); each SchedulerOutput only updates what changed, and a step's
-inputs are gathered from the slots with vectorised numpy, padded to the step's buckets.
+State lives in numpy arrays indexed by a slot per sequence (tokens, block table, sampling
+parameters); each SchedulerOutput only updates what changed, and a step's inputs, the model's
+attention metadata and the sampler's metadata, are gathered from the slots with vectorised
+numpy, padded to the step's buckets. Progress is the scheduler's: each row comes with its
+computed-token count and, under async scheduling, the sample row of the previous step whose
+token (still on the device) is its input. The token buffer learns sampled tokens from results.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jaxengine.core.scheduler_output import SchedulerOutput
-from jaxengine.request import PLACEHOLDER
+from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.runner.buckets import pick_bucket
+from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sampling_params import MAX_LOGIT_BIAS
 
 
 @dataclass
 class StepInputs:
-    """Padded host arrays for one step (T tokens, B rows, R sample rows; B == R padded)."""
+    """One step's padded inputs as the compiled step takes them (T tokens, B rows, R sample
+    rows; R == B padded)."""
 
-    input_ids: np.ndarray        # [T]
-    positions: np.ndarray        # [T]
-    slot_mapping: np.ndarray     # [T]
-    query_start_loc: np.ndarray  # [B + 1]
-    seq_lens: np.ndarray         # [B]
-    block_tables: np.ndarray     # [B, M]
-    logits_indices: np.ndarray   # [R]
-    temperature: np.ndarray      # [R]
-    top_p: np.ndarray
-    top_k: np.ndarray
-    min_p: np.ndarray
-    seed: np.ndarray
-    sample_index: np.ndarray
-    step: np.ndarray
-    want_logprobs: np.ndarray
-    presence_penalty: np.ndarray
-    frequency_penalty: np.ndarray
-    repetition_penalty: np.ndarray
-    history: np.ndarray           # [R, W]
-    num_prompt: np.ndarray
-    num_history: np.ndarray
-    bias_ids: np.ndarray          # [R, MAX_LOGIT_BIAS]
-    bias_values: np.ndarray
+    input_ids: np.ndarray         # [T]
+    prev_index: np.ndarray        # [T] i32: sample row of the previous step whose token this is, or -1
+    attention: AttentionMetadata
+    logits_indices: np.ndarray    # [R]
+    sampling: SamplingMetadata
     prompt_lp_want: np.ndarray    # [T] bool: this token's logits score the next prompt token
     prompt_lp_target: np.ndarray  # [T] i32: that next prompt token
-    prev_index: np.ndarray        # [T] i32: sample row of the previous step whose token this is, or -1
     num_sample_rows: int = 0      # host-side: how many sample rows are real
 
     @property
     def bucket(self) -> tuple[int, int]:
-        return len(self.input_ids), len(self.seq_lens)
+        return len(self.input_ids), len(self.attention.seq_lens)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A signed or unsigned 64-bit seed as its (high, low) 32-bit words (two's complement)."""
+    seed &= 0xFFFFFFFFFFFFFFFF
+    return seed >> 32, seed & 0xFFFFFFFF
 
 
 class InputBatch:
@@ -60,24 +53,24 @@ class InputBatch:
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
         self.max_blocks_per_seq = max_blocks_per_seq
         self.tokens = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
-        self.num_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
-        self.num_computed = np.zeros(max_num_seqs, np.int32)
         self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
-        self.temperature = np.zeros(max_num_seqs, np.float32)
-        self.top_p = np.ones(max_num_seqs, np.float32)
+        # The float sampling parameters, one row each (a step gathers them in one go):
+        # temperature, top_p, min_p, presence, frequency and repetition penalty.
+        self.float_params = np.zeros((6, max_num_seqs), np.float32)
+        self.float_params[(1, 5), :] = 1.0
+        self.temperature, self.top_p, self.min_p = self.float_params[:3]
+        self.penalties = self.float_params[3:]
         self.top_k = np.zeros(max_num_seqs, np.int32)
-        self.min_p = np.zeros(max_num_seqs, np.float32)
-        self.seed = np.zeros(max_num_seqs, np.uint32)
+        self.seed = np.zeros((max_num_seqs, 2), np.uint32)            # the 64-bit seed as (high, low) words
         self.sample_index = np.zeros(max_num_seqs, np.int32)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)     # -1: none asked for
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)
-        self.penalties = np.zeros((max_num_seqs, 3), np.float32)     # presence, frequency, repetition
-        self.penalties[:, 2] = 1.0
         self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.int32)
         self.bias_values = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.float32)
-        self.pending_row = np.full(max_num_seqs, -1, np.int32)   # sample row of a PLACEHOLDER in the last step
+        self.has_bias = np.zeros(max_num_seqs, bool)
         self.slot_of: dict[int, int] = {}
+        self._zeros: dict[tuple, jax.Array] = {}
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
 
     # ---- state updates from the scheduler ----
@@ -91,21 +84,20 @@ class InputBatch:
                 slot = self.slot_of[new.seq_id] = self.free_slots.pop()
             n = len(new.token_ids)
             self.tokens[slot, :n] = new.token_ids
-            self.num_tokens[slot] = n
             self.num_prompt_tokens[slot] = new.num_prompt_tokens
-            self.num_computed[slot] = new.num_computed_tokens
             self._set_table(slot, new.block_table)
             p = new.sampling_params
             self.temperature[slot], self.top_p[slot], self.min_p[slot] = p.temperature, p.top_p, p.min_p
             self.top_k[slot] = max(p.top_k, 0)
             self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
             self.num_prompt_logprobs[slot] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
-            self.penalties[slot] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            self.penalties[:, slot] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
             bias = list((p.logit_bias or {}).items())
             self.bias_ids[slot], self.bias_values[slot] = 0, 0.0
+            self.has_bias[slot] = bool(bias)
             if bias:
                 self.bias_ids[slot, :len(bias)], self.bias_values[slot, :len(bias)] = zip(*bias)
-            self.seed[slot], self.sample_index[slot] = new.seed & 0xFFFFFFFF, new.sample_index
+            self.seed[slot], self.sample_index[slot] = seed_words(new.seed), new.sample_index
         for seq_id, table in out.block_tables.items():
             self._set_table(self.slot_of[seq_id], table)
 
@@ -114,92 +106,127 @@ class InputBatch:
         self.block_tables[slot, len(table):] = 0
 
     # ---- one step's inputs ----
-    def prepare(self, out: SchedulerOutput) -> tuple[StepInputs, np.ndarray, np.ndarray]:
-        """Padded inputs, plus the slots of the rows and each sample row's row."""
+    def prepare(self, out: SchedulerOutput) -> tuple[StepInputs, np.ndarray]:
+        """Padded inputs, plus the slots of the rows."""
         slots = np.fromiter((self.slot_of[s] for s in out.seq_ids), np.int64, len(out.seq_ids))
         n = np.asarray(out.num_scheduled_tokens, np.int32)
         samples = np.asarray(out.num_samples, np.int32)
+        computed = np.asarray(out.num_computed_tokens, np.int32)
         num_rows, num_tokens, num_samples = len(slots), int(n.sum()), int(samples.sum())
         t_pad = pick_bucket(max(num_tokens, 1), self.token_buckets)
         b_pad = pick_bucket(max(num_rows, num_samples, 1), self.request_buckets)
-        ends = np.cumsum(n)
+        ends, seq_lens = np.cumsum(n), computed + n
         token_row = np.repeat(np.arange(num_rows), n)
         token_slot = slots[token_row]
-        pos = np.arange(num_tokens) - (ends - n)[token_row] + self.num_computed[slots][token_row]
-        inputs = self.padded(t_pad, b_pad)
-        ids = self.tokens[token_slot, pos]
-        pending = ids == PLACEHOLDER                     # sampled by the step still on the device
-        if pending.any():
-            inputs.prev_index[:num_tokens] = np.where(pending, self.pending_row[token_slot], -1)
-            ids = np.where(pending, 0, ids)
-        inputs.input_ids[:num_tokens] = ids
-        inputs.positions[:num_tokens] = pos
-        inputs.slot_mapping[:num_tokens] = (self.block_tables[token_slot, pos // self.block_size] * self.block_size
-                                            + pos % self.block_size)
-        inputs.query_start_loc[1:num_rows + 1] = ends
-        inputs.query_start_loc[num_rows + 1:] = num_tokens
-        inputs.seq_lens[:num_rows] = self.num_computed[slots] + n
-        inputs.block_tables[:num_rows] = self.block_tables[slots]
-        want = (self.num_prompt_logprobs[token_slot] >= 0) & (pos < self.num_prompt_tokens[token_slot] - 1)
-        if want.any():
-            inputs.prompt_lp_want[:num_tokens] = want
-            inputs.prompt_lp_target[:num_tokens] = np.where(want, self.tokens[token_slot, np.minimum(
-                pos + 1, self.tokens.shape[1] - 1)], 0)
-        sample_row = np.repeat(np.arange(num_rows), samples)
-        self._fill_sampling(inputs, slots, samples, sample_row, ends)
-        inputs.num_sample_rows = num_samples
-        return inputs, slots, sample_row
+        pos = np.arange(num_tokens) - (ends - n)[token_row] + computed[token_row]
+        input_ids, prev_index = self._input_ids(token_slot, pos, ends, out.previous_sample_rows, t_pad)
+        attention = self._attention(slots, token_slot, pos, ends, seq_lens, t_pad, b_pad)
+        sampling, logits_indices = self._sampling(slots, samples, ends, seq_lens, b_pad)
+        want, target = self._prompt_logprob_targets(token_slot, pos, t_pad)
+        return StepInputs(input_ids, prev_index, attention, logits_indices, sampling, want, target, num_samples), slots
 
-    def _fill_sampling(self, inputs: StepInputs, slots, samples, sample_row, ends) -> None:
-        r = len(sample_row)
-        s = slots[sample_row]
-        inputs.logits_indices[:r] = ends[sample_row] - 1
-        inputs.temperature[:r], inputs.top_p[:r] = self.temperature[s], self.top_p[s]
-        inputs.top_k[:r], inputs.min_p[:r], inputs.seed[:r] = self.top_k[s], self.min_p[s], self.seed[s]
-        # A fork row samples the group's n streams 0..n-1; other rows their own stream.
-        first = np.cumsum(samples) - samples
-        within = np.arange(r) - first[sample_row]
-        inputs.sample_index[:r] = np.where(samples[sample_row] > 1, within, self.sample_index[s])
-        inputs.step[:r] = self.num_tokens[s] - self.num_prompt_tokens[s]
-        inputs.want_logprobs[:r] = self.num_logprobs[s] >= 0
-        pen = self.penalties[s]
-        inputs.presence_penalty[:r], inputs.frequency_penalty[:r], inputs.repetition_penalty[:r] = pen.T
-        inputs.bias_ids[:r], inputs.bias_values[:r] = self.bias_ids[s], self.bias_values[s]
-        if (pen[:, :2] != 0).any() or (pen[:, 2] != 1).any():      # the history only when it is used
-            inputs.history[:r] = self.tokens[s]
-            inputs.num_prompt[:r], inputs.num_history[:r] = self.num_prompt_tokens[s], self.num_tokens[s]
+    def _input_ids(self, token_slot, pos, ends, previous_sample_rows: list[int], t_pad: int):
+        input_ids = np.zeros(t_pad, np.int32)
+        input_ids[:len(pos)] = self.tokens[token_slot, pos]
+        prev_index = np.full(t_pad, -1, np.int32)
+        previous = np.asarray(previous_sample_rows, np.int32)
+        if (previous >= 0).any():          # the row's last token is the previous step's, on the device
+            prev_index[ends - 1] = previous
+            input_ids[ends[previous >= 0] - 1] = 0
+        return input_ids, prev_index
+
+    def _attention(self, slots, token_slot, pos, ends, seq_lens, t_pad: int, b_pad: int) -> AttentionMetadata:
+        num_rows, num_tokens, bs = len(slots), len(pos), self.block_size
+        tokens = np.zeros((2, t_pad), np.int32)            # positions, slot mapping
+        tokens[0, :num_tokens] = pos
+        tokens[1, :num_tokens] = self.block_tables[token_slot, pos // bs] * bs + pos % bs
+        rows = np.zeros(2 * b_pad + 1, np.int32)           # query start offsets [B + 1], seq_lens [B]
+        query_start_loc, padded_seq_lens = rows[:b_pad + 1], rows[b_pad + 1:]
+        query_start_loc[1:num_rows + 1] = ends
+        query_start_loc[num_rows + 1:] = num_tokens
+        padded_seq_lens[:num_rows] = seq_lens
+        block_tables = np.zeros((b_pad, self.max_blocks_per_seq), np.int32)
+        block_tables[:num_rows] = self.block_tables[slots]
+        return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables)
+
+    def _sampling(self, slots, samples, ends, seq_lens, b_pad: int) -> tuple[SamplingMetadata, np.ndarray]:
+        """Per sample row (a fork row samples the group's n streams 0..n-1, other rows their own).
+        Fields of one dtype are rows of one array: few allocations on the per-step path."""
+        sample_row = np.repeat(np.arange(len(slots)), samples)
+        s, r = slots[sample_row], len(sample_row)
+        floats = np.zeros((6, b_pad), np.float32)
+        floats[(1, 5), :] = 1.0                            # padding: top_p and repetition penalty off
+        floats[:, :r] = self.float_params[:, s]
+        ints = np.zeros((4, b_pad), np.int32)              # logits index, top_k, sample index, step
+        ints[0, :r] = ends[sample_row] - 1
+        ints[1, :r] = self.top_k[s]
+        ints[2, :r] = self.sample_index[s]
+        if r and samples.max() > 1:
+            within = np.arange(r) - (np.cumsum(samples) - samples)[sample_row]
+            ints[2, :r] = np.where(samples[sample_row] > 1, within, ints[2, :r])
+        ints[3, :r] = seq_lens[sample_row] - self.num_prompt_tokens[s]
+        seed, want = np.zeros((b_pad, 2), np.uint32), np.zeros(b_pad, bool)
+        seed[:r], want[:r] = self.seed[s], self.num_logprobs[s] >= 0
+        bias_ids, bias_values = self._logit_bias(s, b_pad)
+        history, num_prompt, num_history = self._history(s, seq_lens[sample_row], floats[3:, :r], b_pad)
+        md = SamplingMetadata(
+            temperature=floats[0], top_p=floats[1], top_k=ints[1], min_p=floats[2], seed=seed, sample_index=ints[2],
+            step=ints[3], want_logprobs=want, presence_penalty=floats[3], frequency_penalty=floats[4],
+            repetition_penalty=floats[5], history=history, num_prompt=num_prompt, num_history=num_history,
+            bias_ids=bias_ids, bias_values=bias_values)
+        return md, ints[0]
+
+    def _logit_bias(self, s, b_pad: int) -> tuple:
+        """The rows' logit bias; in steps without any, the device's zeros."""
+        if not self.has_bias[s].any():
+            return self._device_zeros((b_pad, MAX_LOGIT_BIAS), np.int32), \
+                self._device_zeros((b_pad, MAX_LOGIT_BIAS), np.float32)
+        bias_ids = np.zeros((b_pad, MAX_LOGIT_BIAS), np.int32)
+        bias_values = np.zeros((b_pad, MAX_LOGIT_BIAS), np.float32)
+        bias_ids[:len(s)], bias_values[:len(s)] = self.bias_ids[s], self.bias_values[s]
+        return bias_ids, bias_values
+
+    def _history(self, s, seq_lens, penalties, b_pad: int):
+        """Token history for the penalties; in steps without them, the device's zero history."""
+        counts = np.zeros((2, b_pad), np.int32)            # prompt tokens, valid tokens
+        if not ((penalties[:2] != 0).any() or (penalties[2] != 1).any()):
+            return self._device_zeros((b_pad, self.tokens.shape[1]), np.int32), counts[0], counts[1]
+        history = np.zeros((b_pad, self.tokens.shape[1]), np.int32)
+        history[:len(s)] = self.tokens[s]
+        counts[0, :len(s)], counts[1, :len(s)] = self.num_prompt_tokens[s], seq_lens
+        return history, counts[0], counts[1]
+
+    def _prompt_logprob_targets(self, token_slot, pos, t_pad: int) -> tuple[np.ndarray, np.ndarray]:
+        want, target = np.zeros(t_pad, bool), np.zeros(t_pad, np.int32)
+        wanted = (self.num_prompt_logprobs[token_slot] >= 0) & (pos < self.num_prompt_tokens[token_slot] - 1)
+        if wanted.any():
+            want[:len(pos)] = wanted
+            following = self.tokens[token_slot, np.minimum(pos + 1, self.tokens.shape[1] - 1)]
+            target[:len(pos)] = np.where(wanted, following, 0)
+        return want, target
 
     def padded(self, t_pad: int, b_pad: int) -> StepInputs:
-        """All-padding inputs of one bucket (also what start-up compilation runs)."""
-        z = np.zeros
-        return StepInputs(
-            input_ids=z(t_pad, np.int32), positions=z(t_pad, np.int32), slot_mapping=z(t_pad, np.int32),
-            query_start_loc=z(b_pad + 1, np.int32), seq_lens=z(b_pad, np.int32),
-            block_tables=z((b_pad, self.max_blocks_per_seq), np.int32), logits_indices=z(b_pad, np.int32),
-            temperature=z(b_pad, np.float32), top_p=np.ones(b_pad, np.float32), top_k=z(b_pad, np.int32),
-            min_p=z(b_pad, np.float32), seed=z(b_pad, np.uint32), sample_index=z(b_pad, np.int32),
-            step=z(b_pad, np.int32), want_logprobs=z(b_pad, bool), presence_penalty=z(b_pad, np.float32),
-            frequency_penalty=z(b_pad, np.float32), repetition_penalty=np.ones(b_pad, np.float32),
-            history=z((b_pad, self.tokens.shape[1]), np.int32), num_prompt=z(b_pad, np.int32),
-            num_history=z(b_pad, np.int32), bias_ids=z((b_pad, MAX_LOGIT_BIAS), np.int32),
-            bias_values=z((b_pad, MAX_LOGIT_BIAS), np.float32), prompt_lp_want=z(t_pad, bool),
-            prompt_lp_target=z(t_pad, np.int32), prev_index=np.full(t_pad, -1, np.int32))
+        """All-padding inputs of one bucket (what start-up compilation lowers)."""
+        none = np.zeros(0, np.int32)
+        attention = self._attention(none, none, none, none, none, t_pad, b_pad)
+        sampling, logits_indices = self._sampling(none, none, none, none, b_pad)
+        return StepInputs(np.zeros(t_pad, np.int32), np.full(t_pad, -1, np.int32), attention, logits_indices,
+                          sampling, np.zeros(t_pad, bool), np.zeros(t_pad, np.int32))
 
-    def advance(self, slots: np.ndarray, n: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """At launch: advance computed counts and give each sampling row's sequence a
-        PLACEHOLDER token (filled by ``fill`` once the step's tokens are back). Returns the
-        (slots, positions) to fill."""
-        self.num_computed[slots] += n
+    def _device_zeros(self, shape: tuple, dtype) -> jax.Array:
+        """What a step without penalties or logit bias passes for their large inputs: one
+        device-resident array per shape, so such a step builds and sends none."""
+        zeros = self._zeros.get((shape, dtype))
+        if zeros is None:
+            zeros = self._zeros[(shape, dtype)] = jax.device_put(np.zeros(shape, dtype))
+        return zeros
+
+    def record_samples(self, out: SchedulerOutput, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """A step's sampled tokens (a fork row's first, the leader's) join the token buffer after
+        each sampling row's tokens, for sequences still in the slot the step used."""
+        samples = np.asarray(out.num_samples)
         rows = np.flatnonzero(samples > 0)
-        sampled = slots[rows]
-        positions = self.num_tokens[sampled].copy()
-        self.tokens[sampled, positions] = PLACEHOLDER
-        self.pending_row[sampled] = (np.cumsum(samples) - samples)[rows]    # its first sample row
-        self.num_tokens[sampled] += 1
-        return sampled, positions
-
-    def fill(self, slots: np.ndarray, positions: np.ndarray, seq_ids: list[int], tokens: np.ndarray) -> None:
-        """The step's tokens replace its placeholders, in slots still held by the same sequence."""
-        keep = np.fromiter((self.slot_of.get(s) == slot for s, slot in zip(seq_ids, slots.tolist())), bool,
-                           len(seq_ids))
-        self.tokens[slots[keep], positions[keep]] = tokens[keep]
+        seq_ids, slot_of = out.seq_ids, self.slot_of
+        rows = rows[np.fromiter((slot_of.get(seq_ids[i]) == slots[i] for i in rows), bool, len(rows))]
+        positions = np.asarray(out.num_computed_tokens)[rows] + np.asarray(out.num_scheduled_tokens)[rows]
+        self.tokens[slots[rows], positions] = tokens[(np.cumsum(samples) - samples)[rows]]

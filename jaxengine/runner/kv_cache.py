@@ -1,6 +1,8 @@
 """Sizing the KV cache, and the block moves applied before a step (swap out, swap in, copy)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +19,7 @@ def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
 
 
 # The caches are (k, v), each [L, P, S, K, H]: blocks are indexed on axis 1.
-@jax.jit
-def _gather_blocks(kv_caches, idx):
+def _gather(kv_caches, idx):
     return tuple(c[:, idx] for c in kv_caches)
 
 
@@ -26,23 +27,26 @@ def _scatter(kv_caches, idx, blocks):
     return tuple(c.at[:, idx].set(b) for c, b in zip(kv_caches, blocks))
 
 
-_scatter_blocks = jax.jit(_scatter, donate_argnums=(0,))
-
-
 def _copy(kv_caches, src, dst):
     return tuple(c.at[:, dst].set(c[:, src]) for c in kv_caches)
 
 
+_gather_blocks = jax.jit(_gather)
+_scatter_blocks = jax.jit(_scatter, donate_argnums=(0,))
 _copy_blocks = jax.jit(_copy, donate_argnums=(0,))
 
 
 class BlockMover:
     """Swap and copy whole blocks. Index lists are padded to power-of-two lengths with null-block
-    pairs (0 -> 0), so their compilations stay bounded and are done at start-up."""
+    pairs (0 -> 0), so their executables are few; those up to a size are compiled ahead of time
+    (``compile_up_to``) and any other compiles on first use after telling ``on_compile``."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, kv_shape: tuple, num_layers: int, dtype) -> None:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, kv_shape: tuple, num_layers: int, dtype,
+                 on_compile: Callable[[str], None] = lambda what: None) -> None:
         self.buckets = power_of_two_buckets(1, max(num_gpu_blocks, 1))
         self.host = np.zeros((num_layers, 2, max(num_cpu_blocks, 1), *kv_shape), jnp.dtype(dtype))
+        self.on_compile = on_compile
+        self._executables: dict[int, tuple] = {}     # index-list length -> (gather, scatter, copy)
 
     def _pad(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
         n = len(pairs)
@@ -55,29 +59,36 @@ class BlockMover:
     def apply(self, kv_caches, swap_out, swap_in, copies):
         if swap_out:
             dev, host, n = self._pad(swap_out)
-            k, v = _gather_blocks(kv_caches, dev)
+            k, v = self._moves(kv_caches, len(dev))[0](kv_caches, dev)
             self.host[:, 0, host[:n]] = np.asarray(k)[:, :n]
             self.host[:, 1, host[:n]] = np.asarray(v)[:, :n]
         if swap_in:
             host, dev, _ = self._pad(swap_in)    # padding pairs write into the null block: harmless
-            kv_caches = _scatter_blocks(kv_caches, dev, (self.host[:, 0, host], self.host[:, 1, host]))
+            blocks = (self.host[:, 0, host], self.host[:, 1, host])
+            kv_caches = self._moves(kv_caches, len(dev))[1](kv_caches, dev, blocks)
         if copies:
             src, dst, _ = self._pad(copies)
-            kv_caches = _copy_blocks(kv_caches, src, dst)
+            kv_caches = self._moves(kv_caches, len(src))[2](kv_caches, src, dst)
         return kv_caches
 
-    def warm_up(self, kv_caches, max_pairs: int):
-        """Compile the move kernels for every index-list bucket up to ``max_pairs``."""
+    def _moves(self, kv_caches, size: int) -> tuple:
+        moves = self._executables.get(size)
+        if moves is None:
+            self.on_compile(f"block moves of {size}")
+            moves = self._executables[size] = self._compile(kv_caches, size)
+        return moves
+
+    @staticmethod
+    def _compile(kv_caches, size: int) -> tuple:
+        idx = jax.ShapeDtypeStruct((size,), jnp.int32)
+        caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in kv_caches)
+        blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], size, *c.shape[2:]), c.dtype) for c in kv_caches)
+        return (_gather_blocks.lower(caches, idx).compile(), _scatter_blocks.lower(caches, idx, blocks).compile(),
+                _copy_blocks.lower(caches, idx, idx).compile())
+
+    def compile_up_to(self, kv_caches, max_pairs: int) -> None:
+        """Compile the moves for every index-list bucket up to ``max_pairs``."""
         for size in self.buckets:
             if size > max_pairs:
                 break
-            zeros = np.zeros(size, np.int32)
-            _gather_blocks(kv_caches, zeros)
-            blocks = tuple(np.zeros((c.shape[0], size, *c.shape[2:]), c.dtype) for c in kv_caches)
-            kv_caches = _scatter_blocks(kv_caches, zeros, blocks)
-            kv_caches = _copy_blocks(kv_caches, zeros, zeros)
-        return kv_caches
-
-    @staticmethod
-    def cache_sizes() -> int:
-        return _gather_blocks._cache_size() + _scatter_blocks._cache_size() + _copy_blocks._cache_size()
+            self._executables[size] = self._compile(kv_caches, size)

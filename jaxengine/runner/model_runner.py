@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 from jaxengine.config import EngineConfig
 from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
@@ -24,7 +23,6 @@ from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
-from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.sampler import SamplerOutput, logprobs_of, sample
 from jaxengine.sampling_params import MAX_LOGPROBS
 
@@ -59,9 +57,8 @@ def _checked_buckets(buckets: list[int] | None, largest: int, name: str) -> list
 class PendingStep:
     """A launched step; ``result()`` waits for the device and returns the sampled tokens."""
 
-    def __init__(self, runner: "ModelRunner", out: SchedulerOutput, inputs, slots, device_result, fills) -> None:
+    def __init__(self, runner: "ModelRunner", out: SchedulerOutput, inputs, slots, device_result) -> None:
         self.runner, self.out, self.inputs, self.slots, self.device_result = runner, out, inputs, slots, device_result
-        self.fills = fills          # (slots, positions) of the placeholders this step's tokens fill
         self._result: ModelRunnerOutput | None = None if inputs is not None else ModelRunnerOutput([])
 
     def result(self) -> ModelRunnerOutput:
@@ -88,7 +85,8 @@ class ModelRunner:
                                 cc.block_size, self.token_buckets, self.request_buckets)
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype)
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype)
+        self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
+                                on_compile=self._note_compile)
         max_rows = self.request_buckets[-1]
         self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows))
         self._previous_tokens = jnp.zeros(max_rows, jnp.int32)   # the last launched step's tokens
@@ -100,33 +98,42 @@ class ModelRunner:
         self.idle_s = 0.0                # device idle before those launches, from the last result read
         self._last_ready: float | None = None
         self.forbid = False
-        self._known_compiles = 0
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}   # (tokens, rows) -> step
         if warm_up:
             enable_persistent_cache()
             self.compile_all(progress)
 
     # ---- compilation ----
     def bucket_pairs(self) -> list[tuple[int, int]]:
-        """Every (token bucket, row bucket) a step can use: rows never outnumber tokens."""
-        return [(t, b) for t in self.token_buckets for b in self.request_buckets if b <= t]
+        """Every (token bucket, row bucket) a step can use. Rows count samples too: one short
+        prompt with n = 32 needs 32 rows in the smallest token bucket."""
+        return [(t, b) for t in self.token_buckets for b in self.request_buckets]
 
     def compile_all(self, progress: bool = True) -> None:
+        """Compile ahead of time an executable per bucket; a compiled executable never compiles
+        again, so a step can only compile by reaching a bucket that has none."""
         start = time.perf_counter()
         pairs = self.bucket_pairs()
         for t, b in tqdm(pairs, desc="compiling buckets", disable=not progress):
-            self._run(self.batch.padded(t, b))
+            self._executables[(t, b)] = self._compile_step(self.batch.padded(t, b))
         # Block moves of up to 4 sequences' worth of blocks are compiled now; larger ones (rare)
         # compile on first use and are counted.
-        self.kv_caches = self.mover.warm_up(self.kv_caches, 4 * self.batch.max_blocks_per_seq)
-        self._known_compiles = self._compile_count()
+        self.mover.compile_up_to(self.kv_caches, 4 * self.batch.max_blocks_per_seq)
         message = f"compiled {len(pairs)} step buckets in {time.perf_counter() - start:.1f} s"
         if progress:
             print(f"jaxengine: {message}", flush=True)
         else:
             logger.info(message)
 
-    def _compile_count(self) -> int:
-        return self.step_fn._cache_size() + self.mover.cache_sizes()
+    def _compile_step(self, inputs: StepInputs):
+        return self.step_fn.lower(*self._step_args(inputs)).compile()
+
+    def _executable(self, inputs: StepInputs):
+        executable = self._executables.get(inputs.bucket)
+        if executable is None:
+            self._note_compile(f"step bucket {inputs.bucket}")
+            executable = self._executables[inputs.bucket] = self._compile_step(inputs)
+        return executable
 
     @contextlib.contextmanager
     def forbid_compiles(self):
@@ -137,14 +144,12 @@ class ModelRunner:
         finally:
             self.forbid = previous
 
-    def _check_compiles(self, what: str) -> None:
-        count = self._compile_count()
-        if count > self._known_compiles:
-            self.num_compiles += count - self._known_compiles
-            self._known_compiles = count
-            logger.warning("jaxengine: compilation after start-up (%s); %d so far", what, self.num_compiles)
-            if self.forbid:
-                raise CompilationError(f"compilation after start-up: {what}")
+    def _note_compile(self, what: str) -> None:
+        """Called before a compilation after start-up: counted and logged, or refused."""
+        if self.forbid:
+            raise CompilationError(f"compilation after start-up: {what}")
+        self.num_compiles += 1
+        logger.warning("jaxengine: compilation after start-up (%s); %d so far", what, self.num_compiles)
 
     # ---- one step ----
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -160,17 +165,13 @@ class ModelRunner:
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
             self.kv_caches = self.mover.apply(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in,
                                               out.blocks_to_copy)
-            self._check_compiles("block moves")
         if not out.seq_ids:
-            return PendingStep(self, out, None, None, None, None)
-        inputs, slots, _ = self.batch.prepare(out)
+            return PendingStep(self, out, None, None, None)
+        inputs, slots = self.batch.prepare(out)
         self._count_launch()
         device_result = self._run(inputs)
         self._previous_tokens = device_result[2]
-        self._check_compiles(f"step bucket {inputs.bucket}")
-        fills = self.batch.advance(slots, np.asarray(out.num_scheduled_tokens, np.int32),
-                                   np.asarray(out.num_samples, np.int32))
-        step = PendingStep(self, out, inputs, slots, device_result, fills)
+        step = PendingStep(self, out, inputs, slots, device_result)
         self._uncollected.append(step)
         return step
 
@@ -193,27 +194,23 @@ class ModelRunner:
         tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
         self._last_ready = time.perf_counter()
         self.device_wait_s += self._last_ready - wait
+        self.batch.record_samples(out, slots, tokens)
         samples = np.asarray(out.num_samples, np.int32)
         first = np.cumsum(samples) - samples
-        fill_slots, positions = step.fills
-        seq_ids = [s for s, k in zip(out.seq_ids, out.num_samples) if k > 0]
-        self.batch.fill(fill_slots, positions, seq_ids, tokens[first[samples > 0]])
         tolist = tokens.tolist()
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
         return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples),
                                  self._prompt_logprobs(inputs, slots, out, prompt_lp))
 
     def _run(self, inputs: StepInputs) -> tuple[SamplerOutput, tuple]:
-        md = AttentionMetadata(inputs.positions, inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens,
-                               inputs.block_tables)
-        smd = SamplingMetadata(inputs.temperature, inputs.top_p, inputs.top_k, inputs.min_p, inputs.seed,
-                               inputs.sample_index, inputs.step, inputs.want_logprobs, inputs.presence_penalty,
-                               inputs.frequency_penalty, inputs.repetition_penalty, inputs.history,
-                               inputs.num_prompt, inputs.num_history, inputs.bias_ids, inputs.bias_values)
-        ids = (inputs.input_ids, self._previous_tokens, inputs.prev_index)
-        self.kv_caches, result = self.step_fn(self.state, self.kv_caches, ids, md, inputs.logits_indices, smd,
-                                              inputs.prompt_lp_want, inputs.prompt_lp_target)
+        executable = self._executable(inputs)
+        self.kv_caches, result = executable(*self._step_args(inputs))
         return result
+
+    def _step_args(self, inputs: StepInputs) -> tuple:
+        ids = (inputs.input_ids, self._previous_tokens, inputs.prev_index)
+        return (self.state, self.kv_caches, ids, inputs.attention, inputs.logits_indices, inputs.sampling,
+                inputs.prompt_lp_want, inputs.prompt_lp_target)
 
     def _prompt_logprobs(self, inputs: StepInputs, slots: np.ndarray, out: SchedulerOutput, prompt_lp) -> list | None:
         """Per row: [(position, {prompt token: logprob, top-k...})] for the prompt tokens this step scored."""
@@ -229,7 +226,7 @@ class ModelRunner:
             for t in np.flatnonzero(want[start:start + n]) + start:
                 entry = dict(zip(ids[t, :k].tolist(), top[t, :k].tolist()))
                 entry[int(inputs.prompt_lp_target[t])] = float(lp[t])
-                entries.append((int(inputs.positions[t]) + 1, entry))
+                entries.append((int(inputs.attention.positions[t]) + 1, entry))
             rows[i] = entries or None
             start += n
         return rows

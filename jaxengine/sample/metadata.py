@@ -13,7 +13,8 @@ class SamplingMetadata:
     top_p: jax.Array         # [R] f32; 1 = off
     top_k: jax.Array         # [R] i32; 0 = off
     min_p: jax.Array         # [R] f32; 0 = off
-    seed: jax.Array          # [R] u32: the request's seed (drawn at random when not given)
+    seed: jax.Array          # [R, 2] u32: the request's 64-bit seed, high and low words (drawn at
+                             # random when not given)
     sample_index: jax.Array  # [R] i32: which of the group's n samples
     step: jax.Array          # [R] i32: the output position being sampled (stream position)
     want_logprobs: jax.Array  # [R] bool: the request asked for logprobs

@@ -1,6 +1,6 @@
 """Greedy, temperature, top-k, top-p and min-p sampling with per-request reproducible streams.
 
-Each sampled token draws from key(seed) -> fold_in(sample index) -> fold_in(output position),
+Each sampled token draws from key(64-bit seed) -> fold_in(sample index) -> fold_in(output position),
 so a request's tokens do not depend on which other requests share its batch.
 """
 from __future__ import annotations
@@ -77,7 +77,10 @@ def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int):
 
 
 def _row_key(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_index), step)
+    """The seed's two words are threefry's key data, so the whole 64 bits count (and a seed
+    below 2**32 gives the key ``jax.random.key(seed)``)."""
+    key = jax.random.wrap_key_data(seed, impl="threefry2x32")
+    return jax.random.fold_in(jax.random.fold_in(key, sample_index), step)
 
 
 def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -1,0 +1,92 @@
+"""The step executables compiled at start-up cover every step the scheduler can make, and the
+guard sees a real compilation (JAX's own compile events confirm it, no counter is faked)."""
+import logging
+
+import pytest
+from jax import monitoring
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.runner.model_runner import CompilationError
+
+LOWERINGS = []    # JAX reports each lowering to XLA (cache hit or not) under this event
+monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: LOWERINGS.append(event) if event.endswith("jaxpr_to_mlir_module_duration") else None)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from tests.conftest import make_checkpoint
+
+    folder = tmp_path_factory.mktemp("llama-compiles")
+    make_checkpoint(folder, "llama")
+    return LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=32, block_size=4,
+               max_model_len=64, num_kv_blocks=160, swap_space=0.002, progress=False)
+
+
+def test_start_up_compiles_every_token_and_row_bucket(llm):
+    assert llm.runner.token_buckets == [16, 32, 64] and llm.runner.request_buckets == [8, 16, 32]
+    assert sorted(llm.runner._executables) == [(t, b) for t in (16, 32, 64) for b in (8, 16, 32)]
+
+
+def test_a_short_prompt_with_n_32_compiles_nothing(llm):
+    before = len(LOWERINGS)
+    with llm.runner.forbid_compiles():
+        out = llm.generate([[5, 17, 99]], SamplingParams(n=32, temperature=1.0, seed=1, max_tokens=4,
+                                                         ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs) == 32 and all(len(c.token_ids) == 4 for c in out[0].outputs)
+    assert llm.runner.num_compiles == 0 and len(LOWERINGS) == before
+
+
+def test_the_step_donates_the_kv_caches(llm):
+    caches = llm.runner.kv_caches
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert all(c.is_deleted() for c in caches) and not any(c.is_deleted() for c in llm.runner.kv_caches)
+
+
+def test_a_step_without_executable_compiles_once_and_is_logged(llm, caplog):
+    """A runner started without compiling (its own step function: nothing cached in memory)."""
+    cold = LLM(llm.model_path, skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=8, block_size=4,
+               max_model_len=64, num_kv_blocks=40, swap_space=0, progress=False, warm_up=False)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    before = len(LOWERINGS)
+    with caplog.at_level(logging.WARNING):
+        first = cold.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert cold.runner.num_compiles == 1 and len(LOWERINGS) == before + 1
+    assert list(cold.runner._executables) == [(16, 8)]
+    assert "compilation after start-up (step bucket (16, 8)); 1 so far" in caplog.text
+    assert cold.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert cold.runner.num_compiles == 1 and len(LOWERINGS) == before + 1          # compiled once, then reused
+    assert llm.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+def test_inside_forbid_compiles_a_step_without_executable_is_refused(llm):
+    """Last in this module: the refused step leaves its request unfinished."""
+    del llm.runner._executables[(16, 8)]          # a bucket set left incomplete
+    before = len(LOWERINGS)
+    with llm.runner.forbid_compiles(), pytest.raises(CompilationError, match=r"step bucket \(16, 8\)"):
+        llm.generate([[7, 8, 9]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert llm.runner.num_compiles == 0 and len(LOWERINGS) == before                # refused before compiling
+
+
+def test_block_moves_beyond_the_compiled_sizes_compile_once_and_are_told():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxengine.runner.kv_cache import BlockMover
+
+    told = []
+    mover = BlockMover(16, 4, (3, 1, 5), 2, jnp.float32, on_compile=told.append)
+    caches = tuple(jnp.arange(2 * 16 * 15, dtype=jnp.float32).reshape(2, 16, 3, 1, 5) + i for i in range(2))
+    mover.compile_up_to(caches, 2)
+    before = len(LOWERINGS)
+    caches = mover.apply(caches, [], [], [(1, 9)])                   # one pair: compiled at start-up
+    assert told == [] and len(LOWERINGS) == before
+    expected = [np.array(c) for c in caches]
+    for e in expected:
+        e[:, [10, 11, 12]] = e[:, [2, 3, 4]]
+    caches = mover.apply(caches, [], [], [(2, 10), (3, 11), (4, 12)])  # three pairs: padded to 4
+    assert told == ["block moves of 4"] and len(LOWERINGS) > before
+    assert all((np.asarray(c) == e).all() for c, e in zip(caches, expected))
+    lowered = len(LOWERINGS)
+    mover.apply(caches, [], [], [(2, 10), (3, 11), (4, 12)])
+    assert told == ["block moves of 4"] and len(LOWERINGS) == lowered
