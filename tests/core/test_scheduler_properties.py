@@ -9,7 +9,7 @@ async scheduling (steps launched before the previous step's tokens are known).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -87,7 +87,8 @@ def configs(draw, workload: list[Spec]):
     )
 
 
-def run_workload(workload: list[Spec], config: dict, check: bool = True) -> Harness:
+def run_workload(workload: list[Spec], config: dict, check: bool = True, observe=None) -> Harness:
+    """``observe(h, step)`` runs after every step."""
     h = Harness(**config)
     h.runner.vocab_size = VOCAB
     pending = sorted(workload, key=lambda s: s.arrival_step)
@@ -103,6 +104,8 @@ def run_workload(workload: list[Spec], config: dict, check: bool = True) -> Harn
         h.step()
         if check:
             check_invariants(h)
+        if observe is not None:
+            observe(h, step)
     else:
         raise AssertionError(f"not finished after {MAX_STEPS} steps")
     return h
@@ -221,3 +224,59 @@ def test_async_scheduling_runs_ahead_and_changes_nothing():
     assert sum(r.num_preemptions for r in fast.requests.values()) > 0
     assert fast.requests["r4"].status is RequestStatus.FINISHED_ABORTED
     assert_all_released(fast)
+
+
+@st.composite
+def priority_workloads(draw):
+    """Lower-priority traffic with at least one n > 1 group, and one request of the best
+    priority arriving while it runs."""
+    traffic = [replace(s, priority=s.priority + 1) for s in draw(specs(with_aborts=False))]
+    traffic[0] = replace(traffic[0], n=draw(st.sampled_from([2, 3])), arrival_step=0)
+    vip = replace(draw(specs(with_aborts=False))[0], request_id="vip", priority=0,
+                  arrival_step=draw(st.integers(1, 12)))
+    return traffic + [vip]
+
+
+class RankWatch:
+    """Watches each step for a group that comes back (swapped in or recomputed) while a
+    strictly better request still waits, and records when the best request first runs."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self.status: dict[str, RequestStatus] = {}
+        self.vip_arrival = self.vip_first = None
+        self.running_at_arrival = 0
+
+    def __call__(self, h: Harness, step: int) -> None:
+        requests = h.requests.values()
+        rank = {r.request_id: (r.priority, r.arrival_time) for r in requests}
+        back = [r for r in requests if r.status is RequestStatus.RUNNING
+                and self.status.get(r.request_id) in (RequestStatus.SWAPPED, RequestStatus.PREEMPTED)]
+        queued = [r for r in requests if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                                                      RequestStatus.SWAPPED)]
+        for r in back:
+            better = [q.request_id for q in queued if rank[q.request_id] < rank[r.request_id]]
+            assert not better, f"step {step}: {r.request_id} came back before {better}"
+        self.status = {r.request_id: r.status for r in requests}
+        vip = h.requests.get("vip")
+        if vip is not None and self.vip_arrival is None:
+            self.vip_arrival = step
+        if vip is not None and self.vip_first is None and vip.num_computed_tokens + len(vip.output_token_ids):
+            self.vip_first = step
+
+
+@SETTINGS
+@given(st.data())
+def test_priority_groups_come_back_in_rank_order_and_the_best_request_waits_little(data):
+    workload = data.draw(priority_workloads())
+    config = {**data.draw(configs(workload)), "policy": "priority"}
+    watch = None
+
+    def observe(h, step):
+        nonlocal watch
+        watch = watch or RankWatch(h)
+        watch(h, step)
+
+    h = run_workload(workload, config, observe=observe)
+    assert_all_released(h)
+    print("WAIT", watch.vip_first - watch.vip_arrival, config["preemption_mode"])
