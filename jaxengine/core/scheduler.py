@@ -2,9 +2,11 @@
 
 Order within a step: (priority policy) preempt lower-priority running groups for a waiting
 higher-priority one; running groups' decodes; running groups' partial prefills with what is
-left; swapped groups (swap-in before any admission); waiting groups, chunked to the rest of
-the budget. A step that preempted admits nothing. The scheduler knows no prefill/decode
-phases: a sequence simply advances ``num_computed_tokens`` towards ``num_tokens``.
+left; then queued groups, chunked to the rest of the budget: fcfs swaps groups in before any
+admission; priority takes swapped and waiting groups in one (priority, arrival) order, so a
+group preempted for a request comes back only after it. A step that preempted admits nothing.
+The scheduler knows no prefill/decode phases: a sequence simply advances
+``num_computed_tokens`` towards ``num_tokens``.
 """
 from __future__ import annotations
 
@@ -127,15 +129,11 @@ class Scheduler:
         if self.config.policy == "priority" and len(self.waiting):
             self._preempt_for_priority()
         self._schedule_running()
-        if self._preempted:
-            pass
-        elif self.config.policy == "priority":
-            self._schedule_by_rank(now, passed_delay)
-        else:
-            if self.swapped:
-                self._schedule_swapped()
-            if not self.swapped and passed_delay and len(self.waiting):
-                self._schedule_waiting(now)
+        if not self._preempted:                    # a step that preempted admits nothing
+            if self.config.policy == "priority":
+                self._schedule_by_rank(now, passed_delay)
+            else:
+                self._schedule_in_arrival_order(now, passed_delay)
         self._finalize(out)
         return out
 
@@ -242,16 +240,17 @@ class Scheduler:
         """Part-way through a prefill: more than a decode's worth of known tokens left."""
         return any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs)
 
-    def _schedule_swapped(self) -> None:
-        """fcfs: swapped groups in the order they were swapped out, before any admission."""
+    def _schedule_in_arrival_order(self, now: float, passed_delay: bool) -> None:
+        """fcfs: swapped groups in the order they were swapped out, then (only once none is
+        left) waiting requests."""
         for group in list(self.swapped):
             if not self._swap_in(group):
-                break
-
-    def _schedule_waiting(self, now: float) -> None:
+                return
+        if self.swapped or not passed_delay:
+            return
         while len(self.waiting) and self._budget > 0:
             if not self._admit_head(now):
-                break
+                return
 
     def _schedule_by_rank(self, now: float, passed_delay: bool) -> None:
         """priority: swapped groups and waiting requests in one (priority, arrival) order, so a
