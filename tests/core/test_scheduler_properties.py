@@ -4,7 +4,9 @@ After every step: the budget and max_num_seqs hold, ref counts equal the number 
 tables holding each block, free + used = pool, partial prefills stay under their bound. At the
 end every request has finished and every block is free. With the KV-simulating runner, output
 tokens are identical whatever the budget, pool, preemption mode, policy, prefix caching or
-async scheduling (steps launched before the previous step's tokens are known).
+async scheduling (steps launched before the previous step's tokens are known). Under the
+priority policy nothing that comes back from preemption overtakes a better queued request, and
+the best request never waits through a step in which nothing else runs.
 """
 from __future__ import annotations
 
@@ -276,4 +278,6 @@ def test_priority_groups_come_back_in_rank_order_and_the_best_request_never_wait
     watch = RankWatch()
     h = run_workload(workload, config, observe=watch)
     assert_all_released(h)
+    assert all(r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+               for r in h.requests.values())
     assert watch.vip_idle_steps <= 1 + config["async_scheduling"]
