@@ -41,6 +41,7 @@ class StepTrace:
     num_waiting: int
     num_running: int
     num_swapped: int
+    num_swap_fallbacks: int    # preemptions that recomputed because the host swap pool was full
 
 
 class Engine:
@@ -143,4 +144,4 @@ class Engine:
         s = self.scheduler
         return StepTrace(self.num_steps, out.num_decode_tokens, out.num_prefill_tokens, out.num_preemptions,
                          len(out.blocks_to_swap_in), len(out.blocks_to_swap_out), s.kv.usage,
-                         len(s.waiting), len(s.running), len(s.swapped))
+                         len(s.waiting), len(s.running), len(s.swapped), out.num_swap_fallbacks)

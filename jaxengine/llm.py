@@ -155,10 +155,14 @@ class LLM:
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n: {params.n} samples can never run together (max_num_seqs="
                              f"{self.config.scheduler.max_num_seqs})")
-        limit = self.config.scheduler.max_model_len
-        if len(ids) + (params.max_tokens or 1) > limit + 1:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"maximum context length of {limit} tokens")
+        limit = self.config.scheduler.max_model_len     # prompt + output <= limit, as the scheduler caps it
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room for output within the maximum "
+                             f"context length of {limit} tokens")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(ids) + params.max_tokens} exceeds the maximum context length of {limit} "
+                             f"tokens")
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[list[str]]:
         detoks: dict[int, IncrementalDetokenizer] = {}

@@ -38,9 +38,8 @@ def test_max_model_len_caps_the_output():
     h.run()
     assert r.status is RequestStatus.FINISHED_LENGTH and r.num_tokens == 10
     assert r.status.finish_reason == "length"
-    full = h.add("full", 10, max_tokens=100)        # a prompt of exactly max_model_len still yields a token
-    h.run()
-    assert len(full.output_token_ids) == 1
+    full = h.add("full", 10, max_tokens=100)        # a prompt of exactly max_model_len leaves no room
+    assert full.status is RequestStatus.FINISHED_IGNORED and full.output_token_ids == []
 
 
 def test_request_timestamps_are_recorded_in_order():
@@ -104,3 +103,14 @@ def test_finish_request_from_outside_needs_a_finished_status():
 def test_config_errors_name_the_field(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_prompt_and_output_never_pass_max_model_len():
+    h = Harness(max_model_len=10)
+    fills = h.add("fills", 9, max_tokens=None)
+    full = h.add("full", 10, max_tokens=None)
+    assert full.status is RequestStatus.FINISHED_IGNORED and full.output_token_ids == []
+    assert "leaves no room for output within max_model_len=10" in full.status_reason
+    h.run()
+    assert fills.status is RequestStatus.FINISHED_LENGTH and fills.num_tokens == 10
+    assert len(fills.output_token_ids) == 1

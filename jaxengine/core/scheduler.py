@@ -2,9 +2,11 @@
 
 Order within a step: (priority policy) preempt lower-priority running groups for a waiting
 higher-priority one; running groups' decodes; running groups' partial prefills with what is
-left; swapped groups (swap-in before any admission); waiting groups, chunked to the rest of
-the budget. A step that preempted admits nothing. The scheduler knows no prefill/decode
-phases: a sequence simply advances ``num_computed_tokens`` towards ``num_tokens``.
+left; then queued groups, chunked to the rest of the budget: fcfs swaps groups in before any
+admission; priority takes swapped and waiting groups in one (priority, arrival) order, so a
+group preempted for a request comes back only after it. A step that preempted admits nothing.
+The scheduler knows no prefill/decode phases: a sequence simply advances
+``num_computed_tokens`` towards ``num_tokens``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, 
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
 
 RUNNING = RequestStatus.RUNNING
+
+
+def _rank(group: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority value first, then earlier arrival."""
+    return group.priority, group.arrival_time
 
 
 class Scheduler:
@@ -46,9 +53,9 @@ class Scheduler:
         """Queue a request. One that can never be scheduled finishes at once (FINISHED_IGNORED)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        cfg = self.config
+        # prompt + output <= max_model_len: the same rule the API checks max_tokens against
         request.max_output_tokens = min(request.max_output_tokens,
-                                        max(1, cfg.max_model_len - request.num_prompt_tokens))
+                                        self.config.max_model_len - request.num_prompt_tokens)
         self.requests[request.request_id] = request
         reason = self._never_reason(request)
         if reason:
@@ -58,13 +65,16 @@ class Scheduler:
 
     def _never_reason(self, request: Request) -> str | None:
         cfg, n = self.config, request.num_prompt_tokens
-        if n > cfg.max_model_len:
-            return f"prompt has {n} tokens, more than max_model_len={cfg.max_model_len}"
+        if n >= cfg.max_model_len:
+            return (f"prompt has {n} tokens, which leaves no room for output within "
+                    f"max_model_len={cfg.max_model_len}")
         if request.sampling_params.n > cfg.max_num_seqs:
             return f"n={request.sampling_params.n} samples can never run together: max_num_seqs={cfg.max_num_seqs}"
         pool_tokens = self.kv.num_usable_blocks * self.block_size
         if self.kv.num_blocks_to_hold(request) > self.kv.num_usable_blocks:
-            return f"prompt has {n} tokens, more than the KV cache pool holds ({pool_tokens} tokens)"
+            held = sum(s.num_tokens for s in request.live_seqs)
+            what = f"prompt has {n} tokens" if held == n else f"its sequences hold {held} tokens"
+            return f"{what}, more than the KV cache pool holds ({pool_tokens} tokens)"
         longest = max(s.num_tokens for s in request.live_seqs)
         if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
             return (f"sequence has {longest} tokens, more than max_num_batched_tokens="
@@ -119,10 +129,11 @@ class Scheduler:
         if self.config.policy == "priority" and len(self.waiting):
             self._preempt_for_priority()
         self._schedule_running()
-        if not self._preempted and self.swapped:
-            self._schedule_swapped()
-        if not self._preempted and not self.swapped and passed_delay and len(self.waiting):
-            self._schedule_waiting(now)
+        if not self._preempted:                    # a step that preempted admits nothing
+            if self.config.policy == "priority":
+                self._schedule_by_rank(now, passed_delay)
+            else:
+                self._schedule_in_arrival_order(now, passed_delay)
         self._finalize(out)
         return out
 
@@ -233,66 +244,90 @@ class Scheduler:
         """Part-way through a prefill: more than a decode's worth of known tokens left."""
         return any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs)
 
-    def _schedule_swapped(self) -> None:
-        cfg, kv = self.config, self.kv
-        order = sorted(self.swapped, key=lambda g: (g.priority, g.arrival_time)) \
-            if cfg.policy == "priority" else list(self.swapped)
-        for group in order:
-            if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
-                break
-            if self._budget < len(group.live_seqs):
-                break                              # every live sequence needs a token
-            chunks = self._plan_chunks(group.live_seqs, [0] * len(group.live_seqs))
-            partial = any(len(s.token_ids) - s.num_computed_tokens - n > 1
-                          for s, n in zip(group.live_seqs, chunks))
-            if partial and self._num_partial >= cfg.max_num_partial_prefills:
-                break
-            if not kv.can_swap_in(group, chunks, use_watermark=bool(self.running)):
-                if not self.running and not kv.can_swap_in(group, chunks, use_watermark=False):
-                    self._finish_request(group, RequestStatus.FINISHED_ERROR,
-                                         f"needs more KV cache than the whole pool "
-                                         f"({kv.num_usable_blocks} blocks of {self.block_size} tokens)")
-                    continue
-                break
-            self._out.blocks_to_swap_in.extend(kv.swap_in(group))
-            self.swapped.remove(group)
-            self._set_status(group, RUNNING)
-            self.running.append(group)
-            self._schedule_seqs(group)
-            self._num_seqs += group.max_num_running_seqs
-            self._num_partial += self._is_partial(group)
-
-    def _schedule_waiting(self, now: float) -> None:
-        cfg, kv = self.config, self.kv
+    def _schedule_in_arrival_order(self, now: float, passed_delay: bool) -> None:
+        """fcfs: swapped groups in the order they were swapped out, then (only once none is
+        left) waiting requests."""
+        for group in list(self.swapped):
+            if not self._swap_in(group):
+                return
+        if self.swapped or not passed_delay:
+            return
         while len(self.waiting) and self._budget > 0:
-            group = self.waiting.peek()
-            if group.status is RequestStatus.PREEMPTED and (reason := self._never_reason(group)):
-                self.waiting.pop()                 # grew past what can ever be scheduled
-                self._finish_request(group, RequestStatus.FINISHED_IGNORED, reason)
-                continue
-            if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
-                break
-            seqs = group.live_seqs
-            hits = [kv.get_computed_blocks(s) for s in seqs]
-            hit_tokens = [len(h.blocks) * self.block_size for h in hits]
-            chunks = self._plan_chunks(seqs, hit_tokens)
-            if not chunks[0]:
-                break                              # without chunking: the prompt must fit whole
-            left = [s.num_tokens - s.num_computed_tokens - h - n for s, h, n in zip(seqs, hit_tokens, chunks)]
-            partial = any(x > 1 for x in left)
-            if partial and self._num_partial >= cfg.max_num_partial_prefills:
-                break
-            status = kv.can_allocate(group, list(zip(seqs, hits, chunks)), use_watermark=bool(self.running))
-            if status is AllocStatus.LATER:
-                break
-            self.waiting.pop()
-            if status is AllocStatus.NEVER:
-                self._finish_request(group, RequestStatus.FINISHED_IGNORED,
-                                     f"needs {kv.num_blocks_to_hold(group)} KV blocks, the pool has "
-                                     f"{kv.num_usable_blocks}")
-                continue
-            self._admit(group, seqs, hits, chunks, now)
-            self._num_partial += partial
+            if not self._admit_head(now):
+                return
+
+    def _schedule_by_rank(self, now: float, passed_delay: bool) -> None:
+        """priority: swapped groups and waiting requests in one (priority, arrival) order, so a
+        group preempted for a better request cannot come back before that request runs. Stops
+        at the first that cannot go now: nothing overtakes a better one."""
+        swapped = sorted(self.swapped, key=_rank)
+        i = 0
+        while not self._preempted:
+            head = self.waiting.peek() if len(self.waiting) else None
+            if i < len(swapped) and (head is None or _rank(swapped[i]) <= _rank(head)):
+                if not self._swap_in(swapped[i]):
+                    return
+                i += 1
+            elif head is None or not passed_delay or self._budget <= 0 or not self._admit_head(now):
+                return
+
+    def _swap_in(self, group: Request) -> bool:
+        """Swap a group in and schedule it; False if it cannot come back now."""
+        cfg, kv = self.config, self.kv
+        if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+            return False
+        if self._budget < len(group.live_seqs):
+            return False                           # every live sequence needs a token
+        chunks = self._plan_chunks(group.live_seqs, [0] * len(group.live_seqs))
+        partial = any(len(s.token_ids) - s.num_computed_tokens - n > 1
+                      for s, n in zip(group.live_seqs, chunks))
+        if partial and self._num_partial >= cfg.max_num_partial_prefills:
+            return False
+        if not kv.can_swap_in(group, chunks, use_watermark=bool(self.running)):
+            if self.running or kv.can_swap_in(group, chunks, use_watermark=False):
+                return False
+            self._finish_unschedulable(group, self._outgrown_reason())
+            return True                            # it alone would not fit the empty pool
+        self._out.blocks_to_swap_in.extend(kv.swap_in(group))
+        self.swapped.remove(group)
+        self._set_status(group, RUNNING)
+        self.running.append(group)
+        self._schedule_seqs(group)
+        self._num_seqs += group.max_num_running_seqs
+        self._num_partial += self._is_partial(group)
+        return True
+
+    def _admit_head(self, now: float) -> bool:
+        """Admit the head of the waiting queue; False if it cannot start now."""
+        cfg, kv = self.config, self.kv
+        group = self.waiting.peek()
+        if group.status is RequestStatus.PREEMPTED and (reason := self._never_reason(group)):
+            self.waiting.pop()                     # grew past what can ever be scheduled
+            self._finish_unschedulable(group, reason)
+            return True
+        if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+            return False
+        seqs = group.live_seqs
+        hits = [kv.get_computed_blocks(s) for s in seqs]
+        hit_tokens = [len(h.blocks) * self.block_size for h in hits]
+        chunks = self._plan_chunks(seqs, hit_tokens)
+        if not chunks[0]:
+            return False                           # without chunking: the prompt must fit whole
+        left = [s.num_tokens - s.num_computed_tokens - h - n for s, h, n in zip(seqs, hit_tokens, chunks)]
+        partial = any(x > 1 for x in left)
+        if partial and self._num_partial >= cfg.max_num_partial_prefills:
+            return False
+        status = kv.can_allocate(group, list(zip(seqs, hits, chunks)), use_watermark=bool(self.running))
+        if status is AllocStatus.LATER:
+            return False
+        self.waiting.pop()
+        if status is AllocStatus.NEVER:
+            self._finish_unschedulable(group, f"needs {kv.num_blocks_to_hold(group)} KV blocks, the pool "
+                                              f"has {kv.num_usable_blocks}")
+            return True
+        self._admit(group, seqs, hits, chunks, now)
+        self._num_partial += partial
+        return True
 
     def _plan_chunks(self, seqs: list[Sequence], hit_tokens: list[int]) -> list[int]:
         budget, chunks = self._budget, []
@@ -340,19 +375,38 @@ class Scheduler:
     # ------------------------------------------------------------------ preemption
     def _make_room(self, group: Request, fits: Callable[[], bool]) -> bool:
         """Preempt victims until ``fits()`` holds. False if ``group`` itself had to go (it is
-        then preempted, or finished with an error when it alone holds the whole pool)."""
+        then preempted, or ends by length when it alone holds the whole pool)."""
         while not fits():
             victim = self._pick_victim()
             if victim is group:
                 if len(self.running) == 1:
-                    self._finish_request(group, RequestStatus.FINISHED_ERROR,
-                                         f"needs more KV cache than the whole pool "
-                                         f"({self.kv.num_usable_blocks} blocks of {self.block_size} tokens)")
+                    self._end_outgrown(group)
                 else:
                     self._preempt(group)
                 return False
             self._preempt(victim)
         return True
+
+    def _end_outgrown(self, group: Request) -> None:
+        """The group alone holds the whole pool and needs more: its output ends here, finish
+        reason "length", its text kept (an error would throw away what the user asked for). A
+        token still on the device (async scheduling) is its last: update_from_output ends it."""
+        seqs = group.live_seqs
+        if any(s.num_pending for s in seqs):
+            group.max_output_tokens = max(s.num_tokens - s.num_prompt_tokens for s in seqs)
+        else:
+            self._finish_request(group, RequestStatus.FINISHED_LENGTH, self._outgrown_reason())
+
+    def _outgrown_reason(self) -> str:
+        return (f"needs more KV cache than the whole pool ({self.kv.num_usable_blocks} blocks of "
+                f"{self.block_size} tokens)")
+
+    def _finish_unschedulable(self, group: Request, reason: str) -> None:
+        """A preempted or new group that can never run: one that already generated tokens ends by
+        length with them (it outgrew the pool or the budget while it ran); a new one is ignored."""
+        generated = any(s.num_output_tokens for s in group.live_seqs)
+        status = RequestStatus.FINISHED_LENGTH if generated else RequestStatus.FINISHED_IGNORED
+        self._finish_request(group, status, reason)
 
     def _pick_victim(self) -> Request:
         """fcfs: the last admitted; priority: the lowest priority (largest value), then the latest
@@ -386,17 +440,21 @@ class Scheduler:
 
     def _preempt(self, group: Request) -> None:
         """Recompute: free the blocks, back to the front of waiting, outputs kept. Swap: move the
-        blocks to the host pool (falls back to recompute when the host pool is full)."""
+        blocks to the host pool (falls back to recompute when the host pool is full, counted in
+        ``num_swap_fallbacks``; with no host pool at all swapping is off, nothing to count)."""
         self.running.remove(group)
         self._unschedule(group)
         redirect = self._drop_pending_copies(group)
         live = group.live_seqs
-        if self._preemption_mode(group) == "swap" and self.kv.can_swap_out(group):
+        swap = self._preemption_mode(group) == "swap"
+        if swap and self.kv.can_swap_out(group):
             mapping = self.kv.swap_out(group)
             self._out.blocks_to_swap_out.extend((redirect.get(d, d), h) for d, h in mapping)
             self._set_status(group, RequestStatus.SWAPPED)
             self.swapped.append(group)
         else:
+            if swap and self.kv.host_pool.num_blocks:
+                self._out.num_swap_fallbacks += 1  # the host pool is full: recompute instead
             for seq in live:
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0

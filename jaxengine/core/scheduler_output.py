@@ -51,6 +51,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_preemptions: int = 0
+    num_swap_fallbacks: int = 0     # preemptions that meant to swap but recomputed: host pool full
     # Host-side handles for ``Scheduler.update_from_output`` (not for the runner).
     scheduled_seqs: list = field(default_factory=list, repr=False)
 

@@ -38,6 +38,8 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.preemptions = counter("num_preemptions", "Request groups preempted (recompute or swap).")
+        self.swap_fallbacks = counter("num_swap_fallbacks",
+                                      "Preemptions that recomputed because the host swap pool was full.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated (all requests).")
         self.success = Counter("jaxengine:request_success", "Finished requests by finish reason.",
@@ -59,6 +61,7 @@ class EngineMetrics:
         self.num_swapped.set(trace.num_swapped)
         self.kv_usage.set(kv.usage)
         self.preemptions.inc(trace.num_preemptions)
+        self.swap_fallbacks.inc(trace.num_swap_fallbacks)
         if tokens := trace.num_decode_tokens + trace.num_prefill_tokens:
             self.step_tokens.observe(tokens)
         self.prefix_queries.inc(kv.prefix_cache_queries - self._seen_queries)

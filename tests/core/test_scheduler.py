@@ -122,6 +122,33 @@ def test_a_higher_priority_arrival_preempts_a_lower_priority_running_request():
     assert fcfs.step() == {"bulk": 1}                    # fcfs: vip simply waits
 
 
+STARVE = dict(num_gpu_blocks=13, num_cpu_blocks=64, max_num_batched_tokens=16, max_num_seqs=8,
+              policy="priority", watermark=0.0)
+
+
+@pytest.mark.parametrize("mode, g_tokens", [("auto", 9), ("recompute", 2)])
+def test_a_group_preempted_for_a_better_request_does_not_come_back_before_it(mode, g_tokens):
+    """G (n=2) is preempted for H; swapped or recomputed, it waits until H has run. Its samples
+    then outgrow the 12-block pool and end by length with their tokens."""
+    h = Harness(preemption_mode=mode, **STARVE)
+    g = h.add("G", 32, max_tokens=40, n=2, priority=5)
+    assert h.step() == {"G": 16}
+    vip = h.add("H", 40, max_tokens=8, priority=0)
+    steps, moved, vip_done = [], 0, None
+    while h.scheduler.has_unfinished_requests():
+        steps.append(h.step())
+        moved += len(h.last.blocks_to_swap_in) + len(h.last.blocks_to_swap_out)
+        vip_done = vip_done or (vip.is_finished and len(steps))
+    assert steps[:4] == [{"G": 16}, {"G": 2}, {}, {"H": 16}]     # preempted in the 3rd step, H runs in the 4th
+    assert steps[3:vip_done] == [{"H": 16}, {"H": 16}, {"H": 8}] + [{"H": 1}] * 7
+    assert steps[vip_done:] == ([{"G": 2}] * 7 + [{}] if mode == "auto" else [])   # then G resumes, or ends
+    assert g.num_preemptions == 1 and moved == (20 if mode == "auto" else 0)    # 10 blocks out, 10 in
+    assert g.status is RequestStatus.FINISHED_LENGTH and g.status.finish_reason == "length"
+    assert h.requests["H"].status is RequestStatus.FINISHED_LENGTH
+    unconstrained = unconstrained_outputs([(("G", 32), dict(max_tokens=40, n=2, priority=5))])["G"]
+    assert h.outputs()["G"] == [out[:g_tokens] for out in unconstrained]
+
+
 SWAP = [(("r", 4), dict(max_tokens=8)), (("g", 4), dict(max_tokens=8, n=2))]
 
 
@@ -167,8 +194,19 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
     for _ in range(6):
         h.step()
     assert h.requests["g"].status is RequestStatus.PREEMPTED and h.last.blocks_to_swap_out == []
+    assert (h.last.num_preemptions, h.last.num_swap_fallbacks) == (1, 1)
     h.run()
     assert h.outputs() == unconstrained_outputs(SWAP)
+    swapping = Harness(num_gpu_blocks=7, num_cpu_blocks=8)
+    off = Harness(num_gpu_blocks=7, num_cpu_blocks=0)   # no host pool: swapping is off, not full
+    for harness in (swapping, off):
+        for args, kwargs in SWAP:
+            harness.add(*args, **kwargs)
+        fallbacks = 0
+        while harness.scheduler.has_unfinished_requests():
+            harness.step()
+            fallbacks += harness.last.num_swap_fallbacks
+        assert fallbacks == 0 and sum(r.num_preemptions for r in harness.requests.values()) >= 1
 
 
 def test_watermark_refuses_an_admission_that_would_eat_the_reserve():
@@ -214,13 +252,33 @@ def test_requests_that_can_never_fit_finish_at_once_with_a_reason():
     assert wide.status is RequestStatus.FINISHED_IGNORED and "max_num_seqs=8" in wide.status_reason
 
 
-def test_a_sequence_that_outgrows_the_whole_pool_ends_with_an_error_and_frees_it():
-    h = Harness(num_gpu_blocks=3)                        # 2 usable blocks: 8 tokens
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_sequence_that_outgrows_the_whole_pool_ends_by_length_with_its_tokens(async_scheduling):
+    h = Harness(num_gpu_blocks=3, async_scheduling=async_scheduling)    # 2 usable blocks: 8 tokens
     r = h.add("r", 4, max_tokens=20)
     h.run()
-    assert r.status is RequestStatus.FINISHED_ERROR and "whole pool" in r.status_reason
-    assert len(r.output_token_ids) == 5                  # positions 0-7 computed, then no room
+    assert r.status is RequestStatus.FINISHED_LENGTH and r.status.finish_reason == "length"
+    expected = unconstrained_outputs([(("r", 4), dict(max_tokens=20))])["r"][0]
+    assert r.output_token_ids == expected[:5]            # positions 0-7 computed, the 5th token sampled
     assert h.kv.num_free_blocks == 2
+
+
+def test_a_swapped_group_that_cannot_come_back_to_the_empty_pool_ends_by_length_with_its_tokens():
+    spec = [(("r", 1), dict(max_tokens=5)), (("g", 5), dict(max_tokens=10, n=2))]
+    h = Harness(num_gpu_blocks=5, num_cpu_blocks=16)    # 4 usable blocks
+    for args, kwargs in spec:
+        h.add(*args, **kwargs)
+    g = h.requests["g"]
+    steps = [h.step() for _ in range(5)]
+    assert steps == [{"r": 1, "g": 5}] + [{"r": 1, "g": 2}] * 3 + [{"r": 1}]
+    assert g.status is RequestStatus.SWAPPED            # no room to grow: swapped out; r finishes
+    assert h.requests["r"].status is RequestStatus.FINISHED_LENGTH
+    h.run()
+    assert g.status is RequestStatus.FINISHED_LENGTH and g.num_preemptions == 1
+    assert "whole pool" in g.status_reason
+    assert [s.status for s in g.seqs] == [RequestStatus.FINISHED_LENGTH] * 2
+    assert h.outputs()["g"] == [out[:4] for out in unconstrained_outputs(spec)["g"]]
+    assert (h.kv.num_free_blocks, h.kv.host_pool.num_free_blocks) == (4, 16)
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_fits_it_whole():

@@ -4,12 +4,14 @@ After every step: the budget and max_num_seqs hold, ref counts equal the number 
 tables holding each block, free + used = pool, partial prefills stay under their bound. At the
 end every request has finished and every block is free. With the KV-simulating runner, output
 tokens are identical whatever the budget, pool, preemption mode, policy, prefix caching or
-async scheduling (steps launched before the previous step's tokens are known).
+async scheduling (steps launched before the previous step's tokens are known). Under the
+priority policy nothing that comes back from preemption overtakes a better queued request, and
+the best request never waits through a step in which nothing else runs.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -87,7 +89,8 @@ def configs(draw, workload: list[Spec]):
     )
 
 
-def run_workload(workload: list[Spec], config: dict, check: bool = True) -> Harness:
+def run_workload(workload: list[Spec], config: dict, check: bool = True, observe=None) -> Harness:
+    """``observe(h, step)`` runs after every step."""
     h = Harness(**config)
     h.runner.vocab_size = VOCAB
     pending = sorted(workload, key=lambda s: s.arrival_step)
@@ -103,6 +106,8 @@ def run_workload(workload: list[Spec], config: dict, check: bool = True) -> Harn
         h.step()
         if check:
             check_invariants(h)
+        if observe is not None:
+            observe(h, step)
     else:
         raise AssertionError(f"not finished after {MAX_STEPS} steps")
     return h
@@ -221,3 +226,58 @@ def test_async_scheduling_runs_ahead_and_changes_nothing():
     assert sum(r.num_preemptions for r in fast.requests.values()) > 0
     assert fast.requests["r4"].status is RequestStatus.FINISHED_ABORTED
     assert_all_released(fast)
+
+
+@st.composite
+def priority_workloads(draw):
+    """Lower-priority traffic with at least one n > 1 group, and one request of the best
+    priority arriving while it runs."""
+    traffic = [replace(s, priority=s.priority + 1) for s in draw(specs(with_aborts=False))]
+    traffic[0] = replace(traffic[0], n=draw(st.sampled_from([2, 3])), arrival_step=0)
+    vip = replace(draw(specs(with_aborts=False))[0], request_id="vip", priority=0,
+                  arrival_step=draw(st.integers(1, 12)))
+    return traffic + [vip]
+
+
+class RankWatch:
+    """After each step: no group came back (swapped in or recomputed) while a strictly better
+    request still waits; counts the steps after which the best request ("vip") waits while no
+    other group runs (the device would idle for it)."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, RequestStatus] = {}
+        self.vip_idle_steps = 0
+
+    def __call__(self, h: Harness, step: int) -> None:
+        requests = h.requests.values()
+        rank = {r.request_id: (r.priority, r.arrival_time) for r in requests}
+        back = [r for r in requests if r.status is RequestStatus.RUNNING
+                and self.status.get(r.request_id) in (RequestStatus.SWAPPED, RequestStatus.PREEMPTED)]
+        queued = [r for r in requests if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                                                      RequestStatus.SWAPPED)]
+        for r in back:
+            better = [q.request_id for q in queued if rank[q.request_id] < rank[r.request_id]]
+            assert not better, f"step {step}: {r.request_id} came back before {better}"
+        self.status = {r.request_id: r.status for r in requests}
+        vip = h.requests.get("vip")
+        if vip is not None and vip.status is RequestStatus.WAITING and not h.scheduler.running:
+            self.vip_idle_steps += 1
+
+
+@settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples // 4))    # slower examples: tight pools
+@given(st.data())
+def test_priority_groups_come_back_in_rank_order_and_the_best_request_never_waits_on_an_idle_device(data):
+    """Random priority traffic with n > 1 groups (swapped or recomputed) on a tight pool, and one
+    request of the best priority: nothing that comes back overtakes a better request, and the
+    best request waits only while others run, never through idle steps (but the one that
+    preempted for it, and with async scheduling the one already in flight)."""
+    workload = data.draw(priority_workloads())
+    config = {**data.draw(configs(workload)), "policy": "priority"}
+    config["num_gpu_blocks"] = 1 + max(pool_need(s, config["block_size"]) for s in workload) + data.draw(
+        st.integers(0, 6))                     # little room to spare: preemption is the rule
+    watch = RankWatch()
+    h = run_workload(workload, config, observe=watch)
+    assert_all_released(h)
+    assert all(r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+               for r in h.requests.values())
+    assert watch.vip_idle_steps <= 1 + config["async_scheduling"]

@@ -153,3 +153,40 @@ def test_clients_that_give_up_on_whole_responses_free_their_requests(server, mon
     server.wait_idle()
     assert server.metric("request_success_total", finished_reason="abort") >= aborted + 1
     assert server.metric("kv_cache_usage_perc") == 0
+
+
+def test_max_tokens_up_to_the_context_limit_is_served_exactly_and_one_more_is_400(server):
+    prompt = list(range(65, 85))                                    # 20 tokens
+    body = {**GOOD, "prompt": prompt, "ignore_eos": True}
+    at_limit = post(server, "completions", {**body, "max_tokens": MAX_MODEL_LEN - 20})
+    assert at_limit.status_code == 200, at_limit.text
+    assert at_limit.json()["usage"] == {"prompt_tokens": 20, "completion_tokens": MAX_MODEL_LEN - 20,
+                                        "total_tokens": MAX_MODEL_LEN}
+    assert at_limit.json()["choices"][0]["finish_reason"] == "length"
+    over = post(server, "completions", {**body, "max_tokens": MAX_MODEL_LEN - 19})
+    assert over.status_code == 400
+    error = over.json()["error"]
+    assert error["param"] == "max_tokens" and error["code"] == 400
+    assert f"exceeds the maximum context length of {MAX_MODEL_LEN} tokens" in error["message"]
+    server.wait_idle()
+
+
+def test_a_request_that_outgrows_the_whole_kv_pool_is_200_with_length_and_its_text(server):
+    """n samples of an 8-token prompt alone on the pool: they share the prompt's two blocks and
+    each fills blocks of its own until the pool has fewer free blocks than samples."""
+    server.wait_idle()
+    kv, n, prompt = server.engine.engine.scheduler.kv, 32, list(range(65, 73))
+    own_blocks = (kv.num_usable_blocks - len(prompt) // kv.block_size) // n
+    num_tokens = (len(prompt) // kv.block_size + own_blocks) * kv.block_size - len(prompt) + 1
+    assert len(prompt) + num_tokens < MAX_MODEL_LEN           # the pool, not max_tokens, ends it
+    lengths = server.metric("request_success_total", finished_reason="length")
+    body = {**GOOD, "prompt": prompt, "n": n, "max_tokens": MAX_MODEL_LEN - len(prompt), "ignore_eos": True}
+    r = post(server, "completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == n * num_tokens
+    assert {c["finish_reason"] for c in out["choices"]} == {"length"}
+    alone = post(server, "completions", {**body, "n": 1, "max_tokens": num_tokens}).json()["choices"][0]
+    assert [c["text"] for c in out["choices"]] == [alone["text"]] * n            # greedy: the same text
+    server.wait_idle()
+    assert server.metric("request_success_total", finished_reason="length") == lengths + 2
