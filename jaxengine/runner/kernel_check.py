@@ -42,9 +42,7 @@ def check_model_kernels(model, model_config: ModelConfig, block_size: int, dtype
     """Check the model's attention kernel and KV write and put the plain-jnp path in place of any
     that fails (the plain-jnp path itself is not checked). ``enabled=None``: on an accelerator
     only (the CPU runs the plain-jnp path unless told otherwise); True forces it, False skips it."""
-    if enabled is None:
-        enabled = jax.devices()[0].platform != "cpu"
-    if not enabled:
+    if not (_on_accelerator() if enabled is None else enabled):
         return
     for attention in _attention_modules(model):
         attention_problem, kv_problem = check_kernels(attention.attention_fn, attention.kv_write_fn,
@@ -121,6 +119,10 @@ def _attention_problem(attention_fn: Callable, b: CheckBatch, sliding_window: in
     if not error <= limit:
         return f"disagrees with the plain-jnp path: max |difference| {error:.3g} > {limit:.3g}"
     return None
+
+
+def _on_accelerator() -> bool:
+    return jax.devices()[0].platform != "cpu"
 
 
 def _attention_modules(model) -> list:
