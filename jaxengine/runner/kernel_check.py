@@ -114,11 +114,18 @@ def _attention_problem(attention_fn: Callable, b: CheckBatch, sliding_window: in
         got = np.asarray(got, np.float32)[:b.num_real_tokens]
     except Exception as error:      # noqa: BLE001 - any failure to compile or run means: do not use it
         return f"failed: {type(error).__name__}: {str(error)[:300]}"
-    limit = TOLERANCE.get(jnp.dtype(b.q.dtype).name, 1e-2) * float(np.abs(want).max())
-    error = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
+    error, limit = attention_error(got, want, b.q.dtype)
     if not error <= limit:
         return f"disagrees with the plain-jnp path: max |difference| {error:.3g} > {limit:.3g}"
     return None
+
+
+def attention_error(got, want, dtype) -> tuple[float, float]:
+    """(largest |got - want|, the most the dtype allows) over the real tokens' outputs; a NaN or
+    infinity in ``got`` is an infinite error."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    limit = TOLERANCE.get(jnp.dtype(dtype).name, 1e-2) * float(np.abs(want).max())
+    return (float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")), limit
 
 
 def _on_accelerator() -> bool:
