@@ -207,4 +207,4 @@ def _module_dtype(module) -> str:
     """The dtype an already built model holds its parameters in."""
     from flax import nnx
 
-    return jax.tree.leaves(nnx.state(module))[0].dtype.name
+    return jax.tree.leaves(nnx.state(module, nnx.Param))[0].dtype.name

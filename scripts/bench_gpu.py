@@ -59,8 +59,9 @@ def ceilings(smoke: bool) -> dict:
     a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
     mm = jax.jit(lambda a: a @ a)
     t_mm = timed(mm, a)
-    return {"copy_bandwidth_gbs": round(2 * n * 2 / t_copy / 1e9, 1),
-            "bf16_matmul_tflops": round(2 * m ** 3 / t_mm / 1e12, 1)}
+    # Three significant figures: a dry run's small rates must not round to zero (they divide).
+    return {"copy_bandwidth_gbs": float(f"{2 * n * 2 / t_copy / 1e9:.3g}"),
+            "bf16_matmul_tflops": float(f"{2 * m ** 3 / t_mm / 1e12:.3g}")}
 
 
 # ---------------------------------------------------------------- kernel

@@ -27,8 +27,8 @@ cd "$(dirname "$0")/.."
 SHIM="$(mktemp -d)"
 mkdir "$SHIM/jaxengine"
 ln -s "$PWD"/jaxengine/* "$SHIM/jaxengine/"
-ln -s "$PWD/kernels" "$SHIM/jaxengine/kernels"
-ln -s "$PWD/models" "$SHIM/jaxengine/models"
+ln -sfn "$PWD/kernels" "$SHIM/jaxengine/kernels"     # -fn: replaces a link jaxengine/* already made
+ln -sfn "$PWD/models" "$SHIM/jaxengine/models"
 export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 PY="${PYTHON:-python3}"          # may carry options: left unquoted below

@@ -47,6 +47,9 @@ def check_model_kernels(model, model_config: ModelConfig, block_size: int, dtype
     for attention in _attention_modules(model):
         attention_problem, kv_problem = check_kernels(attention.attention_fn, attention.kv_write_fn,
                                                       model_config, block_size, dtype)
+        if not attention_problem and not kv_problem:
+            logger.info("attention kernel %s and KV write %s match the plain-jnp path",
+                        _name(attention.attention_fn), _name(attention.kv_write_fn))
         if attention_problem:
             logger.warning("attention kernel %s %s; using the plain-jnp path instead",
                            _name(attention.attention_fn), attention_problem)
@@ -59,6 +62,8 @@ def check_model_kernels(model, model_config: ModelConfig, block_size: int, dtype
 def check_kernels(attention_fn: Callable, kv_write_fn: Callable, model_config: ModelConfig, block_size: int,
                   dtype, seed: int = 0) -> tuple[str | None, str | None]:
     """-> (what is wrong with the attention kernel, with the KV write); None where it matches."""
+    if attention_fn is paged_attention_tiled and kv_write_fn is write_kv:
+        return None, None
     batch = mixed_batch(model_config, block_size, dtype, seed)
     kv_problem = None if kv_write_fn is write_kv else _kv_write_problem(kv_write_fn, batch)
     attention_problem = None
