@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log messages shown")
     EngineArgs.add_cli_args(parser)
     return parser.parse_args(argv)
 
