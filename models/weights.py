@@ -6,6 +6,7 @@ mapping turns those into the model's einsum layout. A converted GGUF is cached a
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -239,3 +240,29 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, **model_kwargs):
     else:
         cfg, tensors = read_safetensors_folder(path)
     return build_model(cfg, tensors, dtype, **model_kwargs), cfg
+
+
+# ---------------------------------------------------------------- checkpoint dtype
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> str | None:
+    """The dtype the checkpoint stores its weights in, without loading them: ``torch_dtype`` /
+    ``dtype`` of config.json, else the first safetensors shard's most common tensor dtype; for a
+    GGUF, ``float32`` / ``float16`` if all tensors are, else ``quantized``. None if unknown."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        import gguf
+
+        kinds = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+        return "float32" if kinds <= {"F32"} else "float16" if kinds <= {"F32", "F16"} else "quantized"
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    if isinstance(named := config.get("torch_dtype") or config.get("dtype"), str):
+        return named
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        return None
+    with open(shards[0], "rb") as f:              # 8-byte header length, then the JSON header
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    counts = collections.Counter(v["dtype"] for k, v in header.items() if k != "__metadata__")
+    return _SAFETENSORS_DTYPES.get(counts.most_common(1)[0][0]) if counts else None

@@ -4,12 +4,14 @@
 
 ceilings: HBM copy bandwidth and bf16 matmul rate, measured here (the baselines).
 kernel:   the two Pallas ragged paged-attention kernels (Triton-lowered; Mosaic GPU on Hopper)
-          against the plain-jnp path and the copy bandwidth, on a decode batch (256 requests x 2k
-          context, Llama-3-8B heads: 32 query, 8 KV, head size 128, bf16) and a mixed batch, with
-          JAX's own decode-only Pallas kernel as a yardstick on the decode batch; the KV write;
-          block-size sweeps of both kernels for the decode case.
+          against the plain-jnp path (outputs compared and timed) and the copy bandwidth, on a
+          decode batch (256 requests x 2k context, Llama-3-8B heads: 32 query, 8 KV, head size
+          128, bf16) and a mixed batch, with JAX's own decode-only Pallas kernel as a yardstick on
+          the decode batch; the KV write (outputs compared with the XLA scatter's); block-size
+          sweeps of both kernels for the decode case.
 engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf16) with the
-          attention kernel and KV write that measured faster, at the sweeps' best block sizes:
+          attention kernel and KV write that measured faster among those whose outputs matched the
+          plain-jnp path's in the kernel part, at the sweeps' best (matching) block sizes:
           offline throughput for 1,000 requests of 128 prompt / 128 output tokens (ignore_eos),
           and the decode step time at batch 256 against its roofline floor.
 Each writes DIR/<name>.json.
@@ -31,6 +33,7 @@ from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, paged_attention_pallas
 from jaxengine.kernels.paged_attention.kv_write import write_kv_pallas
 from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic
+from jaxengine.runner.kernel_check import attention_error
 
 KERNELS = {"pallas": paged_attention_pallas, "mosaic": paged_attention_mosaic}     # Triton, Mosaic GPU
 
@@ -56,8 +59,9 @@ def ceilings(smoke: bool) -> dict:
     a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
     mm = jax.jit(lambda a: a @ a)
     t_mm = timed(mm, a)
-    return {"copy_bandwidth_gbs": round(2 * n * 2 / t_copy / 1e9, 1),
-            "bf16_matmul_tflops": round(2 * m ** 3 / t_mm / 1e12, 1)}
+    # Three significant figures: a dry run's small rates must not round to zero (they divide).
+    return {"copy_bandwidth_gbs": float(f"{2 * n * 2 / t_copy / 1e9:.3g}"),
+            "bf16_matmul_tflops": float(f"{2 * m ** 3 / t_mm / 1e12:.3g}")}
 
 
 # ---------------------------------------------------------------- kernel
@@ -112,7 +116,7 @@ def kernel_case(rows, heads, copy_gbs: float, save) -> dict:
     q, k, v, md, kv_bytes = attention_batch(rows, 16, *heads, jnp.bfloat16)
     reference = jax.jit(lambda q, k, v, md: paged_attention_tiled(q, k, v, md, scale=0.088))
     t_ref = timed(reference, q, k, v, md)
-    want = reference(q, k, v, md).astype(jnp.float32)
+    want = oracle(q, k, v, md)
     result = {"reference_ms": round(t_ref * 1e3, 3), "kv_gb": round(kv_bytes / 1e9, 3)}
     result.update(attention_times("pallas", (q, k, v, md), want, t_ref, kv_bytes, copy_gbs))
     save(result)
@@ -127,39 +131,52 @@ def kernel_case(rows, heads, copy_gbs: float, save) -> dict:
     return result
 
 
+def oracle(q, k, v, md):
+    """The plain-jnp path's output at full f32 precision: what every kernel must match."""
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(lambda q, k, v, md: paged_attention_tiled(q, k, v, md, scale=0.088))(q, k, v, md)
+
+
 def attention_times(name: str, args, want, t_ref: float, kv_bytes: int, copy_gbs: float) -> dict:
+    """Time one kernel and check its output against ``want`` (the engine's start-up check's
+    tolerance): only a kernel whose outputs matched is chosen for the engine run."""
     fn = jax.jit(lambda q, k, v, md: KERNELS[name](q, k, v, md, scale=0.088))
     try:
         t = timed(fn, *args)
-        err = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - want)))
+        err, limit = attention_error(fn(*args), want, args[0].dtype)
     except Exception as error:      # noqa: BLE001 - record it, measure the rest
-        return {f"{name}_error": f"{type(error).__name__}: {str(error)[:300]}"}
+        return {f"{name}_error": f"{type(error).__name__}: {str(error)[:300]}", f"{name}_matches": False}
     gbs = kv_bytes / t / 1e9
     return {f"{name}_ms": round(t * 1e3, 3), f"{name}_speedup_vs_reference": round(t_ref / t, 2),
             f"{name}_gbs": round(gbs, 1), f"{name}_fraction_of_copy_bw": round(gbs / copy_gbs, 3),
-            f"{name}_max_abs_err_vs_reference": err}
+            f"{name}_max_abs_err_vs_reference": err, f"{name}_matches": err <= limit}
 
 
 def kv_write_times(rows, heads) -> dict:
     """The batch's new K/V rows written in place (donated caches of their own): the XLA scatter,
-    and the Pallas kernel at its table's and other block sizes."""
+    and the Pallas kernel at its table's and other block sizes. Each writer's first output is
+    compared with the XLA scatter's (not donated, so both start from the same caches): it must be
+    the same bit for bit outside the null block, or the writer is not chosen."""
     q, k, v, md, _ = attention_batch(rows, 16, *heads, jnp.bfloat16, seed=1)
     new_kv = jax.random.normal(jax.random.key(3), (q.shape[0], heads[0], heads[2]), jnp.bfloat16)
+    want = jax.jit(write_kv)(k, v, new_kv, new_kv, md.slot_mapping)
     writers = [("xla_scatter", write_kv), ("pallas", write_kv_pallas)] + [
         (f"pallas_{n}_tokens", functools.partial(write_kv_pallas, block_tokens=n)) for n in (8, 32, 64)]
     result = {}
     for name, write_fn in writers:
+        k, v = attention_batch(rows, 16, *heads, jnp.bfloat16, seed=1)[1:3]
         write = jax.jit(lambda k, v, md, f=write_fn: f(k, v, new_kv, new_kv, md.slot_mapping), donate_argnums=(0, 1))
         try:
-            k, v = write(k, v, md)                           # compile; then time in place
-            jax.block_until_ready(k)
+            k, v = write(k, v, md)                           # compile and check; then time in place
+            result[f"kv_write_{name}_matches"] = bool(jnp.array_equal(k[1:], want[0][1:]) &
+                                                      jnp.array_equal(v[1:], want[1][1:]))
             start = time.perf_counter()
             for _ in range(10):
                 k, v = write(k, v, md)
             jax.block_until_ready(k)
         except Exception as error:      # noqa: BLE001 - record it, measure the rest
             result[f"kv_write_{name}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            k, v = attention_batch(rows, 16, *heads, jnp.bfloat16, seed=1)[1:3]
+            result[f"kv_write_{name}_matches"] = False
             continue
         result[f"kv_write_{name}_ms"] = round((time.perf_counter() - start) / 10 * 1e3, 3)
     return result
@@ -201,23 +218,25 @@ def sweep(rows, heads, copy_gbs, name: str, candidates: list[BlockSizes], save) 
     """Decode timings over block sizes (to update the kernel's TUNED table), fastest first;
     ``save(results so far)`` after each."""
     q, k, v, md, kv_bytes = attention_batch(rows, 16, *heads, jnp.bfloat16)
+    want = oracle(q, k, v, md)
     results = []
     for sizes in candidates:
         fn = jax.jit(lambda q, k, v, md, s=sizes: KERNELS[name](q, k, v, md, scale=0.088, sizes=s))
         try:
             t = timed(fn, q, k, v, md, reps=5)
+            err, limit = attention_error(fn(q, k, v, md), want, q.dtype)
         except Exception as error:                     # noqa: BLE001 - a size the compiler refuses
             results.append({"sizes": sizes.__dict__, "error": str(error)[:200]})
             continue
-        results.append({"sizes": sizes.__dict__, "ms": round(t * 1e3, 3),
+        results.append({"sizes": sizes.__dict__, "ms": round(t * 1e3, 3), "matches": err <= limit,
                         "fraction_of_copy_bw": round(kv_bytes / t / 1e9 / copy_gbs, 3)})
         save(sorted(results, key=lambda r: r.get("ms", 1e9)))
     return sorted(results, key=lambda r: r.get("ms", 1e9))
 
 
 def use_best_sizes(out: Path, head_size: int, page_size: int) -> dict:
-    """Put each sweep's fastest sizes into its kernel's TUNED table for this layout (bf16), so the
-    engine run of the same call uses tuned kernels. Returns what it set."""
+    """Put each sweep's fastest sizes whose outputs matched into its kernel's TUNED table for this
+    layout (bf16), so the engine run of the same call uses tuned kernels. Returns what it set."""
     from jaxengine.kernels.paged_attention import kernel as triton_kernel, mosaic_kernel
 
     try:
@@ -226,7 +245,7 @@ def use_best_sizes(out: Path, head_size: int, page_size: int) -> dict:
         return {}
     chosen = {}
     for key, module in (("decode_sweep", triton_kernel), ("decode_sweep_mosaic", mosaic_kernel)):
-        best = next((r["sizes"] for r in sweeps.get(key, []) if "ms" in r), None)
+        best = next((r["sizes"] for r in sweeps.get(key, []) if r.get("matches")), None)
         if best:
             layout = (head_size, page_size, "bfloat16")
             block_q = module.TUNED[layout].block_q        # the sweep kept the table's block_q
@@ -235,27 +254,39 @@ def use_best_sizes(out: Path, head_size: int, page_size: int) -> dict:
     return chosen
 
 
-def faster_kv_write(out: Path) -> str:
-    """``pallas`` if the Pallas KV write measured faster than the XLA scatter over the decode and
-    mixed batches together, else ``xla_scatter``."""
+def kernel_cases(out: Path) -> list[dict]:
+    """The decode and mixed batches' results of this run's kernel benchmark ([] if it did not run)."""
     try:
-        cases = [json.loads((out / "kernel.json").read_text())[name] for name in ("decode", "mixed")]
-        pallas = sum(c["kv_write_pallas_ms"] for c in cases)
-        scatter = sum(c["kv_write_xla_scatter_ms"] for c in cases)
-    except (OSError, KeyError, ValueError):
+        results = json.loads((out / "kernel.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [results[name] for name in ("decode", "mixed") if name in results]
+
+
+def matched(cases: list[dict], key: str) -> bool:
+    """Whether ``key``'s outputs matched the plain-jnp path's in every batch of this run."""
+    return bool(cases) and all(c.get(f"{key}_matches") is True for c in cases)
+
+
+def faster_kv_write(out: Path) -> str:
+    """``pallas`` if the Pallas KV write matched the XLA scatter's output and measured faster over
+    the decode and mixed batches together, else ``xla_scatter``."""
+    cases = kernel_cases(out)
+    if not matched(cases, "kv_write_pallas"):
         return "xla_scatter"
+    pallas = sum(c["kv_write_pallas_ms"] for c in cases)
+    scatter = sum(c["kv_write_xla_scatter_ms"] for c in cases)
     return "pallas" if pallas < scatter else "xla_scatter"
 
 
 def faster_kernel(out: Path) -> str:
-    """The attention backend for the engine run: the Pallas kernel that measured faster on the
-    decode batch (the Triton one if the kernel benchmark did not run)."""
-    try:
-        decode = json.loads((out / "kernel.json").read_text())["decode"]
-    except (OSError, KeyError, ValueError):
-        return "pallas-triton"
-    mosaic, triton = decode.get("mosaic_ms"), decode.get("pallas_ms")
-    return "pallas-mosaic" if mosaic is not None and (triton is None or mosaic < triton) else "pallas-triton"
+    """The attention backend for the engine run: of the Pallas kernels whose outputs matched the
+    plain-jnp path's in this run, the one that measured faster on the decode batch; the plain-jnp
+    path (``reference``) if none did or the kernel benchmark did not run."""
+    cases = kernel_cases(out)
+    names = {"pallas": "pallas-triton", "mosaic": "pallas-mosaic"}
+    times = {backend: cases[0][f"{key}_ms"] for key, backend in names.items() if matched(cases, key)}
+    return min(times, key=times.get) if times else "reference"
 
 
 # ---------------------------------------------------------------- engine
@@ -299,8 +330,9 @@ def engine(smoke: bool, ceil: dict, backend: str, kv_write: str, tuned: dict) ->
                    num_kv_blocks=256 if smoke else 8192)
     failures = {}
     # One GPU run: if a kernel fails to compile in the model, still measure the engine without it.
-    for backend, kv_write in dict.fromkeys([(backend, kv_write), ("pallas-triton", kv_write),
-                                            ("pallas-triton", "xla_scatter"), ("reference", "xla_scatter")]):
+    # Only kernels whose outputs matched in this run's kernel benchmark are tried.
+    for backend, kv_write in dict.fromkeys([(backend, kv_write), (backend, "xla_scatter"),
+                                            ("reference", "xla_scatter")]):
         model.layers.self_attn.attention_fn = select_attention(backend)
         model.layers.self_attn.kv_write_fn = write_kv_pallas if kv_write == "pallas" else write_kv
         try:
@@ -309,6 +341,8 @@ def engine(smoke: bool, ceil: dict, backend: str, kv_write: str, tuned: dict) ->
         except Exception as error:          # noqa: BLE001 - recorded; the next pair is tried
             failures[f"{backend} + {kv_write}"] = f"{type(error).__name__}: {str(error)[:300]}"
     compile_s = time.perf_counter() - start
+    attention = model.layers.self_attn          # as the engine's start-up kernel check left it
+    after_check = [getattr(fn, "__name__", repr(fn)) for fn in (attention.attention_fn, attention.kv_write_fn)]
     steps = record_steps(llm)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(num_requests)]
@@ -319,6 +353,7 @@ def engine(smoke: bool, ceil: dict, backend: str, kv_write: str, tuned: dict) ->
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     decode = [s for s in steps if s["decode"] == batch and s["prefill"] == 0]
     result = {"attention_backend": backend, "kv_write": kv_write, "failed_backends": failures,
+              "kernels_after_start_up_check": after_check,
               "block_sizes_from_sweeps": tuned,
               "num_params": int(num_params), "init_s": round(init_s, 1), "startup_compile_s": round(compile_s, 1),
               "requests": num_requests, "output_tokens": tokens, "seconds": round(seconds, 2),
@@ -370,6 +405,18 @@ TARGETS = [  # (label, file, key path, target text, passes)
     ("decode: Mosaic kernel speed-up over Triton kernel", "kernel", ("decode", "mosaic_speedup_vs_pallas"), "-", None),
     ("decode: JAX's decode-only Pallas kernel, fraction of copy bandwidth", "kernel",
      ("decode", "jax_decode_fraction_of_copy_bw"), "yardstick", None),
+    ("decode: Triton kernel's output matches the plain-jnp path", "kernel", ("decode", "pallas_matches"), "true",
+     lambda v: v is True),
+    ("mixed: Triton kernel's output matches the plain-jnp path", "kernel", ("mixed", "pallas_matches"), "true",
+     lambda v: v is True),
+    ("decode: Mosaic kernel's output matches the plain-jnp path", "kernel", ("decode", "mosaic_matches"), "true",
+     lambda v: v is True),
+    ("mixed: Mosaic kernel's output matches the plain-jnp path", "kernel", ("mixed", "mosaic_matches"), "true",
+     lambda v: v is True),
+    ("decode: Pallas KV write's output matches the XLA scatter", "kernel", ("decode", "kv_write_pallas_matches"),
+     "true", lambda v: v is True),
+    ("mixed: Pallas KV write's output matches the XLA scatter", "kernel", ("mixed", "kv_write_pallas_matches"),
+     "true", lambda v: v is True),
     ("mixed batch attention, Triton kernel (ms)", "kernel", ("mixed", "pallas_ms"), "-", None),
     ("mixed batch attention, Mosaic kernel (ms)", "kernel", ("mixed", "mosaic_ms"), "-", None),
     ("KV write, XLA scatter, decode batch (ms)", "kernel", ("decode", "kv_write_xla_scatter_ms"), "-", None),
@@ -378,6 +425,7 @@ TARGETS = [  # (label, file, key path, target text, passes)
     ("KV write, Pallas kernel, mixed batch (ms)", "kernel", ("mixed", "kv_write_pallas_ms"), "-", None),
     ("engine's attention backend", "engine", ("attention_backend",), "-", None),
     ("engine's KV write", "engine", ("kv_write",), "-", None),
+    ("engine's kernels after its start-up check", "engine", ("kernels_after_start_up_check",), "-", None),
     ("decode step at batch 256 / roofline floor", "engine", ("decode_vs_floor",), "<= 1.25", lambda v: v <= 1.25),
     ("offline output tok/s (1000 x 128/128)", "engine", ("output_tok_s",), ">= 15000", lambda v: v >= 15000),
 ]
@@ -395,7 +443,7 @@ def summary(out: Path) -> None:
         met = "-" if passes is None or value is None else ("yes" if passes(value) else "NO")
         lines.append(f"| {label} | {'missing' if value is None else value} | {target} | {met} |")
     for key, label in (("decode_sweep", "Triton"), ("decode_sweep_mosaic", "Mosaic")):
-        best = next((r for r in results.get("kernel", {}).get(key, []) if "ms" in r), None)
+        best = next((r for r in results.get("kernel", {}).get(key, []) if r.get("matches")), None)
         if best:                                    # what the TUNED table should say for this layout
             sizes = ", ".join(f"{k}={v}" for k, v in best["sizes"].items())
             lines.append(f"| best {label} sizes, decode (ms) | {best['ms']} ({sizes}) | - | - |")

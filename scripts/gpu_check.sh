@@ -6,10 +6,12 @@
 # 2. ceilings: HBM copy bandwidth and bf16 matmul rate (the baselines);
 # 3. kernel timings of both Pallas kernels (Triton, Mosaic GPU): decode 256 x 2k (Llama-3-8B heads,
 #    bf16) and a mixed batch, against the plain-jnp path, JAX's decode-only Pallas kernel and the
-#    copy bandwidth; the KV write (XLA scatter and Pallas kernel); block-size sweeps;
-# 4. the engine on a random-weight Llama-3-8B (bf16) with the kernel that measured faster, at the
-#    sweeps' best sizes: offline throughput (1000 x 128/128) and the decode step at batch 256
-#    against its roofline floor.
+#    copy bandwidth, outputs compared; the KV write (XLA scatter and Pallas kernel, outputs
+#    compared); block-size sweeps;
+# 4. the engine on a random-weight Llama-3-8B (bf16) with the kernel and KV write that measured
+#    faster among those whose outputs matched the plain-jnp path's in part 3, at the sweeps' best
+#    sizes: offline throughput (1000 x 128/128) and the decode step at batch 256 against its
+#    roofline floor.
 # Each part has its own time limit (under 9 minutes in all, ~8.5 at worst); results land in
 # OUT_DIR as JSON (gpu_check.json) and a table (gpu_check.md), printed last. Add --smoke to
 # dry-run tiny sizes (also on the CPU).
@@ -25,8 +27,8 @@ cd "$(dirname "$0")/.."
 SHIM="$(mktemp -d)"
 mkdir "$SHIM/jaxengine"
 ln -s "$PWD"/jaxengine/* "$SHIM/jaxengine/"
-ln -s "$PWD/kernels" "$SHIM/jaxengine/kernels"
-ln -s "$PWD/models" "$SHIM/jaxengine/models"
+ln -sfn "$PWD/kernels" "$SHIM/jaxengine/kernels"     # -fn: replaces a link jaxengine/* already made
+ln -sfn "$PWD/models" "$SHIM/jaxengine/models"
 export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 PY="${PYTHON:-python3}"          # may carry options: left unquoted below

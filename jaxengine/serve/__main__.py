@@ -14,25 +14,27 @@ import threading
 import uvicorn
 
 from jaxengine.default_model import NAME as DEFAULT_MODEL_NAME
-from jaxengine.engine_args import add_engine_args, llm_from_args
+from jaxengine.engine_args import EngineArgs, HelpFormatter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jaxengine.serve", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=os.environ.get("JAXENGINE_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' on /v1/* (or set JAXENGINE_API_KEY)")
+                   help="require 'Authorization: Bearer <key>' on /v1/* (or set JAXENGINE_API_KEY; "
+                        "default: none required)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model folder or file name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_engine_args(parser)
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log messages shown")
+    EngineArgs.add_cli_args(parser)
     return parser.parse_args(argv)
 
 
@@ -62,12 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)    # "no TPU found" is no news
+    from jaxengine.llm import LLM
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine
     from jaxengine.serve.metrics import EngineMetrics
 
     print("jaxengine: loading the model and compiling (this takes a moment)...", flush=True)
-    llm = llm_from_args(args)
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     name = args.served_model_name or default_served_name(args.model, llm.model_path)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(llm, max_waiting_requests=args.max_waiting_requests, observer=metrics)

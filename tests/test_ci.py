@@ -1,0 +1,56 @@
+""".ci/run runs the README's test command and fails unless pytest ran tests and they passed. The
+script runs here in a copy whose `python3` makes a stand-in venv: its pip does nothing and its
+python is this interpreter, so pytest really runs, on the copy's (empty or given) tests."""
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_PYTHON3 = f"""#!/bin/sh
+# python3 -m venv .venv: a venv whose pip succeeds and whose python is the test's interpreter
+[ "$1 $2 $3" = "-m venv .venv" ] || exit 99
+mkdir -p .venv/bin
+printf '#!/bin/sh\\nexit 0\\n' > .venv/bin/pip
+printf '#!/bin/sh\\nexec {sys.executable} "$@" -p no:cacheprovider\\n' > .venv/bin/python
+chmod +x .venv/bin/pip .venv/bin/python
+"""
+
+
+def run_ci(tmp_path: Path, tests: dict[str, str]) -> subprocess.CompletedProcess:
+    checkout = tmp_path / "checkout"
+    (checkout / ".ci").mkdir(parents=True)
+    shutil.copy(ROOT / ".ci" / "run", checkout / ".ci" / "run")
+    for name, text in tests.items():
+        (checkout / name).write_text(text)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON3)
+    (bin_dir / "python3").chmod(stat.S_IRWXU)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(checkout / ".ci" / "run")], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_no_tests_collected_fails(tmp_path):
+    result = run_ci(tmp_path, {})
+    assert result.returncode == 5
+    assert "pytest collected no tests" in result.stderr
+
+
+@pytest.mark.parametrize("body, status", [("assert True", 0), ("assert False", 1)])
+def test_the_tests_status_is_the_scripts(tmp_path, body, status):
+    result = run_ci(tmp_path, {"test_one.py": f"def test_one():\n    {body}\n"})
+    assert result.returncode == status
+    assert "collected no tests" not in result.stderr
+
+
+def test_it_runs_the_readmes_test_command():
+    command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest"
+    assert command in (ROOT / "README.md").read_text()
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -1,0 +1,188 @@
+"""EngineArgs: one source for the engine's options, reached the same way from the CLI, LLM(...)
+and the configs; dtype="auto" resolved from the platform and the checkpoint."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxengine.engine_args import GiB, EngineArgs, resolve_dtype
+from jaxengine.llm import LLM
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.llama import LlamaForCausalLM
+from jaxengine.models.weights import checkpoint_dtype
+from jaxengine.serve.__main__ import parse_args as serve_args
+
+CFG = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def module():
+    return LlamaForCausalLM(CFG, jnp.float32, rngs=nnx.Rngs(0))
+
+
+def test_every_field_is_a_flag_with_the_fields_default():
+    parsed = serve_args([])
+    for f in dataclasses.fields(EngineArgs):
+        assert getattr(parsed, f.name) == f.default, f.name
+    assert EngineArgs.from_cli_args(parsed) == EngineArgs()
+
+
+def test_every_field_is_an_llm_keyword_with_the_fields_default(module):
+    llm = LLM(module, model_config=CFG, warm_up=False, progress=False)
+    assert llm.engine_args == EngineArgs(warm_up=False)
+    for f in dataclasses.fields(EngineArgs):                  # each accepted by name, default unchanged
+        assert getattr(EngineArgs.from_kwargs(**{f.name: f.default}), f.name) == f.default
+
+
+def test_flags_reach_the_engine_config():
+    args = EngineArgs.from_cli_args(serve_args([
+        "--max-num-batched-tokens", "96", "--max-num-seqs", "12", "--block-size", "8", "--num-kv-blocks", "50",
+        "--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "40",
+        "--max-num-partial-prefills", "3", "--scheduling-policy", "priority", "--preemption-mode", "swap",
+        "--scheduler-delay-factor", "0.5", "--watermark", "0.1", "--max-model-len", "300",
+        "--swap-space", "0.001", "--token-buckets", "32,96", "--request-buckets", "4,12", "--skip-kernel-check"]))
+    config = args.create_engine_config(CFG, jnp.float32)
+    assert dataclasses.asdict(config.scheduler) == dict(
+        max_num_batched_tokens=96, max_num_seqs=12, max_model_len=300, enable_chunked_prefill=False,
+        long_prefill_token_threshold=40, max_num_partial_prefills=3, policy="priority", preemption_mode="swap",
+        delay_factor=0.5)
+    per_block = 2 * CFG.num_layers * 8 * CFG.num_kv_heads * CFG.head_dim * 4          # K and V, f32
+    assert dataclasses.asdict(config.cache) == dict(
+        block_size=8, num_gpu_blocks=50, num_cpu_blocks=int(0.001 * GiB) // per_block, watermark=0.1,
+        enable_prefix_caching=False)
+    assert (args.token_buckets, args.request_buckets, args.skip_kernel_check) == ([32, 96], [4, 12], True)
+
+
+def test_flags_reach_the_llm(module):
+    args = EngineArgs.from_cli_args(serve_args(["--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+                                                "--token-buckets", "16,64", "--num-kv-blocks", "30",
+                                                "--no-warm-up", "--async-scheduling"]))
+    llm = LLM(module, model_config=CFG, progress=False, **{k: v for k, v in dataclasses.asdict(args).items()
+                                                          if k != "model"})
+    assert llm.runner.token_buckets == [16, 64]
+    assert (llm.config.scheduler.max_num_batched_tokens, llm.config.cache.num_gpu_blocks) == (64, 30)
+    assert llm.engine.async_scheduling is True
+
+
+def test_kv_pool_sized_from_the_byte_budget_on_the_cpu():
+    config = EngineArgs(block_size=16, kv_cache_memory_bytes=1 << 20).create_engine_config(CFG, jnp.bfloat16)
+    per_block = 2 * CFG.num_layers * 16 * CFG.num_kv_heads * CFG.head_dim * 2
+    assert config.cache.num_gpu_blocks == (1 << 20) // per_block
+    assert config.scheduler.max_model_len == 2048                  # the model's 4096, capped
+
+
+def test_unknown_llm_keyword_is_named(module):
+    with pytest.raises(TypeError, match="^max_num_seq: not an engine option; did you mean 'max_num_seqs'"):
+        LLM(module, model_config=CFG, max_num_seq=4, warm_up=False, progress=False)
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "float16"), ("attention_backend", "triton"),
+                                          ("scheduling_policy", "lifo"), ("preemption_mode", "drop")])
+def test_a_value_outside_the_choices_is_named(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: must be one of"):
+        EngineArgs(**{field: value})
+
+
+def test_a_bad_list_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        serve_args(["--token-buckets", "16,x"])
+    assert "expected comma-separated int values, got '16,x'" in capsys.readouterr().err
+
+
+def test_help_comes_from_the_fields(capsys):
+    with pytest.raises(SystemExit):
+        serve_args(["--help"])
+    out = capsys.readouterr().out
+    text, squeezed = " ".join(out.split()), "".join(out.split())    # argparse wraps lines, also at hyphens
+    for f in dataclasses.fields(EngineArgs):
+        assert "--" + f.name.replace("_", "-") in text
+        assert "".join(f.metadata["help"].split()) in squeezed
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in text
+    assert "(default: None)" not in text
+
+
+# ---------------------------------------------------------------- dtype="auto"
+def safetensors_checkpoint(folder, dtype, config=None):
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config or {}))
+    save_file({"a": torch.zeros(4, dtype=dtype), "b": torch.zeros(2, dtype=dtype)}, folder / "model.safetensors")
+    return folder
+
+
+def gguf_checkpoint(path, quantised: bool):
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    data = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
+    if quantised:
+        kind = gguf.GGMLQuantizationType.Q8_0
+        writer.add_tensor("w", gguf.quants.quantize(data, kind), raw_dtype=kind)
+    else:
+        writer.add_tensor("w", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_checkpoint_dtype_from_tensors_config_and_gguf(tmp_path):
+    import torch
+
+    assert checkpoint_dtype(safetensors_checkpoint(tmp_path / "bf16", torch.bfloat16)) == "bfloat16"
+    assert checkpoint_dtype(safetensors_checkpoint(tmp_path / "f32", torch.float32)) == "float32"
+    assert checkpoint_dtype(safetensors_checkpoint(tmp_path / "f16", torch.float16)) == "float16"
+    named = safetensors_checkpoint(tmp_path / "named", torch.float32, {"torch_dtype": "bfloat16"})
+    assert checkpoint_dtype(named) == "bfloat16"                        # config.json says so first
+    assert checkpoint_dtype(gguf_checkpoint(tmp_path / "q8.gguf", quantised=True)) == "quantized"
+    assert checkpoint_dtype(gguf_checkpoint(tmp_path / "f32.gguf", quantised=False)) == "float32"
+
+
+@pytest.mark.parametrize("stored, platform, want", [
+    ("bfloat16", "cpu", jnp.float32), ("float32", "cpu", jnp.float32), ("quantized", "cpu", jnp.float32),
+    ("bfloat16", "gpu", jnp.bfloat16), ("float32", "gpu", jnp.float32), ("float16", "gpu", jnp.bfloat16),
+    ("quantized", "gpu", jnp.bfloat16), (None, "gpu", jnp.bfloat16), ("bfloat16", "tpu", jnp.bfloat16),
+])
+def test_auto_dtype_by_platform_and_checkpoint(stored, platform, want):
+    assert resolve_dtype("auto", stored, platform) == want
+
+
+def test_auto_dtype_of_saved_checkpoints(tmp_path):
+    import torch
+
+    bf16 = checkpoint_dtype(safetensors_checkpoint(tmp_path / "bf16", torch.bfloat16))
+    f32 = checkpoint_dtype(safetensors_checkpoint(tmp_path / "f32", torch.float32))
+    assert [resolve_dtype("auto", d, p) for d in (bf16, f32) for p in ("cpu", "gpu")] == \
+        [jnp.float32, jnp.bfloat16, jnp.float32, jnp.float32]
+
+
+def test_an_explicit_dtype_is_kept_on_every_platform():
+    assert resolve_dtype("bfloat16", "float32", "cpu") == jnp.bfloat16
+    assert resolve_dtype("float32", "bfloat16", "gpu") == jnp.float32
+
+
+def test_llm_on_the_cpu_runs_a_bf16_checkpoint_in_f32(checkpoint_bf16):
+    llm = LLM(checkpoint_bf16, warm_up=False, progress=False, skip_tokenizer_init=True, num_kv_blocks=8)
+    assert llm.dtype == jnp.float32
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(llm.model))} == {jnp.dtype(jnp.float32)}
+    assert llm.runner.kv_caches[0].dtype == jnp.float32
+
+
+@pytest.fixture
+def checkpoint_bf16(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    assert checkpoint_dtype(tmp_path) == "bfloat16"
+    return tmp_path
