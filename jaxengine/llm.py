@@ -186,22 +186,24 @@ class LLM:
                              f"maximum context length of {limit} tokens")
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[list[str]]:
-        """Step until ``requests`` finish; their texts through the output processor the server
-        uses. Requests with stop strings are processed each step (while the device computes the
-        next), the rest once at the end: the same text either way."""
-        processors = [OutputProcessor(r, self.tokenizer, self.engine.scheduler.finish_sequence) for r in requests]
-        watched = [proc for proc in processors if proc.request.sampling_params.stop]
+        """Step until ``requests`` finish; their texts come from the output processor the server
+        uses, fed each step while the device computes the next (the running requests' new
+        tokens: that is where a stop string can appear) and once more at the end."""
+        scheduler = self.engine.scheduler
+        processors = {r.request_id: OutputProcessor(r, self.tokenizer, scheduler.finish_sequence) for r in requests}
 
-        def check_stop_strings() -> None:
-            for proc in watched:
-                proc.process()
+        def process_running() -> None:
+            for request in list(scheduler.running):
+                if (proc := processors.get(request.request_id)) is not None:
+                    proc.process()
 
+        step_work = process_running if self.tokenizer is not None else None
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                bar.update(len(self.engine.step(check_stop_strings if watched else None)))
+                bar.update(len(self.engine.step(step_work)))
             bar.update(len(requests) - bar.n)     # finished by a stop string
         self.engine.flush()   # the runner forgets the last finished sequences
-        return [proc.final_texts() for proc in processors]
+        return [processors[r.request_id].final_texts() for r in requests]
 
 
 @dataclass(frozen=True)

@@ -56,35 +56,39 @@ class SequenceText:
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.min_tokens = params.min_tokens
         self.num_tokens = 0            # output tokens taken in
-        self.text = ""                 # all text emitted so far
+        self.pieces: list[str] = []    # the text emitted so far (joined only when asked for)
         self.stop_str: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def add(self, token_ids: list[int]) -> str:
         """New output tokens -> the text they release; after a stop string, nothing."""
-        start = len(self.text)
+        start = len(self.pieces)
         for token_id in token_ids:
             if self.stop_str is not None:
                 break
             self.num_tokens += 1
             self._emit(self.detokenizer.decode_next(token_id))
-        return self.text[start:]
+        return "".join(self.pieces[start:])
 
     def finish(self) -> str:
         """The text still held back (the sequence ended)."""
         if self.stop_str is not None:
             return ""
-        start = len(self.text)
+        start = len(self.pieces)
         self._emit(self.detokenizer.flush())
         if self.stop_str is None:
-            self.text += self.matcher.flush()
-        return self.text[start:]
+            self.pieces.append(self.matcher.flush())
+        return "".join(self.pieces[start:])
 
     def _emit(self, text: str) -> None:
         if self.num_tokens <= self.min_tokens or not self.matcher.stop:
-            self.text += text
+            self.pieces.append(text)
             return
         out, self.stop_str = self.matcher.feed(text)
-        self.text += out
+        self.pieces.append(out)
 
 
 class OutputProcessor:

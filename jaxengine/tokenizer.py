@@ -39,13 +39,11 @@ class PerThreadTokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._local = threading.local()
-        self._copy_lock = threading.Lock()         # the deep copy reads the original
 
     def get(self):
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
-            with self._copy_lock:
-                tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+            tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
         return tokenizer
 
 
