@@ -44,6 +44,8 @@ class Stack:
     offline: dict = field(default_factory=dict)    # case -> list of RequestOutput
     url: str = ""
     min_tokens_stop: str = ""
+    head: str = ""                                 # the text of the first MIN_TOKENS greedy tokens
+    full: str = ""                                 # the greedy text without a stop string
     expected: str = ""                             # the min_tokens case's exact text
 
 
@@ -65,10 +67,9 @@ def min_tokens_case(stack: Stack) -> None:
     full = llm.generate(stack.prompts[0], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0]
     head = llm.tokenizer.decode(full.token_ids[:MIN_TOKENS], skip_special_tokens=True)
     head = " " + head if words else head               # the leading space the prompt's context gives
-    assert full.text.startswith(head) and not head.endswith("\ufffd")
     stop = clean_stop(head, 1, words)
     tail = full.text[len(head):]
-    stack.min_tokens_stop = stop
+    stack.min_tokens_stop, stack.head, stack.full = stop, head, full.text
     stack.expected = head + tail[:tail.index(stop)] if stop in tail else full.text
     stack.bodies["min_tokens"] = dict(GREEDY, stop=[stop], min_tokens=MIN_TOKENS)
     stack.offline["min_tokens"] = llm.generate(stack.prompts[0], SamplingParams(**stack.bodies["min_tokens"]),
@@ -120,6 +121,7 @@ def test_the_first_output_token_keeps_the_leading_space_the_prompt_gives_it(stac
 
 def test_a_stop_string_inside_the_first_min_tokens_does_not_end_the_request(stack):
     stop, expected = stack.min_tokens_stop, stack.expected
+    assert stack.full.startswith(stack.head) and not stack.head.endswith("\ufffd")
     offline = stack.offline["min_tokens"][0].outputs[0]
     assert stop in expected[:len(expected) - 1] and offline.text == expected
     assert len(offline.token_ids) > MIN_TOKENS
