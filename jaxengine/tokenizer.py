@@ -1,14 +1,10 @@
-"""Tokenizers (transformers), chat templates, incremental detokenization, and a tokenizer per
-thread for the server."""
+"""Tokenizers (transformers), chat templates, and a tokenizer per thread for the server."""
 from __future__ import annotations
 
 import copy
 import os
 import threading
 from pathlib import Path
-
-REPLACEMENT = "\ufffd"      # what a decode shows for an incomplete UTF-8 sequence
-CONTEXT_TOKENS = 6          # prompt tokens decoded with the first output token (its leading space)
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -45,49 +41,3 @@ class PerThreadTokenizer:
         if tokenizer is None:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
         return tokenizer
-
-
-class IncrementalDetokenizer:
-    """The text of a growing token sequence, one token at a time.
-
-    Decodes a small window ending at the newest token against the same window without it (the
-    prompt's last tokens give the first window its context, so a leading space comes out as it
-    does in the whole text), and holds back text that ends in an incomplete multi-byte
-    character until it completes. One token at a time, so the text does not depend on how the
-    tokens were grouped into steps.
-    """
-
-    def __init__(self, tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
-        self.read_offset = len(self.ids)
-        self.prefix_offset = 0
-
-    def decode_next(self, token_id: int) -> str:
-        """The text that ``token_id`` completes ("" while a character is still incomplete)."""
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
-            return ""                 # nothing new, or a character still incomplete
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self._trim()
-        return full[len(prefix):]
-
-    def flush(self) -> str:
-        """What is held back (an incomplete character decodes as U+FFFD)."""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        tail = self._decode(self.ids[self.prefix_offset:])[len(prefix):]
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return tail
-
-    def _trim(self) -> None:
-        """Drop tokens before the window so a long output costs no memory beyond it."""
-        if self.prefix_offset > 64:
-            del self.ids[:self.prefix_offset]
-            self.read_offset -= self.prefix_offset
-            self.prefix_offset = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxengine.output_processor import SequenceText, StopStringMatcher
+from jaxengine.output_processor import IncrementalDetokenizer, SequenceText, StopStringMatcher
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.tokenizer import IncrementalDetokenizer, PerThreadTokenizer
+from jaxengine.tokenizer import PerThreadTokenizer
 
 ALPHABET = list("abcdefghij klmnop,.!") + ["é", "ö", "ß", "日", "本", "語", "🙂", "👍🏽", "\n"]
 
