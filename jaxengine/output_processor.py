@@ -95,8 +95,8 @@ class StopStringMatcher:
 
 class SequenceText:
     """One sequence's text, token by token. The text of the first ``min_tokens`` tokens is
-    emitted as it is and never matched against the stop strings (as in vLLM): stop strings
-    match only text generated after that boundary."""
+    emitted as it is and never matched against the stop strings: a stop string matches only
+    text generated after that boundary (one that starts before it does not match)."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
