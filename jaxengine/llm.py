@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -15,12 +17,13 @@ from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.outputs import RequestOutput, make_request_output
-from jaxengine.request import Request, RequestStatus, Sequence
+from jaxengine.output_processor import OutputProcessor
+from jaxengine.request import Request
 from jaxengine.runner.kernel_check import check_model_kernels
 from jaxengine.runner.kv_cache import bytes_per_block
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from jaxengine.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +99,18 @@ class LLM:
     # ---- public API ----
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """Prompts (strings or token-id lists) -> outputs in input order."""
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
-        params = self._params_for(prompts, sampling_params)
-        token_ids = [self.encode(p) for p in prompts]
-        for ids, p in zip(token_ids, params):
-            self.check_request(ids, p)
-        requests = [self.engine.add_request(f"offline-{next(self._ids)}", ids, p,
-                                            priority=priority[i] if priority else 0)
-                    for i, (ids, p) in enumerate(zip(token_ids, params))]
+        """Prompts -> outputs in input order. A prompt is a string, a list of token ids, or one of
+        vLLM's prompt dicts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``, either with an
+        optional ``cache_salt``); give one prompt or a list of them."""
+        parsed = [self._parse_prompt(p) for p in _prompt_list(prompts)]
+        params = self._params_for(parsed, sampling_params)
+        for prompt, p in zip(parsed, params):
+            self.check_request(prompt.token_ids, p)
+        requests = [self.engine.add_request(f"offline-{next(self._ids)}", prompt.token_ids, p,
+                                            priority=priority[i] if priority else 0, cache_salt=prompt.cache_salt)
+                    for i, (prompt, p) in enumerate(zip(parsed, params))]
         texts = self._run(requests, use_tqdm)
-        return [make_request_output(r, p if isinstance(p, str) else None, t)
-                for r, p, t in zip(requests, prompts, texts)]
+        return [make_request_output(r, prompt.text, t) for r, prompt, t in zip(requests, parsed, texts)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -133,6 +136,28 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("prompt: text needs a tokenizer (skip_tokenizer_init=True): pass token ids")
         return self.tokenizer.encode(prompt)
+
+    def _parse_prompt(self, prompt) -> _Prompt:
+        """One prompt in any accepted form -> its token ids; ValueError naming ``prompts``."""
+        if isinstance(prompt, str):
+            return _Prompt(self.encode(prompt), prompt)
+        if isinstance(prompt, list):
+            return _Prompt(_token_ids(prompt, "a token-id prompt"))
+        if not isinstance(prompt, dict):
+            raise ValueError(f"prompts: each prompt must be a string, a list of token ids or a dict with "
+                             f"'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
+        if unknown := sorted(set(prompt) - PROMPT_KEYS):
+            raise ValueError(f"prompts: unsupported prompt keys {unknown} (accepted: {sorted(PROMPT_KEYS)})")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("prompts: a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+        salt = prompt.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"prompts: cache_salt must be a string, got {type(salt).__name__}")
+        if "prompt_token_ids" in prompt:
+            return _Prompt(_token_ids(prompt["prompt_token_ids"], "prompt_token_ids"), cache_salt=salt)
+        if not isinstance(text := prompt["prompt"], str):
+            raise ValueError(f"prompts: 'prompt' must be a string, got {type(text).__name__}")
+        return _Prompt(self.encode(text), text, salt)
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
@@ -160,50 +185,57 @@ class LLM:
                              f"tokens")
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[list[str]]:
-        detoks: dict[int, IncrementalDetokenizer] = {}
-        watched = [r for r in requests if r.sampling_params.stop]
-        def check_stop_strings() -> None:      # runs while the device computes the next step
-            for r in watched:
-                self._check_stop_strings(r, detoks)
+        """Step until ``requests`` finish; their texts come from the output processor the server
+        uses, fed each step while the device computes the next (the running requests' new
+        tokens: that is where a stop string can appear) and once more at the end."""
+        scheduler = self.engine.scheduler
+        processors = {r.request_id: OutputProcessor(r, self.tokenizer, scheduler.finish_sequence) for r in requests}
 
+        def process_running() -> None:
+            for request in list(scheduler.running):
+                if (proc := processors.get(request.request_id)) is not None:
+                    proc.process()
+
+        step_work = process_running if self.tokenizer is not None else None
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                bar.update(len(self.engine.step(check_stop_strings if watched else None)))
+                bar.update(len(self.engine.step(step_work)))
             bar.update(len(requests) - bar.n)     # finished by a stop string
         self.engine.flush()   # the runner forgets the last finished sequences
-        return [[self._final_text(r, s, detoks) for s in r.seqs] for r in requests]
+        return [processors[r.request_id].final_texts() for r in requests]
 
-    def _detok(self, request: Request, seq: Sequence, detoks: dict) -> IncrementalDetokenizer:
-        if seq.seq_id not in detoks:
-            p = request.sampling_params
-            detoks[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
-                stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
-        return detoks[seq.seq_id]
 
-    def _check_stop_strings(self, request: Request, detoks: dict) -> None:
-        for seq in request.seqs:
-            if seq.is_finished or seq.num_output_tokens < request.sampling_params.min_tokens:
-                continue
-            detok = self._detok(request, seq, detoks)
-            delta = detok.step(seq.token_ids[len(detok.ids):seq.num_real_tokens])
-            if delta.stop_str is not None:
-                self.engine.scheduler.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, delta.stop_str)
+@dataclass(frozen=True)
+class _Prompt:
+    token_ids: list[int]
+    text: str | None = None
+    cache_salt: str | None = None
 
-    def _final_text(self, request: Request, seq: Sequence, detoks: dict) -> str:
-        p = request.sampling_params
-        if self.tokenizer is None:
-            return ""
-        if not p.stop:
-            return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-        detok = self._detok(request, seq, detoks)
-        if not detok.stopped:
-            detok.step(seq.token_ids[len(detok.ids):seq.num_real_tokens])
-        return detok.output_text + detok.finish()
+
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt or a list of them -> a non-empty list of prompts."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts: no prompt given (an empty list)")
+    return list(prompts)
+
+
+def _token_ids(ids, what: str) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"prompts: {what} must be a non-empty list of token ids, got {ids!r:.60}")
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"prompts: {what} must hold non-negative integers, got {list(ids)[:8]!r:.60}")
+    return [int(t) for t in ids]
 
 
 def _is_token_ids(x) -> bool:
-    return isinstance(x, list) and bool(x) and isinstance(x[0], int)
+    return isinstance(x, list) and bool(x) and isinstance(x[0], numbers.Integral)
 
 
 

@@ -16,7 +16,6 @@ from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from jaxengine.serve.metrics import EngineMetrics
 from jaxengine.serve.openai_serving import OpenAIServing, RequestError, param_of
-from jaxengine.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -45,11 +44,11 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, raw: Request):
-        return await _respond(raw, *serving.completion(body))
+        return await _respond(raw, *await serving.completion(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request):
-        return await _respond(raw, *serving.chat(body))
+        return await _respond(raw, *await serving.chat(body))
 
     return app
 
@@ -156,10 +155,9 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
         if serving.tokenizer is None:
             raise RequestError(400, "prompt: the server runs without a tokenizer", "prompt")
         if body.messages is not None:
-            ids = apply_chat_template(serving.tokenizer, [m.as_template_input() for m in body.messages],
-                                      body.add_generation_prompt)
+            ids = await engine.encode_chat([m.as_template_input() for m in body.messages], body.add_generation_prompt)
         else:
-            ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.scheduler.max_model_len}
 
     @app.post("/detokenize")
@@ -170,4 +168,4 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
             raise RequestError(400, f"tokens: {bad[:5]} outside the vocabulary of {vocab} tokens", "tokens")
         if serving.tokenizer is None:
             raise RequestError(400, "tokens: the server runs without a tokenizer", "tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": await engine.decode(body.tokens)}

@@ -4,6 +4,9 @@ Requests come in through a command queue; the thread steps the engine and, while
 computes a step, turns the previous step's tokens into per-request deltas (text, token ids,
 logprobs, finish reason) that it hands to each request's asyncio queue. The event loop never
 waits on the device, and the scheduler is only ever touched by the engine thread.
+
+Prompts are tokenized (and chat templates applied) on a small thread pool, off the event loop,
+each thread with its own copy of the tokenizer: the engine thread decodes with the original.
 """
 from __future__ import annotations
 
@@ -13,12 +16,18 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from jaxengine.llm import LLM
+from jaxengine.output_processor import OutputProcessor
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.tokenizer import IncrementalDetokenizer
+from jaxengine.tokenizer import PerThreadTokenizer, apply_chat_template
+
+# Tokenizing shares the host's cores with the engine thread; two threads keep one long prompt
+# from holding up the short ones behind it.
+TOKENIZER_THREADS = 2
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +69,7 @@ class _Tracked:
 
     request: Request
     deliver: Callable[[RequestDelta], None]
-    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    output: OutputProcessor
     sent: dict[int, int] = field(default_factory=dict)    # seq_id -> output tokens delivered
     done: set[int] = field(default_factory=set)           # seq_ids whose finish was delivered
     last_emit: float | None = None
@@ -77,7 +86,9 @@ class AsyncEngine:
     def __init__(self, llm: LLM, *, max_waiting_requests: int = 1024, observer=None) -> None:
         self.llm = llm
         self.engine = llm.engine
-        self.tokenizer = llm.tokenizer
+        self.tokenizer = llm.tokenizer           # the engine thread's (decoding)
+        self.tokenizers = None if llm.tokenizer is None else PerThreadTokenizer(llm.tokenizer)
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="jaxengine-tokenize")
         self.max_waiting_requests = max_waiting_requests
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -98,6 +109,34 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._tracked) + self._num_queued
+
+    async def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids, on the tokenizer pool; token-id lists pass through."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        tokenizer = self._tokenizer_or_error("prompt")
+        return await self._on_pool(lambda: tokenizer.get().encode(prompt, add_special_tokens=add_special_tokens))
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation through the chat template -> token ids, on the tokenizer pool."""
+        tokenizer = self._tokenizer_or_error("messages")
+        return await self._on_pool(lambda: apply_chat_template(tokenizer.get(), messages, add_generation_prompt))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        tokenizer = self._tokenizer_or_error("tokens")
+        return await self._on_pool(lambda: tokenizer.get().decode(token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for logprobs (the calling thread's own tokenizer)."""
+        return self.tokenizers.get().decode([token_id]) if self.tokenizers is not None else str(token_id)
+
+    def _tokenizer_or_error(self, field_name: str) -> PerThreadTokenizer:
+        if self.tokenizers is None:
+            raise ValueError(f"{field_name}: the server runs without a tokenizer (skip_tokenizer_init)")
+        return self.tokenizers
+
+    async def _on_pool(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise before anything is queued: ValueError naming the field for a request that can
@@ -135,6 +174,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop taking requests, abort what is left, and stop the engine thread."""
         self._stopping = True
+        self._tokenize_pool.shutdown(wait=False)
         self._commands.put(("stop",))
         self._thread.join(timeout)
 
@@ -181,7 +221,8 @@ class AsyncEngine:
         except Exception as error:                      # noqa: BLE001 - reported to that request only
             deliver(RequestDelta(request_id, [], finished=True, error=str(error), error_status=400))
             return
-        self._tracked[request_id] = _Tracked(request, deliver)
+        output = OutputProcessor(request, self.tokenizer, self.engine.scheduler.finish_sequence)
+        self._tracked[request_id] = _Tracked(request, deliver, output)
 
     def _do_abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is not None:
@@ -234,9 +275,11 @@ class AsyncEngine:
         return delta
 
     def _choice_delta(self, tracked: _Tracked, seq: Sequence) -> ChoiceDelta | None:
+        """What ``seq`` gained: its new tokens and their text (a stop string found here finishes
+        the sequence; its token in the step now running is discarded)."""
         sent = tracked.sent.get(seq.seq_id, 0)
+        text = tracked.output.new_text(seq)
         new = seq.token_ids[seq.num_prompt_tokens + sent:seq.num_real_tokens]      # placeholders excluded
-        text = self._text(tracked, seq, new) if self.tokenizer is not None else ""
         finished = seq.is_finished and seq.seq_id not in tracked.done
         if not new and not finished:
             return None
@@ -245,29 +288,9 @@ class AsyncEngine:
         tracked.sent[seq.seq_id] = sent + len(new)
         if finished:
             tracked.done.add(seq.seq_id)
-            text += self._detok(tracked, seq).finish() if self.tokenizer is not None else ""
+            text += tracked.output.new_text(seq, final=True)
         return ChoiceDelta(seq.sample_index, text, new, logprobs, seq.status.finish_reason if finished else None,
                            seq.stop_reason if finished else None)
-
-    def _text(self, tracked: _Tracked, seq: Sequence, new: list[int]) -> str:
-        """Text for the new tokens; a stop string found here finishes the sequence (its token in
-        the step now running is discarded)."""
-        params = tracked.request.sampling_params
-        detok = self._detok(tracked, seq)
-        if params.stop and not seq.is_finished and seq.num_output_tokens < params.min_tokens:
-            return ""                # stop strings count only from min_tokens on: hold the text back
-        delta = detok.step(seq.token_ids[len(detok.ids):seq.num_real_tokens])
-        if delta.stop_str is not None and not seq.is_finished:
-            self.engine.scheduler.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, delta.stop_str)
-        return delta.text
-
-    def _detok(self, tracked: _Tracked, seq: Sequence) -> IncrementalDetokenizer:
-        if seq.seq_id not in tracked.detoks:
-            p, request = tracked.request.sampling_params, tracked.request
-            tracked.detoks[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
-                stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
-        return tracked.detoks[seq.seq_id]
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, deltas: asyncio.Queue, delta: RequestDelta) -> None:

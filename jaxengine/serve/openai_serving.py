@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, RequestDelta
-from jaxengine.tokenizer import apply_chat_template
 
 
 class RequestError(Exception):
@@ -59,25 +58,26 @@ class OpenAIServing:
         return _merge([self.engine.generate(f"{request_id}-{i}", ids, params, priority=priority)
                        for i, ids in enumerate(prompts)])
 
-    def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
+    async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt (text is tokenized off the event loop)."""
         prompts = request.prompts()
         if not prompts or any(len(x) == 0 for x in prompts):
             raise RequestError(400, "prompt: must not be empty", "prompt")
-        return [self.engine.llm.encode(x) for x in prompts]
+        return list(await asyncio.gather(*(self.engine.encode(x) for x in prompts)))
 
-    def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
             raise RequestError(400, "messages: the server runs without a tokenizer", "messages")
-        return apply_chat_template(self.tokenizer, [m.as_template_input() for m in request.messages])
+        return await self.engine.encode_chat([m.as_template_input() for m in request.messages])
 
     # ---- completions ----
-    def completion(self, request: p.CompletionRequest) -> tuple[AsyncIterator, bool]:
+    async def completion(self, request: p.CompletionRequest) -> tuple[AsyncIterator, bool]:
         """-> (an async iterator of SSE lines, or of one response object; is it a stream)."""
         if request.echo:
             raise RequestError(400, "echo: not supported", "echo")
         self.check_model(request.model)
         params = request.sampling_params(request.max_tokens, request.logprobs)
-        prompts = self.completion_prompts(request)
+        prompts = await self.completion_prompts(request)
         request_id = p.random_id("cmpl")
         deltas = self._start(request_id, prompts, params, request.priority)
         if request.stream:
@@ -117,7 +117,7 @@ class OpenAIServing:
         return out
 
     # ---- chat ----
-    def chat(self, request: p.ChatCompletionRequest) -> tuple[AsyncIterator, bool]:
+    async def chat(self, request: p.ChatCompletionRequest) -> tuple[AsyncIterator, bool]:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise RequestError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
@@ -128,7 +128,7 @@ class OpenAIServing:
             if param_of(error) == "logprobs":
                 raise RequestError(400, "top_logprobs" + str(error)[len("logprobs"):], "top_logprobs") from None
             raise
-        prompt = self.chat_prompt(request)
+        prompt = await self.chat_prompt(request)
         request_id = p.random_id("chatcmpl")
         deltas = self._start(request_id, [prompt], params, request.priority)
         if request.stream:
@@ -168,7 +168,7 @@ class OpenAIServing:
         return p.ChatLogprobs(content=content)
 
     def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+        return self.engine.token_text(token)
 
 
 # ---- helpers ----

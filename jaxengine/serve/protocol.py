@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxengine.sampling_params import SamplingParams
 
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1     # a signed 64-bit integer, as in vLLM
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -49,6 +52,7 @@ class _SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """-> SamplingParams; a bad value raises ValueError naming the field."""
+        self._check_stream_options_and_seed()
         bias = None
         if self.logit_bias:
             try:
@@ -64,6 +68,13 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens)
+
+
+    def _check_stream_options_and_seed(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed: must be a signed 64-bit integer (in [{SEED_MIN}, {SEED_MAX}]), got {self.seed}")
 
 
 class CompletionRequest(_SamplingRequest):
