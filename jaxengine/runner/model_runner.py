@@ -174,6 +174,14 @@ class ModelRunner:
         self._uncollected.append(step)
         return step
 
+    def abandon_uncollected(self) -> None:
+        """After a failed step: forget the launched steps not collected (their sequences are
+        being aborted) and check that the device state survived. Raises when the KV cache is
+        lost: donated to a call that failed, or written by a computation that failed."""
+        self._uncollected.clear()
+        self._previous_tokens = jnp.zeros(self._previous_tokens.shape, jnp.int32)   # may hold the failed step's error
+        jax.block_until_ready(self.kv_caches)
+
     def _count_launch(self) -> None:
         """Is the device idle as this step launches? (Busy: an earlier step is still computing.)"""
         self.num_launches += 1
