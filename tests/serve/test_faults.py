@@ -214,3 +214,61 @@ def _fake_async_engine():
     llm = SimpleNamespace(engine=Engine(cfg, HashRunner(64, 0, 4), eos_token_id=0), tokenizer=None,
                           check_request=lambda ids, params: None)
     return AsyncEngine(llm)
+
+
+class FailingRunner:
+    """The fake runner, but its k-th step with rows raises before it runs."""
+
+    def __init__(self, runner, k: int) -> None:
+        self.runner, self.k, self.count, self.steps = runner, k, 0, []
+
+    def execute(self, out):
+        if out.seq_ids:
+            self.count += 1
+            self.steps.append({seq.request.request_id for seq in out.scheduled_seqs})
+            if self.count == self.k:
+                raise RuntimeError(INJECTED)
+        return self.runner.execute(out)
+
+
+def run_engine(k: int | None, async_scheduling: bool):
+    """16 requests on the fake runner (its tokens hash the context read back through the block
+    table, so a survivor whose cache or state was disturbed would change its tokens); the
+    k-th step fails and the requests it touched are aborted. -> (engine, runner, outputs, failed)."""
+    from jaxengine import Engine, EngineConfig, SamplingParams
+    from jaxengine.runner.fake_runner import HashRunner
+
+    cfg = EngineConfig().replace(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=24, max_num_seqs=6)
+    runner = FailingRunner(HashRunner(64, 0, 4), k or 0)
+    engine = Engine(cfg, runner, eos_token_id=0, async_scheduling=async_scheduling)
+    requests = [engine.add_request(f"r{i}", [1 + i, 2 + i, 3 + i, 4 + i, 5 + i], SamplingParams(
+        max_tokens=6, ignore_eos=True)) for i in range(16)]
+    failed: list[str] = []
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            engine.step()
+        except RuntimeError:
+            failed = engine.abandon_failed_step()
+            for request_id in failed:
+                engine.abort(request_id)
+    else:
+        raise AssertionError(f"still unfinished after 500 steps: {sorted(engine.scheduler.requests)}")
+    outputs = {r.request_id: r.seqs[0].output_token_ids for r in requests if r.request_id not in failed}
+    return engine, runner, outputs, failed
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_after_a_failed_step_the_survivors_get_the_tokens_of_a_run_without_it(k, async_scheduling):
+    _, _, clean, _ = run_engine(None, async_scheduling)
+    engine, runner, outputs, failed = run_engine(k, async_scheduling)
+    touched = runner.steps[k - 1] | (runner.steps[k - 2] if async_scheduling and k > 1 else set())
+    assert failed and set(failed) <= touched and runner.steps[k - 1] <= set(failed)
+    assert outputs == {rid: tokens for rid, tokens in clean.items() if rid not in failed}
+    assert all(len(tokens) == 6 for tokens in outputs.values())
+    kv = engine.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.num_usable_blocks and not engine.scheduler.requests
+    engine.flush()
+    assert not runner.runner.tokens and not runner.runner.tables      # the runner forgot every sequence
