@@ -290,7 +290,7 @@ class AsyncEngine:
         for request_id, tracked in list(self._tracked.items()):
             times = tracked.request.times
             if times.first_scheduled is None and times.finished is None:
-                continue        # still queued, nothing to say: overload keeps many, each step must skip them cheaply
+                continue        # still queued: nothing to say (overload keeps many; skip them cheaply)
             try:
                 delta = self._delta(tracked, now)
             except Exception as error:                  # noqa: BLE001 - fail this request, keep serving
