@@ -22,6 +22,7 @@ from jaxengine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 MAX_LOOP_FAILURES = 3       # consecutive failures outside the step before the engine gives up
+THREAD_STOPPED = "the engine thread stopped; restart the server"
 
 
 class QueueFullError(RuntimeError):
@@ -109,7 +110,7 @@ class AsyncEngine:
         if self._unhealthy is not None:
             return self._unhealthy
         if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
-            return "the engine thread has stopped; restart the server"
+            return THREAD_STOPPED
         return None
 
     @property
@@ -180,7 +181,8 @@ class AsyncEngine:
                         self._turn_unhealthy(f"the engine loop keeps failing ({error}); restart the server")
             self._refuse_until_stopped()
         finally:
-            self._fail_all("the server shut down before the request finished", status=503)
+            self._fail_all("the server shut down before the request finished" if self._stopping else
+                           THREAD_STOPPED, status=503)
 
     def _turn(self) -> bool:
         """Apply commands and run one step (or wait for commands when idle); False on stop."""

@@ -196,6 +196,27 @@ def test_a_loop_that_keeps_failing_outside_the_step_turns_unhealthy_and_answers_
     assert not engine._thread.is_alive()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_thread_that_ends_anyway_answers_its_requests_and_reports_it(monkeypatch):
+    """Even what no handler should catch (here a KeyboardInterrupt) leaves nobody waiting."""
+    engine = _fake_async_engine()
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "_step", interrupted)
+
+    async def run():
+        deltas = engine.generate("a", [1, 2, 3], _params())
+        engine.start()
+        return [d async for d in deltas]
+
+    (delta,) = asyncio.run(asyncio.wait_for(run(), 30))
+    engine._thread.join(10)
+    assert delta.finished and delta.error_status == 503
+    assert delta.error == engine.health_problem == "the engine thread stopped; restart the server"
+
+
 def _params():
     from jaxengine.sampling_params import SamplingParams
 
