@@ -66,6 +66,7 @@ class Engine:
         self.last_trace: StepTrace | None = None      # the latest step's record (metrics read it)
         self.last_output: SchedulerOutput | None = None   # the latest schedule() (tests read it)
         self._in_flight: tuple[SchedulerOutput, object] | None = None
+        self._unapplied: list[SchedulerOutput] = []   # scheduled, results not yet applied
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
@@ -94,6 +95,7 @@ class Engine:
         if while_running is not None:
             while_running()
         finished = self.scheduler.update_from_output(out, pending.result())
+        self._unapplied.remove(out)
         self._record(out)
         return finished
 
@@ -104,9 +106,30 @@ class Engine:
             self.step()
         self.step()
 
+    def abandon_failed_step(self) -> list[str]:
+        """After ``step()`` raised: drop the steps scheduled but not applied (the one that failed
+        and, with async scheduling, the one launched ahead of it), have the runner forget them, and
+        return the ids of the requests they touched (ran, resumed or preempted). Their state is
+        unknown, so the caller aborts them; the other requests are untouched. Raises when the
+        engine cannot go on: the scheduler failed while building a step, or the runner's device
+        state is lost."""
+        s = self.scheduler
+        if s._out is not None:                       # schedule() stopped half-way
+            raise RuntimeError("the scheduler failed while building a step; its state is unknown")
+        steps, self._unapplied, self._in_flight = self._unapplied, [], None
+        seq_ids = {seq_id for out in steps for seq_id in (*out.seq_ids, *out.preempted_seq_ids)}
+        seq_ids.update(new.seq_id for out in steps for new in out.new_seqs)
+        # The runner may never have seen these steps: tell it again which sequences to forget.
+        s._finished_seq_ids.extend(seq_id for out in steps for seq_id in out.finished_seq_ids)
+        abandon = getattr(self.runner, "abandon_uncollected", None)
+        if abandon is not None:
+            abandon()
+        return [rid for rid, r in s.requests.items() if any(seq.seq_id in seq_ids for seq in r.seqs)]
+
     def _launch(self) -> tuple[SchedulerOutput, object]:
         """Schedule a step and launch it on the runner (a handle whose ``result()`` waits)."""
         out = self.last_output = self.scheduler.schedule()
+        self._unapplied.append(out)
         dispatch = getattr(self.runner, "dispatch", None)
         return out, dispatch(out) if dispatch else _Done(self.runner.execute(out))
 

@@ -23,6 +23,7 @@ from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
+from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.sampler import SamplerOutput, logprobs_of, sample
 from jaxengine.sampling_params import MAX_LOGPROBS
 
@@ -174,6 +175,14 @@ class ModelRunner:
         step = PendingStep(self, out, inputs, slots, device_result)
         self._uncollected.append(step)
         return step
+
+    def abandon_uncollected(self) -> None:
+        """After a failed step: forget the launched steps not collected (their sequences are
+        being aborted) and check that the device state survived. Raises when the KV cache is
+        lost: donated to a call that failed, or written by a computation that failed."""
+        self._uncollected.clear()
+        self._previous_tokens = jnp.zeros(self._previous_tokens.shape, jnp.int32)   # may hold the failed step's error
+        jax.block_until_ready(self.kv_caches)
 
     def _count_launch(self) -> None:
         """Is the device idle as this step launches? (Busy: an earlier step is still computing.)"""

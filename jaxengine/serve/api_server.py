@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxengine
 from jaxengine.serve import protocol as p
-from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, EngineUnhealthyError, QueueFullError
 from jaxengine.serve.metrics import EngineMetrics
 from jaxengine.serve.openai_serving import OpenAIServing, RequestError, param_of
 
@@ -120,6 +120,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def stopping(_request: Request, error: EngineStoppedError):
         return error_response(503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    @app.exception_handler(EngineUnhealthyError)
+    async def unhealthy(_request: Request, error: EngineUnhealthyError):
+        return error_response(503, f"the server cannot serve requests: {error}")
+
     @app.exception_handler(Exception)
     async def internal(_request: Request, error: Exception):
         logger.exception("request failed")
@@ -131,6 +135,9 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
 
     @app.get("/health")
     async def health():
+        """200 while the engine serves; 503 with the reason once it cannot (restart it)."""
+        if (problem := engine.health_problem) is not None:
+            return error_response(503, f"the server cannot serve requests: {problem}")
         return Response(status_code=200)
 
     @app.get("/version")

@@ -30,6 +30,8 @@ from jaxengine.tokenizer import PerThreadTokenizer, apply_chat_template
 TOKENIZER_THREADS = 2
 
 logger = logging.getLogger(__name__)
+MAX_LOOP_FAILURES = 3       # consecutive failures outside the step before the engine gives up
+THREAD_STOPPED = "the engine thread stopped; restart the server"
 
 
 class QueueFullError(RuntimeError):
@@ -38,6 +40,10 @@ class QueueFullError(RuntimeError):
 
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down and takes no new requests."""
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine failed in a way it cannot recover from; the server must be restarted."""
 
 
 @dataclass
@@ -80,7 +86,13 @@ class AsyncEngine:
 
     ``max_waiting_requests`` bounds the waiting queue (``QueueFullError`` beyond it).
     ``observer`` (optional) gets ``on_step(engine)``, ``on_tokens(request, n, itl)`` and
-    ``on_finish(request)`` calls from the engine thread (the Prometheus metrics).
+    ``on_finish(request)`` calls from the engine thread (the Prometheus metrics); an observer
+    that raises is logged and otherwise ignored.
+
+    Failures: a step that raises fails the requests it touched (an error delta, status 500) and
+    frees their blocks; the others go on. When the engine cannot go on (its device state is lost,
+    or the loop keeps failing) it turns unhealthy: ``health_problem`` says why, every request
+    still held and every new one gets a 503, and only a restart helps.
     """
 
     def __init__(self, llm: LLM, *, max_waiting_requests: int = 1024, observer=None) -> None:
@@ -90,17 +102,27 @@ class AsyncEngine:
         self.tokenizers = None if llm.tokenizer is None else PerThreadTokenizer(llm.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="jaxengine-tokenize")
         self.max_waiting_requests = max_waiting_requests
-        self.observer = observer
+        self.observer = None if observer is None else _GuardedObserver(observer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
         self._num_queued = 0          # added by clients, not yet seen by the engine thread
         self._stopping = False
+        self._unhealthy: str | None = None      # why the engine can no longer serve
         self._thread = threading.Thread(target=self._loop, name="jaxengine-engine", daemon=True)
 
     # ---- event-loop side ----
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def health_problem(self) -> str | None:
+        """None while the engine serves; else why it cannot (for /health and 503 responses)."""
+        if self._unhealthy is not None:
+            return self._unhealthy
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            return THREAD_STOPPED
+        return None
 
     @property
     def num_waiting(self) -> int:
@@ -144,6 +166,8 @@ class AsyncEngine:
         self.llm.check_request(prompt_token_ids, params)
         if self._stopping:
             raise EngineStoppedError("the server is shutting down")
+        if (problem := self.health_problem) is not None:
+            raise EngineUnhealthyError(problem)
         if self.num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting} requests are waiting (the bound is "
                                  f"{self.max_waiting_requests}); retry later")
@@ -180,23 +204,75 @@ class AsyncEngine:
 
     # ---- engine thread ----
     def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            if not engine.has_unfinished_requests():
-                self._emit_all()                        # the last step's outputs, before going idle
-            if not self._drain_commands(block=not engine.has_unfinished_requests()):
-                break
-            if engine.has_unfinished_requests():
+        """Serve until the stop command. No exception ends this thread: one outside the step is
+        logged and the loop goes on, unless it keeps coming back, which makes the engine
+        unhealthy; an unhealthy engine answers every request with an error until stopped."""
+        failures = 0
+        try:
+            while self._unhealthy is None:
                 try:
-                    engine.step(while_running=self._emit_all)
-                except Exception as error:              # noqa: BLE001 - one bad step must not kill the server
-                    logger.exception("engine step failed")
-                    self._fail_all(f"internal error in the engine step: {error}")
-                if self.observer is not None:
-                    self.observer.on_step(engine)
-            elif self.observer is not None:
-                self.observer.on_idle(engine)
-        self._fail_all("the server shut down before the request finished", status=503)
+                    if not self._turn():
+                        return
+                    failures = 0
+                except Exception as error:              # noqa: BLE001 - the thread must outlive it
+                    logger.exception("engine loop failed")
+                    failures += 1
+                    if failures >= MAX_LOOP_FAILURES:
+                        self._turn_unhealthy(f"the engine loop keeps failing ({error}); restart the server")
+            self._refuse_until_stopped()
+        finally:
+            self._fail_all("the server shut down before the request finished" if self._stopping else
+                           THREAD_STOPPED, status=503)
+
+    def _turn(self) -> bool:
+        """Apply commands and run one step (or wait for commands when idle); False on stop."""
+        engine = self.engine
+        if not engine.has_unfinished_requests():
+            self._emit_all()                        # the last step's outputs, before going idle
+        if not self._drain_commands(block=not engine.has_unfinished_requests()):
+            return False
+        if engine.has_unfinished_requests():
+            self._step()
+        elif self.observer is not None:
+            self.observer.on_idle(engine)
+        return True
+
+    def _step(self) -> None:
+        try:
+            self.engine.step(while_running=self._emit_all)
+        except Exception as error:                      # noqa: BLE001 - one bad step must not kill the server
+            logger.exception("engine step failed")
+            self._recover_from_failed_step(f"internal error in the engine step: {error}")
+            return
+        if self.observer is not None:
+            self.observer.on_step(self.engine)
+
+    def _recover_from_failed_step(self, message: str) -> None:
+        """Fail the requests the failed step touched; the others go on, unless the engine
+        cannot (then it turns unhealthy)."""
+        try:
+            request_ids = self.engine.abandon_failed_step()
+        except Exception as error:                      # noqa: BLE001 - reported through /health
+            logger.exception("the engine cannot recover from the failed step")
+            self._turn_unhealthy(f"{message}; the engine cannot recover from it ({error}); restart the server")
+            return
+        for request_id in request_ids:
+            self._fail(request_id, message, 500)
+
+    def _turn_unhealthy(self, reason: str) -> None:
+        self._unhealthy = reason
+        self._fail_all(reason, status=503)
+
+    def _refuse_until_stopped(self) -> None:
+        """Unhealthy: answer each queued request with the reason (nobody waits forever)."""
+        while True:
+            command = self._commands.get()
+            if command[0] == "stop":
+                return
+            if command[0] == "add":
+                with self._lock:
+                    self._num_queued -= 1
+                command[-1](RequestDelta(command[1], [], finished=True, error=self._unhealthy, error_status=503))
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False on the stop command."""
@@ -230,9 +306,24 @@ class AsyncEngine:
             if self.observer is not None:
                 self.observer.on_abort()
 
+    def _fail(self, request_id: str, message: str, status: int) -> None:
+        """End a request with an error; a request that already finished keeps its outcome (its
+        last delta is still to be sent)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.request.is_finished:
+            return
+        del self._tracked[request_id]
+        try:
+            self.engine.abort(request_id)
+        finally:
+            tracked.deliver(RequestDelta(request_id, [], finished=True, error=message, error_status=status))
+
     def _fail_all(self, message: str, status: int = 500) -> None:
         for request_id, tracked in list(self._tracked.items()):
-            self.engine.abort(request_id)
+            try:
+                self.engine.abort(request_id)
+            except Exception:                           # noqa: BLE001 - the client must hear back regardless
+                logger.exception("abort of %s failed", request_id)
             tracked.deliver(RequestDelta(request_id, [], finished=True, error=message, error_status=status))
         self._tracked.clear()
 
@@ -240,6 +331,9 @@ class AsyncEngine:
     def _emit_all(self) -> None:
         now = time.monotonic()
         for request_id, tracked in list(self._tracked.items()):
+            times = tracked.request.times
+            if times.first_scheduled is None and times.finished is None:
+                continue        # still queued: nothing to say (overload keeps many; skip them cheaply)
             try:
                 delta = self._delta(tracked, now)
             except Exception as error:                  # noqa: BLE001 - fail this request, keep serving
@@ -291,6 +385,38 @@ class AsyncEngine:
             text += tracked.output.new_text(seq, final=True)
         return ChoiceDelta(seq.sample_index, text, new, logprobs, seq.status.finish_reason if finished else None,
                            seq.stop_reason if finished else None)
+
+
+class _GuardedObserver:
+    """The observer's calls, each of which logs a failure instead of raising it: metrics must
+    not fail a request or stop the engine. The first failure of each call is logged in full."""
+
+    def __init__(self, observer) -> None:
+        self.observer = observer
+        self.failures: dict[str, int] = {}
+
+    def _call(self, name: str, *args) -> None:
+        try:
+            getattr(self.observer, name)(*args)
+        except Exception:                               # noqa: BLE001 - see the class docstring
+            count = self.failures[name] = self.failures.get(name, 0) + 1
+            if count == 1:
+                logger.exception("metrics observer %s failed (later failures are counted, not logged)", name)
+
+    def on_step(self, engine) -> None:
+        self._call("on_step", engine)
+
+    def on_idle(self, engine) -> None:
+        self._call("on_idle", engine)
+
+    def on_tokens(self, request: Request, num_tokens: int, itl: float | None) -> None:
+        self._call("on_tokens", request, num_tokens, itl)
+
+    def on_finish(self, request: Request) -> None:
+        self._call("on_finish", request)
+
+    def on_abort(self) -> None:
+        self._call("on_abort")
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, deltas: asyncio.Queue, delta: RequestDelta) -> None:
