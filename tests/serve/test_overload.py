@@ -147,6 +147,7 @@ def test_a_bounded_waiting_queue_turns_the_excess_into_503s_and_serves_the_rest(
 def test_output_processing_skips_requests_still_queued(monkeypatch):
     """Per-step host work must not grow with the queue: of 256 requests, the step admits 4
     (32 tokens of budget, 8-token prompts), and only those 4 are looked at."""
+    from jaxengine.output_processor import OutputProcessor
     from jaxengine.serve.async_engine import AsyncEngine, _Tracked
     from tests.serve.test_faults import _fake_async_engine, _params
 
@@ -156,7 +157,8 @@ def test_output_processing_skips_requests_still_queued(monkeypatch):
         looked_at.append(tracked.request.request_id), delta(self, tracked, now))[1])
     for i in range(256):
         request = engine.engine.add_request(f"r{i}", [1 + i % 50] * 8, _params())
-        engine._tracked[request.request_id] = _Tracked(request, lambda d: None)
+        output = OutputProcessor(request, engine.tokenizer, engine.engine.scheduler.finish_sequence)
+        engine._tracked[request.request_id] = _Tracked(request, lambda d: None, output)
     engine.engine.step()
     engine._emit_all()
     assert looked_at == ["r0", "r1", "r2", "r3"]
