@@ -142,6 +142,7 @@ class Scheduler:
         out, bs, kv = self._out, self.block_size, self.kv
         seq_ids, num_tokens, num_samples, rows = (out.seq_ids, out.num_scheduled_tokens,
                                                   out.num_samples, out.scheduled_seqs)
+        computed, previous = out.num_computed_tokens, out.previous_sample_rows
         budget = self._budget
         num_seqs = 0
         prefilling = []
@@ -175,6 +176,9 @@ class Scheduler:
                 num_tokens.append(1)
                 num_samples.append(1)
                 rows.append(seq)
+                computed.append(nc)
+                # A decode with a placeholder: its input is the previous step's sample.
+                previous.append(seq.pending_sample_row if seq.num_pending else -1)
             elif any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs):
                 prefilling.append(group)
             else:
@@ -213,6 +217,8 @@ class Scheduler:
             self._step_new.append(seq)
         elif table_changed:
             self._step_changed.append(seq)
+        out.num_computed_tokens.append(seq.num_computed_tokens)
+        out.previous_sample_rows.append(seq.pending_sample_row if seq.num_pending else -1)
         seq.num_computed_tokens += n
         self._budget -= n
         done = seq.num_computed_tokens == len(seq.token_ids)
@@ -477,7 +483,8 @@ class Scheduler:
             if seq.request is group:
                 seq.num_computed_tokens -= out.num_scheduled_tokens[i]
                 self._budget += out.num_scheduled_tokens[i]
-        for values in (out.seq_ids, out.num_scheduled_tokens, out.num_samples, out.scheduled_seqs):
+        for values in (out.seq_ids, out.num_scheduled_tokens, out.num_samples, out.scheduled_seqs,
+                       out.num_computed_tokens, out.previous_sample_rows):
             values[:] = [values[i] for i in keep]   # in place: the running loop holds these lists
 
     def _drop_pending_copies(self, group: Request) -> dict[int, int]:
@@ -527,10 +534,6 @@ class Scheduler:
         del self.requests[group.request_id]
 
     def _finalize(self, out: SchedulerOutput) -> None:
-        rows = out.scheduled_seqs
-        out.num_computed_tokens = [s.num_computed_tokens - n for s, n in zip(rows, out.num_scheduled_tokens)]
-        # A scheduled sequence with a placeholder decodes it: its one input token.
-        out.previous_sample_rows = [s.pending_sample_row if s.num_pending else -1 for s in rows]
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens)
         out.num_decode_tokens = out.num_scheduled_tokens.count(1)
         out.num_prefill_tokens = out.total_num_scheduled_tokens - out.num_decode_tokens
@@ -566,7 +569,8 @@ class Scheduler:
                 if tokens and seq.num_pending and not seq.is_finished:
                     self._fill_preempted(seq, tokens[0])   # preempted while its step ran: keep the token
                 continue                                   # (finished ones: aborted while it ran)
-            if caching and min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs > seq.num_cached_blocks:
+            # Cheap pre-filter (most steps fill no block); cache_full_blocks checks the known tokens.
+            if caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
                 kv.cache_full_blocks(seq)
             if not tokens:
                 continue                                   # mid-prefill: nothing sampled
