@@ -172,9 +172,15 @@ class OpenAIServing:
 
 
 # ---- helpers ----
+# Characters that Python's str.splitlines (and so clients such as httpx's aiter_lines) treat as
+# line breaks, though SSE breaks lines only at CR and LF: escaped in the JSON (they can only occur
+# inside its strings), an event is one line for every client.
+_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 def _sse(payload) -> str:
     body = payload.model_dump_json(exclude_none=True) if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return f"data: {body}\n\n"
+    return f"data: {body.translate(_LINE_BREAKS)}\n\n"
 
 
 async def _sse_stream(deltas, chunk, include_usage: bool):
