@@ -1,4 +1,5 @@
 """A live server on a tiny model with a byte tokenizer, in a thread of the test process."""
+import contextlib
 import socket
 import threading
 import time
@@ -16,6 +17,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app, log_level: str = "warning"):
+    """Serve ``app`` on a free loopback port in a thread; yields the base URL while it runs."""
+    import uvicorn
+
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(30)
 
 
 @dataclass
@@ -44,8 +65,6 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def server(chat_checkpoint):
-    import uvicorn
-
     from jaxengine.llm import LLM
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine
@@ -55,17 +74,8 @@ def server(chat_checkpoint):
     metrics = EngineMetrics("tiny")
     engine = AsyncEngine(llm, observer=metrics)
     app = build_app(engine, served_model_name="tiny", metrics=metrics, api_key=API_KEY)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield LiveServer(f"http://127.0.0.1:{port}", llm, engine, metrics)
-    uv.should_exit = True
-    thread.join(30)
+    with uvicorn_thread(app) as url:
+        yield LiveServer(url, llm, engine, metrics)
 
 
 @pytest.fixture(scope="session")

@@ -1,38 +1,23 @@
 """A server on an already built ``LLM`` (which may have run offline first), in a thread."""
 import contextlib
 import json
-import threading
-import time
 
 import httpx
 
-from tests.serve.conftest import free_port
+from tests.serve.conftest import uvicorn_thread
 
 
 @contextlib.contextmanager
 def serving(llm, api_key: str | None = None):
     """Yields the server's base URL while it runs on ``llm``'s engine."""
-    import uvicorn
-
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine
     from jaxengine.serve.metrics import EngineMetrics
 
     metrics = EngineMetrics("tiny")
     app = build_app(AsyncEngine(llm, observer=metrics), served_model_name="tiny", metrics=metrics, api_key=api_key)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        uv.should_exit = True
-        thread.join(30)
+    with uvicorn_thread(app) as url:
+        yield url
 
 
 def stream_texts(url: str, endpoint: str, body: dict, headers: dict | None = None) -> tuple[dict, dict]:

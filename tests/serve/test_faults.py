@@ -4,13 +4,11 @@ observer costs nothing; a failure that loses the device state turns /health and 
 into 503s."""
 import asyncio
 import json
-import threading
-import time
 
 import httpx
 import pytest
 
-from tests.serve.conftest import API_KEY, free_port
+from tests.serve.conftest import API_KEY, uvicorn_thread
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_TOKENS = 12
@@ -115,8 +113,6 @@ def test_a_failing_metrics_observer_neither_fails_requests_nor_stops_the_engine(
 # ---- a server of its own, which the test breaks ----
 @pytest.fixture()
 def fragile_server(chat_checkpoint):
-    import uvicorn
-
     from jaxengine.llm import LLM
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine
@@ -127,17 +123,8 @@ def fragile_server(chat_checkpoint):
     metrics = EngineMetrics("tiny")
     engine = AsyncEngine(llm, observer=metrics)
     app = build_app(engine, served_model_name="tiny", metrics=metrics, api_key=API_KEY)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    uv.should_exit = True
-    thread.join(30)
+    with uvicorn_thread(app, log_level="critical") as url:
+        yield url, engine
 
 
 def test_a_step_that_loses_the_kv_cache_turns_health_and_new_requests_into_503(fragile_server, monkeypatch):
