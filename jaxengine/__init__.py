@@ -5,7 +5,7 @@ from jaxengine.request import Request, RequestStatus, SequenceGroup
 from jaxengine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
+__all__ = ["LLM", "EngineArgs", "CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
            "SchedulerConfig", "SequenceGroup"]
 
 
@@ -14,4 +14,8 @@ def __getattr__(name: str):
         from jaxengine.llm import LLM
 
         return LLM
+    if name == "EngineArgs":    # its module imports the kernels' backend list, and so JAX
+        from jaxengine.engine_args import EngineArgs
+
+        return EngineArgs
     raise AttributeError(f"module 'jaxengine' has no attribute {name!r}")

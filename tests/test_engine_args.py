@@ -186,3 +186,11 @@ def checkpoint_bf16(tmp_path):
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
     assert checkpoint_dtype(tmp_path) == "bfloat16"
     return tmp_path
+
+
+def test_engine_args_is_exported_from_the_package():
+    import jaxengine
+    from jaxengine.engine_args import EngineArgs
+
+    assert jaxengine.EngineArgs is EngineArgs
+    assert "EngineArgs" in jaxengine.__all__
