@@ -89,9 +89,10 @@ def configs(draw, workload: list[Spec]):
     )
 
 
-def run_workload(workload: list[Spec], config: dict, check: bool = True, observe=None) -> Harness:
-    """``observe(h, step)`` runs after every step."""
-    h = Harness(**config)
+def run_workload(workload: list[Spec], config: dict, check: bool = True, observe=None,
+                 make_harness=Harness) -> Harness:
+    """``observe(h, step)`` runs after every step; ``make_harness(**config)`` builds the engine."""
+    h = make_harness(**config)
     h.runner.vocab_size = VOCAB
     pending = sorted(workload, key=lambda s: s.arrival_step)
     for step in range(MAX_STEPS):

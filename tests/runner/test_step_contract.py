@@ -13,7 +13,7 @@ from jaxengine.runner.fake_runner import HashRunner
 from jaxengine.runner.input_batch import InputBatch
 from jaxengine.sampling_params import SamplingParams
 
-from tests.core.test_scheduler_properties import VOCAB, add, configs, specs
+from tests.core.test_scheduler_properties import configs, run_workload, specs
 from tests.helpers import Harness
 
 
@@ -44,11 +44,10 @@ class ContractCheckingRunner(HashRunner):
         return super().execute(out)
 
 
-def checked_harness(config: dict) -> Harness:
+def checked_harness(**config) -> Harness:
     h = Harness(**config)
     cache = h.config.cache
     h.runner = h.engine.runner = ContractCheckingRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size)
-    h.runner.vocab_size = VOCAB
     return h
 
 
@@ -56,22 +55,13 @@ def checked_harness(config: dict) -> Harness:
 @given(st.data())
 def test_every_row_states_its_progress_and_where_its_input_token_is(data):
     workload = data.draw(specs(with_aborts=True))
-    h = checked_harness({**data.draw(configs(workload)), "async_scheduling": data.draw(st.booleans())})
-    pending = sorted(workload, key=lambda s: s.arrival_step)
-    for step in range(5000):
-        while pending and pending[0].arrival_step <= step:
-            add(h, pending.pop(0))
-        for spec in workload:
-            if spec.abort_step == step:
-                h.scheduler.abort(spec.request_id)
-        if not pending and not h.scheduler.has_unfinished_requests():
-            break
-        h.step()
+    config = {**data.draw(configs(workload)), "async_scheduling": data.draw(st.booleans())}
+    h = run_workload(workload, config, make_harness=checked_harness)
     assert not h.scheduler.has_unfinished_requests()
 
 
 def test_async_decodes_take_their_token_from_the_previous_step():
-    h = checked_harness(dict(async_scheduling=True))
+    h = checked_harness(async_scheduling=True)
     h.add("a", 5, max_tokens=6)
     h.add("b", 3, max_tokens=4)
     h.run()
