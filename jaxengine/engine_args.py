@@ -44,7 +44,7 @@ class EngineArgs:
     num_kv_blocks: int | None = _option(
         None, "fix the KV pool size in blocks (default: sized from --kv-cache-memory-bytes on the CPU, "
               "--gpu-memory-utilization on an accelerator)")
-    kv_cache_memory_bytes: int = _option(GiB, "bytes for the KV cache on the CPU")
+    kv_cache_memory_bytes: int = _option(GiB, "bytes for the KV cache on the CPU (each device's share of it)")
     gpu_memory_utilization: float = _option(0.9, "fraction of accelerator memory for model + KV cache")
     swap_space: float = _option(0.5, "GiB of host memory for swapped KV blocks")
     watermark: float = _option(0.01, "fraction of KV blocks kept free when admitting prompts")
@@ -74,10 +74,15 @@ class EngineArgs:
               "--max-num-batched-tokens)")
     request_buckets: list[int] | None = _option(
         None, "step row counts compiled, comma-separated (default: powers of two up to --max-num-seqs)")
+    tensor_parallel_size: int = _option(
+        1, "devices each model replica is split over (tensor parallelism: attention heads, MLP columns and "
+           "vocabulary split across them, the KV cache split by KV heads)")
     skip_tokenizer_init: bool = _option(False, "load no tokenizer (prompts must be token ids)")
     warm_up: bool = _option(True, "compile every step bucket at start-up")
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:
@@ -109,18 +114,22 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     # ---- the frozen configs ----
-    def create_engine_config(self, model_config, kv_dtype=None) -> EngineConfig:
+    def create_engine_config(self, model_config, kv_dtype=None, devices=None) -> EngineConfig:
         """The engine's configuration for this model; the KV pool is sized for ``kv_dtype`` (default:
-        the dtype ``auto`` resolves to with no checkpoint to read) unless ``num_kv_blocks`` fixes it."""
+        the dtype ``auto`` resolves to with no checkpoint to read) unless ``num_kv_blocks`` fixes it.
+        Under tensor parallelism a block costs each device its share of the KV heads, and the
+        budget is what the tightest of ``devices`` (default: the first device) has free."""
+        from jaxengine.parallel.mesh import kv_heads_per_device
         from jaxengine.runner.kv_cache import bytes_per_block, num_blocks_for_budget
 
         mc = model_config
         kv_dtype = kv_dtype if kv_dtype is not None else resolve_dtype(self.dtype, None)
-        per_block = bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
+        heads = kv_heads_per_device(mc, self.tensor_parallel_size)
+        per_block = bytes_per_block(mc.num_layers, self.block_size, heads, mc.head_dim, kv_dtype)
         num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(
-            kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization), per_block)
+            kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices), per_block)
         cache = CacheConfig(block_size=self.block_size, num_gpu_blocks=num_gpu_blocks,
-                            num_cpu_blocks=int(self.swap_space * GiB) // per_block, watermark=self.watermark,
+                            num_cpu_blocks=int(self.swap_space * GiB) // (per_block * self.tensor_parallel_size), watermark=self.watermark,
                             enable_prefix_caching=self.enable_prefix_caching)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
@@ -198,14 +207,19 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None, platform: str | None
     return jnp.dtype(jnp.bfloat16)
 
 
-def kv_budget(cpu_bytes: int, gpu_memory_utilization: float) -> int:
-    """Bytes for the KV cache: a fixed budget on CPU; on an accelerator, the given fraction of its
-    memory less what the model already holds."""
+def kv_budget(cpu_bytes: int, gpu_memory_utilization: float, devices=None) -> int:
+    """Bytes for each device's share of the KV cache: a fixed budget on CPU; on an accelerator,
+    the given fraction of its memory less what the model's shard already holds there (the least
+    over ``devices``, default the first device)."""
     import jax
 
-    device = jax.devices()[0]
-    if device.platform == "cpu":
+    devices = devices or jax.devices()[:1]
+    if devices[0].platform == "cpu":
         return cpu_bytes
+    return min(_device_budget(d, gpu_memory_utilization, cpu_bytes) for d in devices)
+
+
+def _device_budget(device, gpu_memory_utilization: float, cpu_bytes: int) -> int:
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
     return max(int(limit * gpu_memory_utilization) - stats.get("bytes_in_use", 0), cpu_bytes // 8)

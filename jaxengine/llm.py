@@ -17,6 +17,7 @@ from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.outputs import RequestOutput, make_request_output
+from jaxengine.parallel.mesh import kv_head_repeats, kv_heads_per_device, make_mesh, replica_devices
 from jaxengine.output_processor import OutputProcessor
 from jaxengine.request import Request
 from jaxengine.runner.kernel_check import check_model_kernels
@@ -50,18 +51,20 @@ class LLM:
 
     def _start(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
         self.engine_args = args
+        self.mesh = make_mesh(replica_devices(args.tensor_parallel_size))
         self._load(args, module, model_config, progress)
         mc = self.model_config
         check_model_kernels(self.model, mc, args.block_size, self.dtype,
                             enabled=False if args.skip_kernel_check else None)
-        self.config = args.create_engine_config(mc, self.dtype)
+        self.config = args.create_engine_config(mc, self.dtype, list(self.mesh.devices.flat))
         cc = self.config.cache
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), %s", cc.num_gpu_blocks, cc.block_size,
-                    cc.num_gpu_blocks * bytes_per_block(mc.num_layers, cc.block_size, mc.num_kv_heads, mc.head_dim,
-                                                        self.dtype) / (1 << 20), self.dtype.name)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per device), %s", cc.num_gpu_blocks, cc.block_size,
+                    cc.num_gpu_blocks * bytes_per_block(mc.num_layers, cc.block_size,
+                                                        kv_heads_per_device(mc, args.tensor_parallel_size),
+                                                        mc.head_dim, self.dtype) / (1 << 20), self.dtype.name)
         self.runner = ModelRunner(self.model, mc, self.config, dtype=self.dtype, warm_up=args.warm_up,
                                   progress=progress, token_buckets=args.token_buckets,
-                                  request_buckets=args.request_buckets)
+                                  request_buckets=args.request_buckets, mesh=self.mesh)
         async_scheduling = args.async_scheduling
         if async_scheduling is None:
             async_scheduling = jax.devices()[0].platform != "cpu"
@@ -76,6 +79,10 @@ class LLM:
         if module is not None:
             if model_config is None:
                 raise ValueError("model_config: required with a model module")
+            if kv_head_repeats(model_config, args.tensor_parallel_size) > 1:
+                raise ValueError(f"tensor_parallel_size: a model module with {model_config.num_kv_heads} KV heads "
+                                 f"cannot be split {args.tensor_parallel_size} ways; load it from a checkpoint, "
+                                 f"which repeats its KV heads")
             self.model_path, self.model, self.model_config, self.tokenizer = Path("<module>"), module, model_config, None
             self.dtype = resolve_dtype(_module_dtype(module) if args.dtype == "auto" else args.dtype, None)
             return
@@ -84,7 +91,7 @@ class LLM:
         on_cpu = jax.devices()[0].platform == "cpu"      # there auto is float32 whatever the checkpoint
         self.dtype = resolve_dtype(args.dtype, None if on_cpu or args.dtype != "auto" else checkpoint_dtype(path))
         start = time.perf_counter()
-        self.model, self.model_config = load_model(path, self.dtype,
+        self.model, self.model_config = load_model(path, self.dtype, mesh=self.mesh,
                                                    attention_fn=select_attention(args.attention_backend))
         if progress:
             print(f"jaxengine: loaded {path.name} ({self.dtype.name}) in {time.perf_counter() - start:.1f} s",

@@ -1,5 +1,10 @@
 """The shared Llama-family layers (Flax NNX). Einsum letters: T tokens, N query heads, K KV heads,
-H head size, D model width, F MLP width, V vocab."""
+H head size, D model width, F MLP width, V vocab.
+
+Each parameter declares how tensor parallelism splits it, as partition metadata over the mesh
+axis ``model`` (Megatron's layout): Q/K/V and the MLP's gate/up by heads or columns, the output
+and down projections by rows (XLA all-reduces their partial sums), the embedding and LM head by
+vocabulary; norms are replicated. Nothing here runs differently on one device or many."""
 from __future__ import annotations
 
 import math
@@ -16,8 +21,18 @@ from jaxengine.models.config import ModelConfig
 KVCache = tuple[jax.Array, jax.Array]       # (k, v); a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H])
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> nnx.Param:
-    return nnx.Param(nnx.initializers.normal(std)(rngs.params(), shape, dtype))
+MODEL_AXIS = "model"        # the mesh axis tensor parallelism splits over
+M = MODEL_AXIS
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple, std: float = 0.02) -> nnx.Param:
+    """A random-initialised parameter split over the mesh as ``axes`` says (one name or None per dim)."""
+    return _sharded(nnx.initializers.normal(std)(rngs.params(), shape, dtype), axes)
+
+
+def _sharded(value: jax.Array, axes: tuple) -> nnx.Param:
+    # Placement happens when the weights are loaded (models.weights), not at construction.
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -61,14 +76,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, *, rngs: nnx.Rngs) -> None:
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _param(rngs, (d, n, h), dtype)
-        self.k_proj = _param(rngs, (d, k, h), dtype)
-        self.v_proj = _param(rngs, (d, k, h), dtype)
-        self.o_proj = _param(rngs, (n, h, d), dtype)
+        self.q_proj = _param(rngs, (d, n, h), dtype, (None, M, None))
+        self.k_proj = _param(rngs, (d, k, h), dtype, (None, M, None))
+        self.v_proj = _param(rngs, (d, k, h), dtype, (None, M, None))
+        self.o_proj = _param(rngs, (n, h, d), dtype, (M, None, None))
         if cfg.attention_bias:
-            self.q_bias = nnx.Param(jnp.zeros((n, h), dtype))
-            self.k_bias = nnx.Param(jnp.zeros((k, h), dtype))
-            self.v_bias = nnx.Param(jnp.zeros((k, h), dtype))
+            self.q_bias = _sharded(jnp.zeros((n, h), dtype), (M, None))
+            self.k_bias = _sharded(jnp.zeros((k, h), dtype), (M, None))
+            self.v_bias = _sharded(jnp.zeros((k, h), dtype), (M, None))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
@@ -94,9 +109,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs) -> None:
-        self.gate_proj = _param(rngs, (cfg.hidden_size, cfg.intermediate_size), dtype)
-        self.up_proj = _param(rngs, (cfg.hidden_size, cfg.intermediate_size), dtype)
-        self.down_proj = _param(rngs, (cfg.intermediate_size, cfg.hidden_size), dtype)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _param(rngs, (d, f), dtype, (None, M))
+        self.up_proj = _param(rngs, (d, f), dtype, (None, M))
+        self.down_proj = _param(rngs, (f, d), dtype, (M, None))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = jax.nn.silu(jnp.einsum("td,df->tf", x, self.gate_proj[...]))

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.layers import DecoderLayer, KVCache, RMSNorm, _param, rope_inv_freq
+from jaxengine.models.layers import MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, rope_inv_freq
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -20,17 +20,17 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_fn: Callable = paged_attention_tiled, *,
                  rngs: nnx.Rngs) -> None:
         self.config = cfg
-        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL_AXIS, None))
 
         @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})   # the layer axis: unsplit
         def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
             return DecoderLayer(cfg, dtype, attention_fn, rngs=rngs)
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL_AXIS))
 
     def __call__(self, input_ids: jax.Array, kv_caches: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
@@ -66,7 +66,9 @@ class LlamaForCausalLM(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> KVCache:
-    """(k, v), each [L, P, S, K, H]."""
+def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
+                   sharding: jax.sharding.Sharding | None = None) -> KVCache:
+    """(k, v), each [L, P, S, K, H]; with a ``sharding``, created in place on its devices."""
     shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    zeros = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=sharding)
+    return zeros()

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -75,12 +76,27 @@ def convert_hf_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> t
     return params, unexpected
 
 
-def build_model(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32, **model_kwargs):
-    """Instantiate the model for ``cfg`` with the given HF-named tensors, checked one by one."""
+def build_model(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32, *, mesh=None,
+                **model_kwargs):
+    """Instantiate the model for ``cfg`` with the given HF-named tensors, checked one by one.
+    With a ``mesh`` each parameter is placed straight into its sharding, one device's slice at a
+    time, and the KV heads are repeated when there are fewer of them than devices (the model then
+    has ``parallel.mesh.mesh_model_config``'s KV heads)."""
     params, unexpected = convert_hf_tensors(tensors, cfg)
+    if mesh is not None:
+        from jaxengine.parallel.mesh import kv_head_repeats, mesh_model_config, mesh_size
+
+        repeats = kv_head_repeats(cfg, mesh_size(mesh))
+        params = {p: repeat_kv_heads(p, w, repeats) for p, w in params.items()}
+        cfg = mesh_model_config(cfg, mesh_size(mesh))
     model_cls = get_model_class(cfg.architecture)
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype, rngs=nnx.Rngs(0), **model_kwargs))
     graphdef, state = nnx.split(abstract)
+    shardings = None
+    if mesh is not None:
+        from jaxengine.parallel.mesh import param_shardings
+
+        shardings = nnx.to_flat_state(param_shardings(state, mesh))
     flat = nnx.to_flat_state(state)
     expected = {q for p, _ in flat for q in _per_layer(p, cfg.num_layers)}
     missing = [_path_name(p) for p in sorted(expected - params.keys(), key=str)]
@@ -88,14 +104,29 @@ def build_model(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.f
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match {cfg.architecture}: missing tensors {sorted(missing)}; "
                          f"unexpected tensors {sorted(unexpected)}")
-    for path, var in flat:
+    for i, (path, var) in enumerate(flat):
         per_layer_shape = tuple(var.shape[1:]) if path[0] == "layers" else tuple(var.shape)
         for p in _per_layer(path, cfg.num_layers):
             if tuple(params[p].shape) != per_layer_shape:
                 raise ValueError(f"tensor {_path_name(p)}: shape {tuple(params[p].shape)} in the checkpoint, "
                                  f"{per_layer_shape} expected")
-        var.set_value(jnp.asarray(_stacked(params, path, cfg.num_layers), dtype))
+        full = _stacked(params, path, cfg.num_layers)
+        if shardings is None:
+            var.set_value(jnp.asarray(full, dtype))
+        else:
+            sharding = shardings[i][1].get_value() if hasattr(shardings[i][1], "get_value") else shardings[i][1]
+            var.set_value(jax.make_array_from_callback(full.shape, sharding,
+                                                       lambda index, full=full: np.asarray(full[index], dtype)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+_KV_HEAD_AXIS = {"k_proj": 1, "v_proj": 1, "k_bias": 0, "v_bias": 0}      # in our per-layer layout
+
+
+def repeat_kv_heads(path: ParamPath, w: np.ndarray, repeats: int) -> np.ndarray:
+    """Each KV head ``repeats`` times in a row (head j -> j*r .. j*r + r - 1) for K/V weights."""
+    axis = _KV_HEAD_AXIS.get(path[-1]) if path[0] == "layers" else None
+    return w if repeats == 1 or axis is None else np.repeat(w, repeats, axis=axis)
 
 
 def _per_layer(path: ParamPath, num_layers: int) -> list[ParamPath]:
@@ -232,14 +263,16 @@ def read_gguf_cached(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np
     return cfg, tensors, False
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32, **model_kwargs):
-    """A checkpoint folder or a .gguf file -> (model, config)."""
+def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, **model_kwargs):
+    """A checkpoint folder or a .gguf file -> (model, config); with a ``mesh``, the model and
+    config as the mesh runs them (``build_model``)."""
     path = Path(path)
     if path.suffix == ".gguf":
         cfg, tensors, _ = read_gguf_cached(path)
     else:
         cfg, tensors = read_safetensors_folder(path)
-    return build_model(cfg, tensors, dtype, **model_kwargs), cfg
+    model = build_model(cfg, tensors, dtype, mesh=mesh, **model_kwargs)
+    return model, model.config
 
 
 # ---------------------------------------------------------------- checkpoint dtype

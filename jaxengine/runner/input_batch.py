@@ -48,7 +48,8 @@ def seed_words(seed: int) -> tuple[int, int]:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int,
-                 token_buckets: list[int], request_buckets: list[int]) -> None:
+                 token_buckets: list[int], request_buckets: list[int],
+                 placement: jax.sharding.Sharding | None = None) -> None:
         self.block_size = block_size
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -71,6 +72,7 @@ class InputBatch:
         self.has_bias = np.zeros(max_num_seqs, bool)
         self.slot_of: dict[int, int] = {}
         self._zeros: dict[tuple, jax.Array] = {}
+        self.placement = placement          # where device-resident inputs live (replicated over the mesh)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
 
     # ---- state updates from the scheduler ----
@@ -218,7 +220,7 @@ class InputBatch:
         device-resident array per shape, so such a step builds and sends none."""
         zeros = self._zeros.get((shape, dtype))
         if zeros is None:
-            zeros = self._zeros[(shape, dtype)] = jax.device_put(np.zeros(shape, dtype))
+            zeros = self._zeros[(shape, dtype)] = jax.device_put(np.zeros(shape, dtype), self.placement)
         return zeros
 
     def record_samples(self, out: SchedulerOutput, slots: np.ndarray, tokens: np.ndarray) -> None:

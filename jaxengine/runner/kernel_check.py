@@ -44,7 +44,7 @@ def check_model_kernels(model, model_config: ModelConfig, block_size: int, dtype
     only (the CPU runs the plain-jnp path unless told otherwise); True forces it, False skips it."""
     if not (_on_accelerator() if enabled is None else enabled):
         return
-    for attention in _attention_modules(model):
+    for attention in attention_modules(model):
         attention_problem, kv_problem = check_kernels(attention.attention_fn, attention.kv_write_fn,
                                                       model_config, block_size, dtype)
         if not attention_problem and not kv_problem:
@@ -137,7 +137,7 @@ def _on_accelerator() -> bool:
     return jax.devices()[0].platform != "cpu"
 
 
-def _attention_modules(model) -> list:
+def attention_modules(model) -> list:
     from flax import nnx
 
     from jaxengine.models.layers import Attention

@@ -31,9 +31,10 @@ def _copy(kv_caches, src, dst):
     return tuple(c.at[:, dst].set(c[:, src]) for c in kv_caches)
 
 
-_gather_blocks = jax.jit(_gather)
-_scatter_blocks = jax.jit(_scatter, donate_argnums=(0,))
-_copy_blocks = jax.jit(_copy, donate_argnums=(0,))
+def _jitted_moves(kv_sharding=None) -> tuple:
+    """(gather, scatter, copy); the caches the last two return keep ``kv_sharding``."""
+    return (jax.jit(_gather), jax.jit(_scatter, donate_argnums=(0,), out_shardings=kv_sharding),
+            jax.jit(_copy, donate_argnums=(0,), out_shardings=kv_sharding))
 
 
 class BlockMover:
@@ -42,10 +43,11 @@ class BlockMover:
     (``compile_up_to``) and any other compiles on first use after telling ``on_compile``."""
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, kv_shape: tuple, num_layers: int, dtype,
-                 on_compile: Callable[[str], None] = lambda what: None) -> None:
+                 on_compile: Callable[[str], None] = lambda what: None, mesh=None) -> None:
         self.buckets = power_of_two_buckets(1, max(num_gpu_blocks, 1))
         self.host = np.zeros((num_layers, 2, max(num_cpu_blocks, 1), *kv_shape), jnp.dtype(dtype))
         self.on_compile = on_compile
+        self.mesh = mesh               # the caches' mesh (the moves are compiled for their sharding)
         self._executables: dict[int, tuple] = {}     # index-list length -> (gather, scatter, copy)
 
     def _pad(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -78,13 +80,19 @@ class BlockMover:
             moves = self._executables[size] = self._compile(kv_caches, size)
         return moves
 
-    @staticmethod
-    def _compile(kv_caches, size: int) -> tuple:
-        idx = jax.ShapeDtypeStruct((size,), jnp.int32)
-        caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in kv_caches)
-        blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], size, *c.shape[2:]), c.dtype) for c in kv_caches)
-        return (_gather_blocks.lower(caches, idx).compile(), _scatter_blocks.lower(caches, idx, blocks).compile(),
-                _copy_blocks.lower(caches, idx, idx).compile())
+    def _compile(self, kv_caches, size: int) -> tuple:
+        replicated = kv = None
+        if self.mesh is not None:
+            from jaxengine.parallel.mesh import kv_cache_sharding, replicated as replicated_on
+
+            replicated, kv = replicated_on(self.mesh), kv_cache_sharding(self.mesh)
+        idx = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)
+        caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=kv) for c in kv_caches)
+        blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], size, *c.shape[2:]), c.dtype, sharding=kv)
+                       for c in kv_caches)
+        gather, scatter, copy = _jitted_moves(kv)
+        return (gather.lower(caches, idx).compile(), scatter.lower(caches, idx, blocks).compile(),
+                copy.lower(caches, idx, idx).compile())
 
     def compile_up_to(self, kv_caches, max_pairs: int) -> None:
         """Compile the moves for every index-list bucket up to ``max_pairs``."""

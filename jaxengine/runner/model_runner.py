@@ -10,6 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxengine.config import EngineConfig
@@ -18,6 +19,7 @@ from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
+from jaxengine.parallel.mesh import kv_cache_sharding, make_mesh, place_model, replicated, shard_kernels
 from jaxengine.runner.buckets import request_buckets as default_request_buckets
 from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
@@ -73,24 +75,35 @@ class CompilationError(RuntimeError):
 
 
 class ModelRunner:
+    """Runs the steps on a device mesh (``mesh``; default: the first device): the model's
+    parameters sit in their shardings, its kernels run per shard, the KV cache is split on its
+    KV-head axis, and every host input and sampled result is replicated. ``model_config`` is the
+    model as the mesh runs it (``parallel.mesh.mesh_model_config``)."""
+
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, dtype=jnp.float32,
                  warm_up: bool = True, progress: bool = True, token_buckets: list[int] | None = None,
-                 request_buckets: list[int] | None = None) -> None:
+                 request_buckets: list[int] | None = None, mesh: Mesh | None = None) -> None:
         sc, cc = config.scheduler, config.cache
+        self.mesh = mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1])
+        self._replicated = replicated(mesh)
+        shard_kernels(model, mesh)
+        place_model(model, mesh)
         self.block_size = cc.block_size
         self.token_buckets = _checked_buckets(token_buckets, sc.max_num_batched_tokens, "token_buckets") or \
             default_token_buckets(sc.max_num_batched_tokens)
         self.request_buckets = _checked_buckets(request_buckets, sc.max_num_seqs, "request_buckets") or \
             default_request_buckets(sc.max_num_seqs, minimum=min(8, sc.max_num_seqs))
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
-                                cc.block_size, self.token_buckets, self.request_buckets)
-        self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype)
+                                cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated)
+        self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype,
+                                        sharding=kv_cache_sharding(mesh))
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
-                                on_compile=self._note_compile)
+                                on_compile=self._note_compile, mesh=mesh)
         max_rows = self.request_buckets[-1]
-        self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows))
-        self._previous_tokens = jnp.zeros(max_rows, jnp.int32)   # the last launched step's tokens
+        self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows),
+                                                mesh=mesh)
+        self._previous_tokens = self._zero_tokens(max_rows)      # the last launched step's tokens
         self._uncollected: collections.deque[PendingStep] = collections.deque()
         self.num_compiles = 0            # compilations after start-up
         self.device_wait_s = 0.0         # time blocked on the device's results (the rest is host work)
@@ -181,8 +194,11 @@ class ModelRunner:
         being aborted) and check that the device state survived. Raises when the KV cache is
         lost: donated to a call that failed, or written by a computation that failed."""
         self._uncollected.clear()
-        self._previous_tokens = jnp.zeros(self._previous_tokens.shape, jnp.int32)   # may hold the failed step's error
+        self._previous_tokens = self._zero_tokens(self._previous_tokens.shape[0])   # may hold the failed step's error
         jax.block_until_ready(self.kv_caches)
+
+    def _zero_tokens(self, n: int) -> jax.Array:
+        return jax.device_put(np.zeros(n, np.int32), self._replicated)
 
     def _count_launch(self) -> None:
         """Is the device idle as this step launches? (Busy: an earlier step is still computing.)"""

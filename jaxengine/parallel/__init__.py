@@ -1,0 +1,1 @@
+"""Scale-out: tensor parallelism over a device mesh, data-parallel replicas, several hosts."""

@@ -1,0 +1,156 @@
+"""Tensor parallelism as layout: the device mesh, where each array lives on it, and the paged
+attention kernels run per shard.
+
+The model's parameters say how they split (partition metadata over the ``model`` axis, beside
+the layers that own them); here those names become ``NamedSharding``s on a ``Mesh``, and XLA's
+SPMD partitioner inserts the collectives (an all-reduce after each row-split projection, a
+gather of the vocabulary-split logits for the sampler). The paged KV cache splits on its
+KV-head axis. A Pallas kernel is opaque to the partitioner, so the attention and the KV write
+run inside ``shard_map``: each device attends with its own query heads over its own KV heads.
+
+When there are fewer KV heads than devices, each KV head is repeated so that every device holds
+the head its query heads read: with K heads on ``tp`` devices, head j becomes heads
+j*r .. j*r + r - 1 (r = tp / K). Query head n read head n // (N/K); on the mesh it reads head
+n // (N/tp), which is a copy of the same one, so the model computes exactly the same thing.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.layers import MODEL_AXIS
+
+logger = logging.getLogger(__name__)
+
+# KV caches (k, v), each [L, P, S, K, H]: split on K.
+KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)
+_HEADS = P(None, MODEL_AXIS, None)           # q, k, v, attention output: [T, heads, H]
+_LAYER_CACHE = P(None, None, MODEL_AXIS, None)   # one layer's cache as the kernels see it: [P, S, K, H]
+
+
+def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """A one-axis mesh (``model``) over ``devices``: tensor parallelism of ``len(devices)``."""
+    return Mesh(np.asarray(devices), (MODEL_AXIS,))
+
+
+def replica_devices(tensor_parallel_size: int, replica: int = 0) -> list[jax.Device]:
+    """The devices of data-parallel replica ``replica``: the next ``tensor_parallel_size`` of them."""
+    devices = jax.devices()
+    first, last = replica * tensor_parallel_size, (replica + 1) * tensor_parallel_size
+    if last > len(devices):
+        hint = (" (on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices)"
+                if devices[0].platform == "cpu" else "")
+        raise ValueError(f"tensor_parallel_size: {last} devices needed, {len(devices)} available{hint}")
+    return devices[first:last]
+
+
+def mesh_size(mesh: Mesh) -> int:
+    return mesh.shape[MODEL_AXIS]
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """ValueError naming ``tensor_parallel_size`` when the model's heads cannot be split ``tp`` ways."""
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"the {cfg.num_heads} attention heads")
+    k = cfg.num_kv_heads
+    if (k % tp if k >= tp else tp % k):
+        problems.append(f"the {k} KV heads (their count must divide it or be a multiple of it)")
+    if problems:
+        raise ValueError(f"tensor_parallel_size: {tp} does not split {' and '.join(problems)} of "
+                         f"{cfg.architecture}")
+
+
+def kv_head_repeats(cfg: ModelConfig, tp: int) -> int:
+    """How many copies of each KV head the mesh holds (1 unless there are fewer heads than devices)."""
+    check_tensor_parallel(cfg, tp)
+    return max(1, tp // cfg.num_kv_heads)
+
+
+def mesh_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model as a mesh of ``tp`` devices runs it: its KV heads repeated as needed."""
+    return cfg.replace(num_kv_heads=cfg.num_kv_heads * kv_head_repeats(cfg, tp))
+
+
+def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
+    """KV heads in each device's share of the cache (what a KV block costs there)."""
+    return mesh_model_config(cfg, tp).num_kv_heads // tp
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, KV_CACHE_SPEC)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """Each parameter's ``NamedSharding`` from its partition metadata. A dimension that does not
+    divide by the mesh (a vocabulary of 50257 on 2 devices) is replicated instead of split."""
+    specs = nnx.get_partition_spec(state)
+
+    def sharding(spec, value) -> NamedSharding:
+        spec = spec if isinstance(spec, P) else P()
+        shape = value.shape
+        fitted = [axis if axis is None or shape[i] % mesh.shape[axis] == 0 else None for i, axis in enumerate(spec)]
+        if fitted != list(spec):
+            logger.info("a parameter of shape %s does not split over %d devices: replicated", shape,
+                        mesh.size)
+        return NamedSharding(mesh, P(*fitted))
+
+    return jax.tree.map(sharding, specs, state, is_leaf=lambda x: isinstance(x, P))
+
+
+def place_model(model: nnx.Module, mesh: Mesh) -> None:
+    """Move a model's parameters to their shardings on ``mesh`` (for a model built in memory;
+    checkpoints load straight into their shardings)."""
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, param_shardings(state, mesh)))
+
+
+# ---------------------------------------------------------------- kernels per shard
+class ShardedAttention:
+    """``attention_fn(q, k_cache, v_cache, md, **kw)`` run per device on its heads."""
+
+    def __init__(self, attention_fn: Callable, mesh: Mesh) -> None:
+        self.inner, self.mesh = attention_fn, mesh
+        self.__name__ = f"sharded {getattr(attention_fn, '__name__', type(attention_fn).__name__)}"
+
+    def __call__(self, q, k_cache, v_cache, md, **kw):
+        fn = jax.shard_map(lambda q, k, v, md: self.inner(q, k, v, md, **kw), mesh=self.mesh,
+                           in_specs=(_HEADS, _LAYER_CACHE, _LAYER_CACHE, P()), out_specs=_HEADS,
+                           check_vma=False)      # Pallas calls inside shard_map need it off
+        return fn(q, k_cache, v_cache, md)
+
+
+class ShardedKVWrite:
+    """``kv_write_fn(k_cache, v_cache, k, v, slot_mapping)`` run per device on its KV heads."""
+
+    def __init__(self, kv_write_fn: Callable, mesh: Mesh) -> None:
+        self.inner, self.mesh = kv_write_fn, mesh
+        self.__name__ = f"sharded {getattr(kv_write_fn, '__name__', type(kv_write_fn).__name__)}"
+
+    def __call__(self, k_cache, v_cache, k, v, slot_mapping):
+        fn = jax.shard_map(self.inner, mesh=self.mesh,
+                           in_specs=(_LAYER_CACHE, _LAYER_CACHE, _HEADS, _HEADS, P()),
+                           out_specs=(_LAYER_CACHE, _LAYER_CACHE), check_vma=False)
+        return fn(k_cache, v_cache, k, v, slot_mapping)
+
+
+def shard_kernels(model: nnx.Module, mesh: Mesh) -> None:
+    """Have every attention layer of ``model`` run its kernels per shard of ``mesh``."""
+    from jaxengine.runner.kernel_check import attention_modules
+
+    for attention in attention_modules(model):
+        if not isinstance(attention.attention_fn, ShardedAttention):
+            attention.attention_fn = ShardedAttention(attention.attention_fn, mesh)
+        if not isinstance(attention.kv_write_fn, ShardedKVWrite):
+            attention.kv_write_fn = ShardedKVWrite(attention.kv_write_fn, mesh)
