@@ -428,12 +428,17 @@ TARGETS = [  # (label, file, key path, target text, passes)
     ("engine's kernels after its start-up check", "engine", ("kernels_after_start_up_check",), "-", None),
     ("decode step at batch 256 / roofline floor", "engine", ("decode_vs_floor",), "<= 1.25", lambda v: v <= 1.25),
     ("offline output tok/s (1000 x 128/128)", "engine", ("output_tok_s",), ">= 15000", lambda v: v >= 15000),
+    ("decode step, mesh of one / unsharded", "sharding", ("mesh of 1", "decode_vs_unsharded"), "<= 1.05",
+     lambda v: v <= 1.05),
+    ("prefill step, mesh of one / unsharded", "sharding", ("mesh of 1", "prefill_vs_unsharded"), "<= 1.05",
+     lambda v: v <= 1.05),
+    ("mesh of one: same tokens as unsharded", "sharding", ("same_tokens",), "true", lambda v: v is True),
 ]
 
 
 def summary(out: Path) -> None:
     """All results in one JSON and a short table (printed last)."""
-    results = {name: json.loads((out / f"{name}.json").read_text()) for name in ("ceilings", "kernel", "engine")
+    results = {name: json.loads((out / f"{name}.json").read_text()) for name in ("ceilings", "kernel", "engine", "sharding")
                if (out / f"{name}.json").exists()}
     lines = ["| check | value | target | met |", "|---|---|---|---|"]
     for label, name, path, target, passes in TARGETS:

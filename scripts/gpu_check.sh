@@ -11,8 +11,10 @@
 # 4. the engine on a random-weight Llama-3-8B (bf16) with the kernel and KV write that measured
 #    faster among those whose outputs matched the plain-jnp path's in part 3, at the sweeps' best
 #    sizes: offline throughput (1000 x 128/128) and the decode step at batch 256 against its
-#    roofline floor.
-# Each part has its own time limit (under 9 minutes in all, ~8.5 at worst); results land in
+#    roofline floor;
+# 5. the tensor-parallel machinery on a mesh of one GPU against the unsharded path (a 1B-shaped
+#    random-weight Llama, bf16): prefill and decode step times, same tokens (target: <= 5% more).
+# Each part has its own time limit (under 9.5 minutes in all, ~9 at worst); results land in
 # OUT_DIR as JSON (gpu_check.json) and a table (gpu_check.md), printed last. Add --smoke to
 # dry-run tiny sizes (also on the CPU).
 set -u
@@ -35,8 +37,8 @@ PY="${PYTHON:-python3}"          # may carry options: left unquoted below
 start=$SECONDS
 log() { echo "[gpu_check $((SECONDS - start))s] $*"; }
 
-# The device tool brings back at most 8 files from $OUT: these 7 are environment + logs
-# (bench.log), kernel_tests.txt, ceilings/kernel/engine.json, gpu_check.json and gpu_check.md.
+# The device tool brings back at most 8 files from $OUT: these 8 are environment + logs
+# (bench.log), kernel_tests.txt, ceilings/kernel/engine/sharding.json, gpu_check.json and gpu_check.md.
 BENCH_LOG="$OUT_DIR/bench.log"
 { nvidia-smi; $PY -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'; } \
   > "$BENCH_LOG" 2>&1
@@ -49,12 +51,17 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 140 $PY -P -m pytest -v -p no:cache
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
 log "kernel tests: $(grep -c ' PASSED' "$OUT_DIR/kernel_tests.txt") passed, $(grep -c ' FAILED' "$OUT_DIR/kernel_tests.txt") failed; $(tail -1 "$OUT_DIR/kernel_tests.txt")"
 
-for part in "ceilings 40" "kernel 130" "engine 200"; do
+for part in "ceilings 40" "kernel 130" "engine 190"; do
   set -- $part
   log "$1"
   echo "=== $1" >> "$BENCH_LOG"
   timeout "$2" $PY scripts/bench_gpu.py "$1" --out "$OUT_DIR" $SMOKE >> "$BENCH_LOG" 2>&1
   echo "=== $1: exit status $?" >> "$BENCH_LOG"
 done
+log "sharding"
+echo "=== sharding" >> "$BENCH_LOG"
+SIZE=1b; [ -n "$SMOKE" ] && SIZE=cpu
+timeout 60 $PY scripts/bench_sharding.py --size $SIZE --repeats 3 --out "$OUT_DIR/sharding.json" >> "$BENCH_LOG" 2>&1
+echo "=== sharding: exit status $?" >> "$BENCH_LOG"
 log "done; logs in $OUT_DIR"
 $PY scripts/bench_gpu.py summary --out "$OUT_DIR"

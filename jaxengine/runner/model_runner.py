@@ -19,7 +19,7 @@ from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
-from jaxengine.parallel.mesh import kv_cache_sharding, make_mesh, place_model, replicated, shard_kernels
+from jaxengine.parallel.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
 from jaxengine.runner.buckets import request_buckets as default_request_buckets
 from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
@@ -75,19 +75,22 @@ class CompilationError(RuntimeError):
 
 
 class ModelRunner:
-    """Runs the steps on a device mesh (``mesh``; default: the first device): the model's
-    parameters sit in their shardings, its kernels run per shard, the KV cache is split on its
-    KV-head axis, and every host input and sampled result is replicated. ``model_config`` is the
-    model as the mesh runs it (``parallel.mesh.mesh_model_config``)."""
+    """Runs the steps on a device ``mesh`` (the engine always gives one, of one device or more):
+    the model's parameters sit in their shardings, its kernels run per shard, the KV cache is
+    split on its KV-head axis, and every host input and sampled result is replicated.
+    ``model_config`` is the model as the mesh runs it (``parallel.mesh.mesh_model_config``).
+    Without a mesh the runner takes the unsharded path on the default device (the baseline
+    that scripts/bench_sharding.py measures the mesh against)."""
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, dtype=jnp.float32,
                  warm_up: bool = True, progress: bool = True, token_buckets: list[int] | None = None,
                  request_buckets: list[int] | None = None, mesh: Mesh | None = None) -> None:
         sc, cc = config.scheduler, config.cache
-        self.mesh = mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1])
-        self._replicated = replicated(mesh)
-        shard_kernels(model, mesh)
-        place_model(model, mesh)
+        self.mesh = mesh
+        self._replicated = None if mesh is None else replicated(mesh)
+        if mesh is not None:
+            shard_kernels(model, mesh)
+            place_model(model, mesh)
         self.block_size = cc.block_size
         self.token_buckets = _checked_buckets(token_buckets, sc.max_num_batched_tokens, "token_buckets") or \
             default_token_buckets(sc.max_num_batched_tokens)
@@ -96,7 +99,7 @@ class ModelRunner:
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
                                 cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated)
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype,
-                                        sharding=kv_cache_sharding(mesh))
+                                        sharding=None if mesh is None else kv_cache_sharding(mesh))
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
                                 on_compile=self._note_compile, mesh=mesh)
