@@ -9,7 +9,7 @@ from typing import Protocol
 from jaxengine.config import EngineConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxengine.request import Request
+from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
 
 
@@ -44,6 +44,18 @@ class StepTrace:
     num_swap_fallbacks: int    # preemptions that recomputed because the host swap pool was full
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state now (gauges) and its prefix-cache counters since start."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+    prefix_cache_queries: int       # prompt tokens looked up
+    prefix_cache_hits: int          # of those, tokens served from the cache
+
+
 class Engine:
     """``async_scheduling``: while the device computes step n, the host schedules and launches
     step n + 1 before it has step n's tokens (the scheduler gives each sampling row a placeholder
@@ -65,7 +77,8 @@ class Engine:
         self.traces: list[StepTrace] | None = [] if trace else None
         self.last_trace: StepTrace | None = None      # the latest step's record (metrics read it)
         self.last_output: SchedulerOutput | None = None   # the latest schedule() (tests read it)
-        self._in_flight: tuple[SchedulerOutput, object] | None = None
+        self._in_flight: tuple[SchedulerOutput, object] | None = None     # launched ahead
+        self._launched: tuple[SchedulerOutput, object] | None = None      # launched, not completed
         self._unapplied: list[SchedulerOutput] = []   # scheduled, results not yet applied
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -83,6 +96,36 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_request(self, request_id: str) -> bool:
+        """``request_id`` is unfinished here."""
+        return request_id in self.scheduler.requests
+
+    def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish one running sequence from outside (a stop string found by output processing)."""
+        self.scheduler.finish_sequence(seq, status, stop_reason)
+
+    def running_requests(self) -> list[Request]:
+        """The requests running now (a copy: finishing one does not change it)."""
+        return list(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests not finished: waiting, running or swapped out."""
+        return len(self.scheduler.requests)
+
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Leading blocks of this prompt in the prefix cache now (a query: nothing changes)."""
+        return self.scheduler.kv.cached_prefix_blocks(token_ids, cache_salt)
+
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.scheduler.kv
+        return EngineStats(len(s.running), len(s.waiting), len(s.swapped), kv.usage, kv.prefix_cache_queries,
+                           kv.prefix_cache_hits)
+
     def step(self, while_running: Callable[[], object] | None = None) -> list[Request]:
         """Run one step; returns the requests that finished (stopped, aborted or ignored).
 
@@ -90,14 +133,32 @@ class Engine:
         processing of the previous step: detokenising, stop strings, streaming). It may finish
         or abort requests; a row finished that way has its token discarded, so the outputs are
         the same as doing that work between steps."""
-        out, pending = self._in_flight or self._launch()
-        self._in_flight = self._launch_ahead(out)
+        self.launch()
         if while_running is not None:
             while_running()
+        return self.complete()
+
+    def launch(self) -> None:
+        """The first half of ``step()``: schedule and launch a step (with async scheduling, take
+        the one already launched and launch the next); the device computes while the caller works."""
+        out, pending = self._in_flight or self._launch()
+        self._in_flight = self._launch_ahead(out)
+        self._launched = out, pending
+
+    def complete(self) -> list[Request]:
+        """The second half of ``step()``: wait for the launched step's results and apply them;
+        returns the requests that finished."""
+        out, pending = self._launched
+        self._launched = None
         finished = self.scheduler.update_from_output(out, pending.result())
         self._unapplied.remove(out)
         self._record(out)
         return finished
+
+    @property
+    def is_launched(self) -> bool:
+        """A step was launched and not yet completed."""
+        return self._launched is not None
 
     def flush(self) -> None:
         """Collect the step in flight and run one empty step, which tells the runner about every
@@ -116,7 +177,7 @@ class Engine:
         s = self.scheduler
         if s._out is not None:                       # schedule() stopped half-way
             raise RuntimeError("the scheduler failed while building a step; its state is unknown")
-        steps, self._unapplied, self._in_flight = self._unapplied, [], None
+        steps, self._unapplied, self._in_flight, self._launched = self._unapplied, [], None, None
         seq_ids = {seq_id for out in steps for seq_id in (*out.seq_ids, *out.preempted_seq_ids)}
         seq_ids.update(new.seq_id for out in steps for new in out.new_seqs)
         # The runner may never have seen these steps: tell it again which sequences to forget.

@@ -77,12 +77,18 @@ class EngineArgs:
     tensor_parallel_size: int = _option(
         1, "devices each model replica is split over (tensor parallelism: attention heads, MLP columns and "
            "vocabulary split across them, the KV cache split by KV heads)")
+    data_parallel_size: int = _option(
+        1, "engine replicas behind one API, each on its own --tensor-parallel-size devices (replica r on "
+           "devices r*tp .. r*tp + tp - 1) with its own KV cache; a new request goes to the least loaded "
+           "replica, or to one whose prefix cache holds its prompt's start when loads are close")
     skip_tokenizer_init: bool = _option(False, "load no tokenizer (prompts must be token ids)")
     warm_up: bool = _option(True, "compile every step bucket at start-up")
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
-            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:

@@ -17,7 +17,9 @@ from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.outputs import RequestOutput, make_request_output
-from jaxengine.parallel.mesh import kv_head_repeats, kv_heads_per_device, make_mesh, replica_devices
+from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.parallel.mesh import (check_replica_devices, kv_head_repeats, kv_heads_per_device, make_mesh,
+                                     replica_devices)
 from jaxengine.output_processor import OutputProcessor
 from jaxengine.request import Request
 from jaxengine.runner.kernel_check import check_model_kernels
@@ -51,26 +53,52 @@ class LLM:
 
     def _start(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
         self.engine_args = args
-        self.mesh = make_mesh(replica_devices(args.tensor_parallel_size))
+        meshes = _replica_meshes(args.tensor_parallel_size, args.data_parallel_size)
+        self.mesh = meshes[0]
         self._load(args, module, model_config, progress)
-        mc = self.model_config
-        check_model_kernels(self.model, mc, args.block_size, self.dtype,
+        module_copies = _copies(module, len(meshes) - 1)    # before the first runner shards it
+        check_model_kernels(self.model, self.model_config, args.block_size, self.dtype,
                             enabled=False if args.skip_kernel_check else None)
-        self.config = args.create_engine_config(mc, self.dtype, list(self.mesh.devices.flat))
-        cc = self.config.cache
+        self.config = args.create_engine_config(self.model_config, self.dtype, list(self.mesh.devices.flat))
+        self._log_kv_cache()
+        self.runner = self._runner(self.model, self.mesh, progress)   # the first replica's under data parallelism
+        engines = [self._engine(self.runner)] + [
+            self._engine(self._runner(self._replica_model(module_copies, r, mesh, progress), mesh, progress))
+            for r, mesh in enumerate(meshes[1:], 1)]
+        self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
+        self._ids = itertools.count()
+
+    def _log_kv_cache(self) -> None:
+        mc, cc, tp = self.model_config, self.config.cache, self.engine_args.tensor_parallel_size
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per device), %s", cc.num_gpu_blocks, cc.block_size,
-                    cc.num_gpu_blocks * bytes_per_block(mc.num_layers, cc.block_size,
-                                                        kv_heads_per_device(mc, args.tensor_parallel_size),
+                    cc.num_gpu_blocks * bytes_per_block(mc.num_layers, cc.block_size, kv_heads_per_device(mc, tp),
                                                         mc.head_dim, self.dtype) / (1 << 20), self.dtype.name)
-        self.runner = ModelRunner(self.model, mc, self.config, dtype=self.dtype, warm_up=args.warm_up,
-                                  progress=progress, token_buckets=args.token_buckets,
-                                  request_buckets=args.request_buckets, mesh=self.mesh)
-        async_scheduling = args.async_scheduling
+
+    def _engine(self, runner: ModelRunner) -> Engine:
+        async_scheduling = self.engine_args.async_scheduling
         if async_scheduling is None:
             async_scheduling = jax.devices()[0].platform != "cpu"
-        self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id(),
-                             async_scheduling=async_scheduling)
-        self._ids = itertools.count()
+        return Engine(self.config, runner, eos_token_id=self._eos_token_id(), async_scheduling=async_scheduling)
+
+    def _runner(self, model, mesh, progress: bool) -> ModelRunner:
+        args = self.engine_args
+        return ModelRunner(model, self.model_config, self.config, dtype=self.dtype, warm_up=args.warm_up,
+                           progress=progress, token_buckets=args.token_buckets,
+                           request_buckets=args.request_buckets, mesh=mesh)
+
+    def _replica_model(self, modules: list, replica: int, mesh, progress: bool):
+        """Data-parallel replica ``replica``'s model: a copy of the given module, or the
+        checkpoint read again straight into its shardings on ``mesh``."""
+        if modules:
+            return modules[replica - 1]
+        from jaxengine.models.weights import load_model
+
+        start = time.perf_counter()
+        model, _ = load_model(self.model_path, self.dtype, mesh=mesh,
+                              attention_fn=select_attention(self.engine_args.attention_backend))
+        if progress:
+            print(f"jaxengine: loaded replica {replica} in {time.perf_counter() - start:.1f} s", flush=True)
+        return model
 
     def _load(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
         from jaxengine.default_model import default_model_path
@@ -195,20 +223,20 @@ class LLM:
         """Step until ``requests`` finish; their texts come from the output processor the server
         uses, fed each step while the device computes the next (the running requests' new
         tokens: that is where a stop string can appear) and once more at the end."""
-        scheduler = self.engine.scheduler
-        processors = {r.request_id: OutputProcessor(r, self.tokenizer, scheduler.finish_sequence) for r in requests}
+        engine = self.engine
+        processors = {r.request_id: OutputProcessor(r, self.tokenizer, engine.finish_sequence) for r in requests}
 
         def process_running() -> None:
-            for request in list(scheduler.running):
+            for request in engine.running_requests():
                 if (proc := processors.get(request.request_id)) is not None:
                     proc.process()
 
         step_work = process_running if self.tokenizer is not None else None
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                bar.update(len(self.engine.step(step_work)))
+            while engine.has_unfinished_requests():
+                bar.update(len(engine.step(step_work)))
             bar.update(len(requests) - bar.n)     # finished by a stop string
-        self.engine.flush()   # the runner forgets the last finished sequences
+        engine.flush()   # the runner forgets the last finished sequences
         return [processors[r.request_id].final_texts() for r in requests]
 
 
@@ -244,6 +272,22 @@ def _token_ids(ids, what: str) -> list[int]:
 def _is_token_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and isinstance(x[0], numbers.Integral)
 
+
+
+def _replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list:
+    """One mesh per data-parallel replica, each on its own ``tensor_parallel_size`` devices."""
+    if data_parallel_size > 1:
+        check_replica_devices(tensor_parallel_size, data_parallel_size)
+    return [make_mesh(replica_devices(tensor_parallel_size, r)) for r in range(data_parallel_size)]
+
+
+def _copies(module, n: int) -> list:
+    """``n`` copies of a model module (none for a checkpoint, which each replica reads itself)."""
+    if module is None or n == 0:
+        return []
+    from flax import nnx
+
+    return [nnx.clone(module) for _ in range(n)]
 
 
 def _module_dtype(module) -> str:

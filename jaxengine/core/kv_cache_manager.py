@@ -84,6 +84,19 @@ class KVCacheManager:
             hit.num_evictable += self.pool.ref_cnt[b] == 0
         return hit
 
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading blocks of a prompt the prefix cache holds now (as
+        ``get_computed_blocks``, never the block of its last token). A query only: no block is
+        touched and no hit counted. Hashes block by block and stops at the first miss."""
+        if not self.enable_caching:
+            return 0
+        hashes: list[bytes] = []
+        for i in range((len(token_ids) - 1) // self.block_size):
+            extend_block_hashes(hashes, token_ids, i + 1, self.block_size, cache_salt)
+            if self.pool.lookup(hashes[i]) is None:
+                return i
+        return len(hashes)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the prefix cache."""
         num_full = min(seq.num_computed_tokens, seq.num_real_tokens) // self.block_size   # known tokens only

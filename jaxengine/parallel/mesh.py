@@ -45,10 +45,21 @@ def replica_devices(tensor_parallel_size: int, replica: int = 0) -> list[jax.Dev
     devices = jax.devices()
     first, last = replica * tensor_parallel_size, (replica + 1) * tensor_parallel_size
     if last > len(devices):
-        hint = (" (on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices)"
-                if devices[0].platform == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size: {last} devices needed, {len(devices)} available{hint}")
+        raise ValueError(f"tensor_parallel_size: {last} devices needed, {len(devices)} available{_hint(devices)}")
     return devices[first:last]
+
+
+def check_replica_devices(tensor_parallel_size: int, data_parallel_size: int) -> None:
+    """ValueError naming ``data_parallel_size`` when its replicas need more devices than there are."""
+    devices, needed = jax.devices(), tensor_parallel_size * data_parallel_size
+    if needed > len(devices):
+        raise ValueError(f"data_parallel_size: {data_parallel_size} replicas of {tensor_parallel_size} device(s) "
+                         f"need {needed} devices, {len(devices)} available{_hint(devices)}")
+
+
+def _hint(devices: list[jax.Device]) -> str:
+    return (" (on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices)"
+            if devices[0].platform == "cpu" else "")
 
 
 def mesh_size(mesh: Mesh) -> int:

@@ -126,7 +126,7 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._num_queued
+        return self.engine.num_waiting + self._num_queued
 
     @property
     def num_unfinished(self) -> int:
@@ -297,7 +297,7 @@ class AsyncEngine:
         except Exception as error:                      # noqa: BLE001 - reported to that request only
             deliver(RequestDelta(request_id, [], finished=True, error=str(error), error_status=400))
             return
-        output = OutputProcessor(request, self.tokenizer, self.engine.scheduler.finish_sequence)
+        output = OutputProcessor(request, self.tokenizer, self.engine.finish_sequence)
         self._tracked[request_id] = _Tracked(request, deliver, output)
 
     def _do_abort(self, request_id: str) -> None:

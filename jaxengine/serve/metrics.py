@@ -1,13 +1,16 @@
 """Prometheus metrics for the server (prometheus-client), named like vLLM's under ``jaxengine:``.
 
 Each server owns a ``CollectorRegistry`` (so several servers can live in one process, as in
-tests). The engine thread feeds it through the ``AsyncEngine`` observer calls.
+tests). The engine thread feeds it through the ``AsyncEngine`` observer calls. Under data
+parallelism the usual metrics are the totals over the replicas, and ``jaxengine:replica_*``
+gauges (label ``replica``) give each replica's share.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from jaxengine.engine import Engine
+from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.request import Request
 
 disable_created_metrics()      # no *_created series next to each counter (as vLLM)
@@ -52,21 +55,16 @@ class EngineMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self.step_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
         self._seen_queries = self._seen_hits = 0
+        self.replicas = ReplicaMetrics(model_name, r)
 
     # ---- observer calls (engine thread) ----
-    def on_step(self, engine: Engine) -> None:
-        trace, kv = engine.last_trace, engine.scheduler.kv
-        self.num_running.set(trace.num_running)
-        self.num_waiting.set(trace.num_waiting)
-        self.num_swapped.set(trace.num_swapped)
-        self.kv_usage.set(kv.usage)
+    def on_step(self, engine: Engine | DataParallelEngine) -> None:
+        trace = engine.last_trace
         self.preemptions.inc(trace.num_preemptions)
         self.swap_fallbacks.inc(trace.num_swap_fallbacks)
         if tokens := trace.num_decode_tokens + trace.num_prefill_tokens:
             self.step_tokens.observe(tokens)
-        self.prefix_queries.inc(kv.prefix_cache_queries - self._seen_queries)
-        self.prefix_hits.inc(kv.prefix_cache_hits - self._seen_hits)
-        self._seen_queries, self._seen_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        self._set_state(engine)
 
     def on_tokens(self, request: Request, num_tokens: int, itl: float | None) -> None:
         self.generation_tokens.inc(num_tokens)
@@ -87,10 +85,47 @@ class EngineMetrics:
     def on_abort(self) -> None:
         self.success.labels(self.model_name, "abort").inc()
 
-    def on_idle(self, engine: Engine) -> None:
+    def on_idle(self, engine: Engine | DataParallelEngine) -> None:
         """Gauges after requests left while the engine had no step to run (aborts)."""
-        s = engine.scheduler
-        self.num_running.set(len(s.running))
-        self.num_waiting.set(len(s.waiting))
-        self.num_swapped.set(len(s.swapped))
-        self.kv_usage.set(s.kv.usage)
+        self._set_state(engine)
+
+    def _set_state(self, engine: Engine | DataParallelEngine) -> None:
+        stats = engine.stats()
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.num_swapped.set(stats.num_swapped)
+        self.kv_usage.set(stats.kv_usage)
+        self.prefix_queries.inc(stats.prefix_cache_queries - self._seen_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        if isinstance(engine, DataParallelEngine):
+            self.replicas.update(engine)
+
+
+class ReplicaMetrics:
+    """Per-replica gauges of a data-parallel engine (label ``replica``: 0, 1, ...); the engine's
+    metrics without the label are the totals over its replicas."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        labels = ["model_name", "replica"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"jaxengine:replica_{name}", doc, labels, registry=registry)
+
+        self.model_name = model_name
+        self.num_running = gauge("num_requests_running", "Requests running on the replica's devices.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled on the replica.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the replica's KV cache blocks in use.")
+        self.routed = Counter("jaxengine:replica_requests_routed", "Requests the router sent to the replica.",
+                              labels, registry=registry)
+        self._seen_routed: list[int] = []
+
+    def update(self, engine: DataParallelEngine) -> None:
+        self._seen_routed += [0] * (len(engine.replicas) - len(self._seen_routed))
+        for i, replica in enumerate(engine.replicas):
+            stats, labels = replica.stats(), (self.model_name, str(i))
+            self.num_running.labels(*labels).set(stats.num_running)
+            self.num_waiting.labels(*labels).set(stats.num_waiting)
+            self.kv_usage.labels(*labels).set(stats.kv_usage)
+            self.routed.labels(*labels).inc(engine.num_routed[i] - self._seen_routed[i])
+            self._seen_routed[i] = engine.num_routed[i]

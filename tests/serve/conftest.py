@@ -54,13 +54,13 @@ class LiveServer:
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Until the engine holds no request and no KV block."""
         deadline = time.monotonic() + timeout
-        scheduler = self.engine.engine.scheduler
+        engine = self.engine.engine
         while time.monotonic() < deadline:
-            if not self.engine.num_unfinished and not scheduler.has_unfinished_requests() and scheduler.kv.usage == 0:
+            if not self.engine.num_unfinished and not engine.has_unfinished_requests() and engine.stats().kv_usage == 0:
                 time.sleep(0.6)        # one idle turn of the engine loop refreshes the gauges
                 return
             time.sleep(0.05)
-        raise AssertionError(f"engine not idle: {scheduler.requests}")
+        raise AssertionError(f"engine not idle: {engine.num_unfinished} requests unfinished")
 
 
 @pytest.fixture(scope="session")
