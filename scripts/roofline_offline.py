@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from bench_model import flops_per_token, matmul_gflops
 from bench_offline import workload
+from flax import nnx
 
 from jaxengine.default_model import default_model_path
-from jaxengine.models.weights import read_gguf_cached
+from jaxengine.models.weights import load_model
 
 
 def copy_gbs(mib: int = 512, repeats: int = 5) -> float:
@@ -42,11 +43,11 @@ def main() -> None:
     p.add_argument("--baseline-tok-s", type=float, default=None, help="transformers' figure to compare with")
     p.add_argument("--kv-bytes", type=int, default=4, help="bytes per KV element (4: f32, 2: bf16)")
     args = p.parse_args()
-    cfg, tensors, _ = read_gguf_cached(default_model_path(progress=False))
+    model, cfg = load_model(default_model_path(progress=False))
     prompts, outputs = workload(64, cfg.vocab_size)
     peak, bandwidth = matmul_gflops() * 1e9, copy_gbs() * 1e9
     flops = flops_per_token(cfg)
-    weight_bytes = 4 * sum(t.size for name, t in tensors.items() if "embed" not in name)
+    weight_bytes = 4 * sum(w.size for path, w in nnx.to_flat_state(nnx.state(model)) if path[0] != "embed_tokens")
     kv_per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * args.kv_bytes
     prefill_s = sum(len(x) for x in prompts) * flops / peak
     decode_s = 0.0

@@ -2,15 +2,17 @@
 import re
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from flax import nnx
 from gguf import quants
 
 from jaxengine.models.registry import get_model_class
-from jaxengine.models.weights import (build_model, load_model, read_gguf, read_gguf_cached, read_safetensors_folder,
-                                      unpermute_rope_rows)
+from jaxengine.models.weights import (build_model, converted_cache_path, load_gguf, load_model, read_gguf,
+                                      read_safetensors_folder, unpermute_rope_rows)
 
 from tests.conftest import make_checkpoint
 from tests.models.test_llama_vs_transformers import PROMPTS, oracle_logits, run_chunks
@@ -145,11 +147,27 @@ def test_converted_weights_cache_skips_dequantisation_on_the_second_load(tmp_pat
     monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))
     _, hf_model = llama
     write_gguf(tmp_path / "tiny.gguf", hf_model, lambda n, a: Q.Q8_0 if "mlp" in n else Q.F32)
-    cfg1, t1, hit1 = read_gguf_cached(tmp_path / "tiny.gguf")
+    cfg, tensors = read_gguf(tmp_path / "tiny.gguf")
+    model1, hit1 = load_gguf(tmp_path / "tiny.gguf")
+    cached = converted_cache_path(tmp_path / "tiny.gguf")
+    assert (cached / "config.json").exists() and (cached / "params").is_dir()
     monkeypatch.setattr("jaxengine.models.weights.read_gguf", lambda path: pytest.fail("dequantised again"))
-    cfg2, t2, hit2 = read_gguf_cached(tmp_path / "tiny.gguf")
-    assert (hit1, hit2) == (False, True) and cfg1 == cfg2 and t1.keys() == t2.keys()
-    assert all(np.array_equal(t1[k], t2[k]) for k in t1)
+    model2, hit2 = load_gguf(tmp_path / "tiny.gguf")
+    assert (hit1, hit2) == (False, True) and model1.config == model2.config == cfg
+    reference = nnx.state(build_model(cfg, tensors))
+    for state in (nnx.state(model1), nnx.state(model2)):
+        jax.tree.map(np.testing.assert_array_equal, state, reference)
+
+
+def test_a_cache_folder_of_the_earlier_format_is_rebuilt(tmp_path, llama, monkeypatch):
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))
+    write_gguf(tmp_path / "tiny.gguf", llama[1])
+    cached = converted_cache_path(tmp_path / "tiny.gguf")
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    (cached / "model.safetensors").write_bytes(b"")
+    _, hit = load_gguf(tmp_path / "tiny.gguf")
+    assert not hit and not (cached / "model.safetensors").exists() and (cached / "params").is_dir()
 
 
 def test_bf16_params(llama):
