@@ -65,7 +65,9 @@ class ArraySource:
 
 class SafetensorsSource(contextlib.AbstractContextManager):
     """The tensors of safetensors files, each file opened once (memory-mapped): a slice reads only
-    its own bytes. Which file holds a tensor comes from the files' headers."""
+    its own bytes. Which file holds a tensor comes from the files' headers. numpy has no
+    bfloat16, so a file holding bfloat16 tensors (most checkpoints) is read through JAX's view
+    of it and handed on as an ml_dtypes array."""
 
     def __init__(self, files: Iterable[str | os.PathLike]) -> None:
         from safetensors import safe_open
@@ -74,6 +76,8 @@ class SafetensorsSource(contextlib.AbstractContextManager):
         self._handles = {}
         for file in files:
             handle = self._files.enter_context(safe_open(file, framework="numpy"))
+            if any(handle.get_slice(name).get_dtype() == "BF16" for name in handle.keys()):
+                handle = self._files.enter_context(safe_open(file, framework="flax"))
             self._handles.update(dict.fromkeys(handle.keys(), handle))
 
     def names(self) -> Iterable[str]:
@@ -83,7 +87,7 @@ class SafetensorsSource(contextlib.AbstractContextManager):
         return tuple(self._handles[name].get_slice(name).get_shape())
 
     def read(self, name: str, index: Index) -> np.ndarray:
-        return self._handles[name].get_slice(name)[index]
+        return np.asarray(self._handles[name].get_slice(name)[index])
 
     def __exit__(self, *exc) -> None:
         self._files.close()

@@ -225,3 +225,19 @@ def test_the_compiled_step_never_copies_the_kv_cache(kernels):
     params = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
     shapes = re.findall(r"(?:\w+\[[\d,]*\])", re.sub(r"/\*index=\d+\*/", "", params))
     assert [shapes[int(aliased[out])] for out in ("0", "1")] == ["f32[2,64,16,2,16]"] * 2   # k and v in place
+
+
+def test_a_bfloat16_checkpoint_loads_sharded_with_its_exact_values(tmp_path, llama):
+    """Most checkpoints are stored in bfloat16, which numpy cannot read by itself."""
+    import torch
+
+    from jaxengine.parallel.mesh import make_mesh
+
+    _, hf_model = llama
+    hf_model.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="100KB")
+    hf_model.to(torch.float32)
+    model, _ = load_model(tmp_path, dtype=jnp.float32, mesh=make_mesh(jax.devices()[:2]))
+    want = hf_model.model.layers[1].self_attn.q_proj.weight.detach().to(torch.bfloat16).float().numpy()
+    got = np.asarray(model.layers.self_attn.q_proj[...][1]).reshape(want.shape[1], -1).T
+    np.testing.assert_array_equal(got, want)
+    assert model.layers.self_attn.q_proj[...].sharding.spec == jax.sharding.PartitionSpec(None, None, "model", None)
