@@ -4,7 +4,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-IMPORT_NAMES = {"prometheus-client": "prometheus_client"}      # distribution name -> module name
+IMPORT_NAMES = {"prometheus-client": "prometheus_client", "orbax-checkpoint": "orbax"}   # distribution -> module
 WHY = "nothing imports it:"                                    # the comment a non-imported one carries
 
 
