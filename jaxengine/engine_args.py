@@ -77,12 +77,26 @@ class EngineArgs:
     tensor_parallel_size: int = _option(
         1, "devices each model replica is split over (tensor parallelism: attention heads, MLP columns and "
            "vocabulary split across them, the KV cache split by KV heads)")
+    distributed_coordinator: str | None = _option(
+        None, "host:port of process 0, to run one engine over several processes or hosts (all of them "
+              "given the same options, each its --process-id; default: $JAXENGINE_COORDINATOR, else one "
+              "process)")
+    num_processes: int | None = _option(
+        None, "processes of the distributed job (default: $JAXENGINE_NUM_PROCESSES)")
+    process_id: int | None = _option(
+        None, "this process's index in the distributed job, 0 to --num-processes - 1; process 0 schedules "
+              "and serves, the others run its steps on their devices (default: $JAXENGINE_PROCESS_ID)")
+    distributed_timeout: float = _option(
+        60.0, "seconds a step, a broadcast of its inputs, or a worker's wait for process 0 may take "
+              "before the process exits with an error naming what timed out (a peer is gone or hung)")
     skip_tokenizer_init: bool = _option(False, "load no tokenizer (prompts must be token ids)")
     warm_up: bool = _option(True, "compile every step bucket at start-up")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout: must be > 0 seconds, got {self.distributed_timeout!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:

@@ -17,6 +17,7 @@ from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.outputs import RequestOutput, make_request_output
+from jaxengine.parallel import multihost
 from jaxengine.parallel.mesh import kv_head_repeats, kv_heads_per_device, make_mesh, replica_devices
 from jaxengine.output_processor import OutputProcessor
 from jaxengine.request import Request
@@ -49,14 +50,52 @@ class LLM:
         options = dataclasses.asdict(engine_args)
         return cls(options.pop("model"), progress=progress, **options)
 
+    @classmethod
+    def for_worker(cls, engine_args: EngineArgs, *, progress: bool = False) -> "LLM":
+        """On a process other than 0 of a distributed job: the model's share and the compiled
+        steps only (no tokenizer, scheduler or engine), ready for ``multihost.Worker``."""
+        self = cls.__new__(cls)
+        self.distributed = multihost.initialize(engine_args)
+        if self.distributed is None or not self.distributed.is_worker:
+            raise ValueError("LLM.for_worker: for processes other than 0 of a distributed job")
+        self._build(dataclasses.replace(multihost.engine_args_for_job(engine_args), skip_tokenizer_init=True),
+                    None, None, progress)
+        return self
+
     def _start(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
+        self.distributed = multihost.initialize(args)       # before any other JAX use
+        if self.distributed is not None:
+            if self.distributed.is_worker:
+                raise RuntimeError(f"LLM: process {self.distributed.process_id} of a distributed job runs process "
+                                   f"0's steps: call jaxengine.parallel.multihost.run_worker(engine_args) there "
+                                   f"(python -m jaxengine.serve does it)")
+            if module is not None:
+                raise ValueError("model: across processes the model loads from a checkpoint, not a module")
+            args = multihost.engine_args_for_job(args)
+        self._build(args, module, model_config, progress)
+        async_scheduling = args.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = jax.devices()[0].platform != "cpu"
+        self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id(),
+                             async_scheduling=async_scheduling)
+        self._ids = itertools.count()
+        if self.channel is not None:
+            self.runner.channel = self.channel      # from now on each launch goes to the others too
+
+    def _build(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
+        """The model on its mesh, the engine configuration and the runner with its compiled steps
+        (and, across processes, the channel to the others, warmed up)."""
         self.engine_args = args
         self.mesh = make_mesh(replica_devices(args.tensor_parallel_size))
         self._load(args, module, model_config, progress)
         mc = self.model_config
         check_model_kernels(self.model, mc, args.block_size, self.dtype,
                             enabled=False if args.skip_kernel_check else None)
+        if self.distributed is not None:
+            multihost.check_same_kernels(self.model)
         self.config = args.create_engine_config(mc, self.dtype, list(self.mesh.devices.flat))
+        if self.distributed is not None:
+            self.config = multihost.without_swap(self.config)
         cc = self.config.cache
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per device), %s", cc.num_gpu_blocks, cc.block_size,
                     cc.num_gpu_blocks * bytes_per_block(mc.num_layers, cc.block_size,
@@ -65,12 +104,10 @@ class LLM:
         self.runner = ModelRunner(self.model, mc, self.config, dtype=self.dtype, warm_up=args.warm_up,
                                   progress=progress, token_buckets=args.token_buckets,
                                   request_buckets=args.request_buckets, mesh=self.mesh)
-        async_scheduling = args.async_scheduling
-        if async_scheduling is None:
-            async_scheduling = jax.devices()[0].platform != "cpu"
-        self.engine = Engine(self.config, self.runner, eos_token_id=self._eos_token_id(),
-                             async_scheduling=async_scheduling)
-        self._ids = itertools.count()
+        self.channel = None
+        if self.distributed is not None:
+            self.channel = multihost.StepChannel(self.runner, self.distributed)
+            self.channel.warm_up()
 
     def _load(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
         from jaxengine.default_model import default_model_path
