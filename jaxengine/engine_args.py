@@ -81,6 +81,18 @@ class EngineArgs:
         1, "engine replicas behind one API, each on its own --tensor-parallel-size devices (replica r on "
            "devices r*tp .. r*tp + tp - 1) with its own KV cache; a new request goes to the least loaded "
            "replica, or to one whose prefix cache holds its prompt's start when loads are close")
+    distributed_coordinator: str | None = _option(
+        None, "host:port of process 0, to run one engine over several processes or hosts (all of them "
+              "given the same options, each its --process-id; default: $JAXENGINE_COORDINATOR, else one "
+              "process)")
+    num_processes: int | None = _option(
+        None, "processes of the distributed job (default: $JAXENGINE_NUM_PROCESSES)")
+    process_id: int | None = _option(
+        None, "this process's index in the distributed job, 0 to --num-processes - 1; process 0 schedules "
+              "and serves, the others run its steps on their devices (default: $JAXENGINE_PROCESS_ID)")
+    distributed_timeout: float = _option(
+        60.0, "seconds a step, a broadcast of its inputs, or a worker's wait for process 0 may take "
+              "before the process exits with an error naming what timed out (a peer is gone or hung)")
     skip_tokenizer_init: bool = _option(False, "load no tokenizer (prompts must be token ids)")
     warm_up: bool = _option(True, "compile every step bucket at start-up")
 
@@ -89,6 +101,8 @@ class EngineArgs:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout: must be > 0 seconds, got {self.distributed_timeout!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:

@@ -17,6 +17,7 @@ from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.outputs import RequestOutput, make_request_output
+from jaxengine.parallel import multihost
 from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.parallel.mesh import (check_replica_devices, kv_head_repeats, kv_heads_per_device, make_mesh,
                                      replica_devices)
@@ -51,22 +52,61 @@ class LLM:
         options = dataclasses.asdict(engine_args)
         return cls(options.pop("model"), progress=progress, **options)
 
+    @classmethod
+    def for_worker(cls, engine_args: EngineArgs, *, progress: bool = False) -> "LLM":
+        """On a process other than 0 of a distributed job: the model's share and the compiled
+        steps only (no tokenizer, scheduler or engine), ready for ``multihost.Worker``."""
+        self = cls.__new__(cls)
+        self.distributed = multihost.initialize(engine_args)
+        if self.distributed is None or not self.distributed.is_worker:
+            raise ValueError("LLM.for_worker: for processes other than 0 of a distributed job")
+        self._build(dataclasses.replace(multihost.engine_args_for_job(engine_args), skip_tokenizer_init=True),
+                    None, None, progress)
+        return self
+
     def _start(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
-        self.engine_args = args
-        meshes = _replica_meshes(args.tensor_parallel_size, args.data_parallel_size)
-        self.mesh = meshes[0]
-        self._load(args, module, model_config, progress)
-        module_copies = _copies(module, len(meshes) - 1)    # before the first runner shards it
-        check_model_kernels(self.model, self.model_config, args.block_size, self.dtype,
-                            enabled=False if args.skip_kernel_check else None)
-        self.config = args.create_engine_config(self.model_config, self.dtype, list(self.mesh.devices.flat))
-        self._log_kv_cache()
-        self.runner = self._runner(self.model, self.mesh, progress)   # the first replica's under data parallelism
+        self.distributed = multihost.initialize(args)       # before any other JAX use
+        if self.distributed is not None:
+            if self.distributed.is_worker:
+                raise RuntimeError(f"LLM: process {self.distributed.process_id} of a distributed job runs process "
+                                   f"0's steps: call jaxengine.parallel.multihost.run_worker(engine_args) there "
+                                   f"(python -m jaxengine.serve does it)")
+            if module is not None:
+                raise ValueError("model: across processes the model loads from a checkpoint, not a module")
+            if args.data_parallel_size > 1:
+                raise ValueError("data_parallel_size: across processes the job is one replica over every "
+                                 "process's devices; run one job per replica instead")
+            args = multihost.engine_args_for_job(args)
+        self._build(args, module, model_config, progress)
         engines = [self._engine(self.runner)] + [
-            self._engine(self._runner(self._replica_model(module_copies, r, mesh, progress), mesh, progress))
-            for r, mesh in enumerate(meshes[1:], 1)]
+            self._engine(self._runner(self._replica_model(self._module_copies, r, mesh, progress), mesh, progress))
+            for r, mesh in enumerate(self._meshes[1:], 1)]
         self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         self._ids = itertools.count()
+        if self.channel is not None:
+            self.runner.channel = self.channel      # from now on each launch goes to the others too
+
+    def _build(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
+        """The first replica's model on its mesh, the engine configuration and its runner with
+        the compiled steps (and, across processes, the channel to the others, warmed up)."""
+        self.engine_args = args
+        self._meshes = _replica_meshes(args.tensor_parallel_size, args.data_parallel_size)
+        self.mesh = self._meshes[0]
+        self._load(args, module, model_config, progress)
+        self._module_copies = _copies(module, len(self._meshes) - 1)    # before the first runner shards it
+        check_model_kernels(self.model, self.model_config, args.block_size, self.dtype,
+                            enabled=False if args.skip_kernel_check else None)
+        if self.distributed is not None:
+            multihost.check_same_kernels(self.model)
+        self.config = args.create_engine_config(self.model_config, self.dtype, list(self.mesh.devices.flat))
+        if self.distributed is not None:
+            self.config = multihost.without_swap(self.config)
+        self._log_kv_cache()
+        self.runner = self._runner(self.model, self.mesh, progress)   # the first replica's under data parallelism
+        self.channel = None
+        if self.distributed is not None:
+            self.channel = multihost.StepChannel(self.runner, self.distributed)
+            self.channel.warm_up()
 
     def _log_kv_cache(self) -> None:
         mc, cc, tp = self.model_config, self.config.cache, self.engine_args.tensor_parallel_size

@@ -37,7 +37,7 @@ from jaxengine.runner.model_runner import ModelRunner  # noqa: E402
 
 SIZES = {   # (config, dtype, batch, prompt, output)
     "cpu": (ModelConfig("LlamaForCausalLM", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=8,
-                        num_heads=8, num_kv_heads=2, head_dim=64), "float32", 16, 64, 24),
+                        num_heads=8, num_kv_heads=4, head_dim=64), "float32", 16, 64, 24),
     "1b": (ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0),
            "bfloat16", 64, 128, 32),

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,20 @@ class PendingStep:
         return self._result
 
 
+class BlockMoves(NamedTuple):
+    """A step's block moves (swap out, swap in, copy), each a list of (from, to) block pairs."""
+
+    swap_out: list
+    swap_in: list
+    copy: list
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy)
+
+
+NO_MOVES = BlockMoves([], [], [])
+
+
 class CompilationError(RuntimeError):
     """A compilation after start-up while compilations are forbidden."""
 
@@ -115,6 +130,9 @@ class ModelRunner:
         self.idle_s = 0.0                # device idle before those launches, from the last result read
         self._last_ready: float | None = None
         self.forbid = False
+        # Under several processes (process 0 only): sends each launch's moves and inputs to the
+        # others and watches for a peer that is gone (``parallel.multihost.StepChannel``).
+        self.channel = None
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}   # (tokens, rows) -> step
         if warm_up:
             enable_persistent_cache()
@@ -178,26 +196,47 @@ class ModelRunner:
         uncollected (async scheduling): its tokens reach this step's inputs on the device."""
         if len(self._uncollected) > 1:
             raise RuntimeError("dispatch: two earlier steps are uncollected")
+        # Host preparation (process 0 only under several processes) ...
         self.batch.update(out)
-        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
-            self.kv_caches = self.mover.apply(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in,
-                                              out.blocks_to_copy)
-        if not out.seq_ids:
+        moves = BlockMoves(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        inputs, slots = self.batch.prepare(out) if out.seq_ids else (None, None)
+        if inputs is None and not moves:
             return PendingStep(self, out, None, None, None)
-        inputs, slots = self.batch.prepare(out)
-        self._count_launch()
-        device_result = self._run(inputs)
-        self._previous_tokens = device_result[2]
+        if inputs is not None:
+            self._count_launch()
+        # ... then the device launch, which every process runs (the others get the same moves and
+        # inputs from process 0 through the channel, as it launches).
+        with self.channel.sending(moves, inputs) if self.channel is not None else contextlib.nullcontext():
+            device_result = self.launch(moves, inputs)
+        if inputs is None:
+            return PendingStep(self, out, None, None, None)
         step = PendingStep(self, out, inputs, slots, device_result)
         self._uncollected.append(step)
         return step
+
+    def launch(self, moves: "BlockMoves", inputs: StepInputs | None):
+        """The device part of a step: apply the block moves, then launch the compiled step for
+        ``inputs`` (None: moves only). Returns the step's device result without waiting for it."""
+        if moves:
+            self.kv_caches = self.mover.apply(self.kv_caches, moves.swap_out, moves.swap_in, moves.copy)
+        if inputs is None:
+            return None
+        device_result = self._run(inputs)
+        self._previous_tokens = device_result[2]
+        return device_result
+
+    def reset_previous_tokens(self) -> None:
+        """Forget the last launched step's tokens (they may hold a failed step's error)."""
+        self._previous_tokens = self._zero_tokens(self._previous_tokens.shape[0])
 
     def abandon_uncollected(self) -> None:
         """After a failed step: forget the launched steps not collected (their sequences are
         being aborted) and check that the device state survived. Raises when the KV cache is
         lost: donated to a call that failed, or written by a computation that failed."""
         self._uncollected.clear()
-        self._previous_tokens = self._zero_tokens(self._previous_tokens.shape[0])   # may hold the failed step's error
+        if self.channel is not None:
+            self.channel.reset()      # the other processes forget it too
+        self.reset_previous_tokens()
         jax.block_until_ready(self.kv_caches)
 
     def _zero_tokens(self, n: int) -> jax.Array:
@@ -219,7 +258,9 @@ class ModelRunner:
         out, inputs, slots = step.out, step.inputs, step.slots
         result, prompt_lp, _ = step.device_result
         wait = time.perf_counter()
-        tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
+        with self.channel.waiting("reading a step's results") if self.channel is not None else \
+                contextlib.nullcontext():
+            tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
         self._last_ready = time.perf_counter()
         self.device_wait_s += self._last_ready - wait
         self.batch.record_samples(out, slots, tokens)

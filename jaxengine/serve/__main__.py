@@ -1,6 +1,9 @@
 """python -m jaxengine.serve: the OpenAI-compatible server (default: the embedded SmolLM2 on
 127.0.0.1:8000). SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish for
-``--shutdown-grace`` seconds, aborts the rest and exits 0."""
+``--shutdown-grace`` seconds, aborts the rest and exits 0.
+
+Across several processes (``--distributed-coordinator``, ``--num-processes``, ``--process-id``),
+process 0 serves and the others run its steps on their devices (no HTTP server there)."""
 from __future__ import annotations
 
 import argparse
@@ -64,13 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)    # "no TPU found" is no news
+    engine_args = EngineArgs.from_cli_args(args)
+    from jaxengine.parallel import multihost
+
+    try:
+        dist = multihost.initialize(engine_args)          # before any other JAX use
+    except ValueError as error:
+        print(f"python -m jaxengine.serve: {error}", file=sys.stderr)
+        return 2
+    if dist is not None and dist.is_worker:               # process 0 serves; the others run its steps
+        return multihost.run_worker(engine_args, progress=True)
     from jaxengine.llm import LLM
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine
     from jaxengine.serve.metrics import EngineMetrics
 
     print("jaxengine: loading the model and compiling (this takes a moment)...", flush=True)
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    llm = LLM.from_engine_args(engine_args)
     name = args.served_model_name or default_served_name(args.model, llm.model_path)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(llm, max_waiting_requests=args.max_waiting_requests, observer=metrics)
