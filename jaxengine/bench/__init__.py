@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput and latency, load on a server, sweeps, and their figures."""
