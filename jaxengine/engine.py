@@ -4,13 +4,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import NamedTuple, Protocol
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
+from jaxengine.trace import StepTrace, TraceWriter, round_seconds
 
 
 class Runner(Protocol):
@@ -27,21 +29,12 @@ class _Done:
         return self._result
 
 
-@dataclass(frozen=True)
-class StepTrace:
-    """One compact record per step, for metrics and dashboards."""
+class _Launch(NamedTuple):
+    """A step launched on the runner."""
 
-    step: int
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    num_preemptions: int
-    num_blocks_swapped_in: int
-    num_blocks_swapped_out: int
-    kv_usage: float
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    num_swap_fallbacks: int    # preemptions that recomputed because the host swap pool was full
+    out: SchedulerOutput
+    pending: object                 # ``result()`` waits for the step's tokens
+    device_idle_s: float            # the runner's measure of device idle just before this launch
 
 
 @dataclass(frozen=True)
@@ -61,11 +54,15 @@ class Engine:
     step n + 1 before it has step n's tokens (the scheduler gives each sampling row a placeholder
     and the runner feeds the decode its token from the device). A sequence that stops at step n
     then has one wasted row in step n + 1; outputs are the same. Steps that fork (n > 1) or
-    that serve penalties (which read the host's token history) wait for their results."""
+    that serve penalties (which read the host's token history) wait for their results.
+
+    Each step leaves a ``StepTrace`` in ``last_trace`` (and in ``traces`` with ``trace=True``);
+    with ``trace_file`` each is appended to that JSONL file too, written while the device
+    computes the next step."""
 
     def __init__(self, config: EngineConfig, runner: Runner, *, eos_token_id: int | None = None,
                  clock: Callable[[], float] = time.monotonic, trace: bool = False,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, trace_file: str | Path | None = None) -> None:
         self.config = config
         self.runner = runner
         self.eos_token_id = eos_token_id
@@ -77,8 +74,13 @@ class Engine:
         self.traces: list[StepTrace] | None = [] if trace else None
         self.last_trace: StepTrace | None = None      # the latest step's record (metrics read it)
         self.last_output: SchedulerOutput | None = None   # the latest schedule() (tests read it)
-        self._in_flight: tuple[SchedulerOutput, object] | None = None     # launched ahead
-        self._launched: tuple[SchedulerOutput, object] | None = None      # launched, not completed
+        self.trace_writer = None if trace_file is None else TraceWriter(trace_file)
+        self._unwritten: StepTrace | None = None      # the latest record, until the next launch writes it
+        self._started = time.perf_counter()           # trace times count from here
+        self._cycle_start = self._started             # this step's launch()
+        self._wait_at_start = 0.0                     # the runner's device wait then
+        self._in_flight: _Launch | None = None        # launched ahead
+        self._launched: _Launch | None = None         # launched, not completed
         self._unapplied: list[SchedulerOutput] = []   # scheduled, results not yet applied
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -141,18 +143,19 @@ class Engine:
     def launch(self) -> None:
         """The first half of ``step()``: schedule and launch a step (with async scheduling, take
         the one already launched and launch the next); the device computes while the caller works."""
-        out, pending = self._in_flight or self._launch()
-        self._in_flight = self._launch_ahead(out)
-        self._launched = out, pending
+        self._cycle_start, self._wait_at_start = time.perf_counter(), self._device_wait_s()
+        launched = self._in_flight or self._launch()
+        self._in_flight = self._launch_ahead(launched.out)
+        self._launched = launched
+        self._write_trace()         # the previous step's record, while the device computes this one
 
     def complete(self) -> list[Request]:
         """The second half of ``step()``: wait for the launched step's results and apply them;
         returns the requests that finished."""
-        out, pending = self._launched
-        self._launched = None
-        finished = self.scheduler.update_from_output(out, pending.result())
-        self._unapplied.remove(out)
-        self._record(out)
+        launched, self._launched = self._launched, None
+        finished = self.scheduler.update_from_output(launched.out, launched.pending.result())
+        self._unapplied.remove(launched.out)
+        self._record(launched)
         return finished
 
     @property
@@ -166,6 +169,20 @@ class Engine:
         while self._in_flight is not None:
             self.step()
         self.step()
+        self.flush_trace()
+
+    def flush_trace(self) -> None:
+        """Write every step's record to the trace file now (a no-op without one)."""
+        if self.trace_writer is not None:
+            self._write_trace()
+            self.trace_writer.flush()
+
+    def close(self) -> None:
+        """Write what is left of the trace and close its file."""
+        if self.trace_writer is not None:
+            self.flush_trace()
+            writer, self.trace_writer = self.trace_writer, None      # later steps are not traced
+            writer.close()
 
     def abandon_failed_step(self) -> list[str]:
         """After ``step()`` raised: drop the steps scheduled but not applied (the one that failed
@@ -187,14 +204,16 @@ class Engine:
             abandon()
         return [rid for rid, r in s.requests.items() if any(seq.seq_id in seq_ids for seq in r.seqs)]
 
-    def _launch(self) -> tuple[SchedulerOutput, object]:
-        """Schedule a step and launch it on the runner (a handle whose ``result()`` waits)."""
+    def _launch(self) -> _Launch:
+        """Schedule a step and launch it on the runner."""
         out = self.last_output = self.scheduler.schedule()
         self._unapplied.append(out)
         dispatch = getattr(self.runner, "dispatch", None)
-        return out, dispatch(out) if dispatch else _Done(self.runner.execute(out))
+        idle = self._runner_counter("idle_s")
+        pending = dispatch(out) if dispatch else _Done(self.runner.execute(out))
+        return _Launch(out, pending, self._runner_counter("idle_s") - idle)
 
-    def _launch_ahead(self, out: SchedulerOutput) -> tuple[SchedulerOutput, object] | None:
+    def _launch_ahead(self, out: SchedulerOutput) -> _Launch | None:
         """Async scheduling: the next step, launched before ``out``'s tokens are known (each of
         its sampling rows leaves a placeholder that the runner feeds from the device)."""
         if not (self.async_scheduling and self._can_run_ahead(out)):
@@ -218,14 +237,35 @@ class Engine:
             finished += self.step()
         raise RuntimeError(f"requests still unfinished after {max_steps} steps")
 
-    def _record(self, out: SchedulerOutput) -> None:
-        self.last_trace = self._trace(out)
+    def _record(self, launched: _Launch) -> None:
+        step_s = time.perf_counter() - self._cycle_start
+        host_s = step_s - (self._device_wait_s() - self._wait_at_start)
+        self.last_trace = self._trace(launched, step_s, host_s)
         if self.traces is not None:
             self.traces.append(self.last_trace)
+        if self.trace_writer is not None:
+            self._unwritten = self.last_trace
         self.num_steps += 1
 
-    def _trace(self, out: SchedulerOutput) -> StepTrace:
-        s = self.scheduler
-        return StepTrace(self.num_steps, out.num_decode_tokens, out.num_prefill_tokens, out.num_preemptions,
-                         len(out.blocks_to_swap_in), len(out.blocks_to_swap_out), s.kv.usage,
-                         len(s.waiting), len(s.running), len(s.swapped), out.num_swap_fallbacks)
+    def _trace(self, launched: _Launch, step_s: float, host_s: float) -> StepTrace:
+        s, out = self.scheduler, launched.out
+        return StepTrace(
+            step=self.num_steps, time=round_seconds(self._cycle_start - self._started), num_rows=len(out.seq_ids),
+            num_decode_tokens=out.num_decode_tokens, num_prefill_tokens=out.num_prefill_tokens,
+            num_preemptions=out.num_preemptions, num_blocks_swapped_in=len(out.blocks_to_swap_in),
+            num_blocks_swapped_out=len(out.blocks_to_swap_out), num_swap_fallbacks=out.num_swap_fallbacks,
+            kv_usage=s.kv.usage, num_prefix_hit_tokens=out.num_prefix_hit_tokens, num_waiting=len(s.waiting),
+            num_running=len(s.running), num_swapped=len(s.swapped), step_s=round_seconds(step_s),
+            host_s=round_seconds(host_s), device_idle_s=round_seconds(launched.device_idle_s))
+
+    def _write_trace(self) -> None:
+        if self._unwritten is not None:
+            self.trace_writer.write(self._unwritten)
+            self._unwritten = None
+
+    def _device_wait_s(self) -> float:
+        return self._runner_counter("device_wait_s")
+
+    def _runner_counter(self, name: str) -> float:
+        """One of the model runner's time counters; 0 for runners without it (the fake runners)."""
+        return getattr(self.runner, name, 0.0)

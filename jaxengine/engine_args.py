@@ -93,6 +93,11 @@ class EngineArgs:
     distributed_timeout: float = _option(
         60.0, "seconds a step, a broadcast of its inputs, or a worker's wait for process 0 may take "
               "before the process exits with an error naming what timed out (a peer is gone or hung)")
+    trace_file: str | None = _option(
+        None, "append one JSON object per engine step (the StepTrace fields: tokens, rows, KV usage, queue "
+              "lengths, step, host and device-idle times) to this JSONL file (default: none); under data "
+              "parallelism each replica writes its own, named with .replicaN before the suffix "
+              "(steps.replica0.jsonl)")
     skip_tokenizer_init: bool = _option(False, "load no tokenizer (prompts must be token ids)")
     warm_up: bool = _option(True, "compile every step bucket at start-up")
 

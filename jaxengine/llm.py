@@ -28,6 +28,7 @@ from jaxengine.runner.kv_cache import bytes_per_block
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.tokenizer import apply_chat_template, load_tokenizer
+from jaxengine.trace import replica_trace_file
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ class LLM:
                                  "process's devices; run one job per replica instead")
             args = multihost.engine_args_for_job(args)
         self._build(args, module, model_config, progress)
-        engines = [self._engine(self.runner)] + [
-            self._engine(self._runner(self._replica_model(self._module_copies, r, mesh, progress), mesh, progress))
+        engines = [self._engine(self.runner, 0)] + [
+            self._engine(self._runner(self._replica_model(self._module_copies, r, mesh, progress), mesh, progress), r)
             for r, mesh in enumerate(self._meshes[1:], 1)]
         self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         self._ids = itertools.count()
@@ -114,11 +115,16 @@ class LLM:
                     cc.num_gpu_blocks * bytes_per_block(mc.num_layers, cc.block_size, kv_heads_per_device(mc, tp),
                                                         mc.head_dim, self.dtype) / (1 << 20), self.dtype.name)
 
-    def _engine(self, runner: ModelRunner) -> Engine:
-        async_scheduling = self.engine_args.async_scheduling
+    def _engine(self, runner: ModelRunner, replica: int) -> Engine:
+        args = self.engine_args
+        async_scheduling = args.async_scheduling
         if async_scheduling is None:
             async_scheduling = jax.devices()[0].platform != "cpu"
-        return Engine(self.config, runner, eos_token_id=self._eos_token_id(), async_scheduling=async_scheduling)
+        trace_file = args.trace_file
+        if trace_file is not None and args.data_parallel_size > 1:
+            trace_file = replica_trace_file(trace_file, replica)
+        return Engine(self.config, runner, eos_token_id=self._eos_token_id(), async_scheduling=async_scheduling,
+                      trace_file=trace_file)
 
     def _runner(self, model, mesh, progress: bool) -> ModelRunner:
         args = self.engine_args

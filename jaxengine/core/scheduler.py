@@ -353,8 +353,10 @@ class Scheduler:
                chunks: list[int], now: float) -> None:
         kv = self.kv
         for seq, hit in zip(seqs, hits):       # every hit first: no allocation may evict one
-            kv.record_prefix_query(seq, len(hit.blocks) * self.block_size)
+            num_hit_tokens = len(hit.blocks) * self.block_size
+            kv.record_prefix_query(seq, num_hit_tokens)
             kv.take_hit(seq, hit)
+            self._out.num_prefix_hit_tokens += num_hit_tokens
         for seq, n in zip(seqs, chunks):
             allocated = kv.allocate_slots(seq, n)
             assert allocated, "can_allocate said OK"

@@ -52,6 +52,7 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     num_preemptions: int = 0
     num_swap_fallbacks: int = 0     # preemptions that meant to swap but recomputed: host pool full
+    num_prefix_hit_tokens: int = 0  # prompt tokens that sequences admitted now found in the prefix cache
     # Host-side handles for ``Scheduler.update_from_output`` (not for the runner).
     scheduled_seqs: list = field(default_factory=list, repr=False)
 

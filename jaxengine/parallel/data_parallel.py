@@ -8,11 +8,13 @@ overlaps. A new request goes to one replica for its whole life (``choose_replica
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence as Seq
 
-from jaxengine.engine import Engine, EngineStats, StepTrace
+from jaxengine.engine import Engine, EngineStats
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
+from jaxengine.trace import StepTrace, round_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,10 @@ class DataParallelEngine:
 
     Load is a replica's unfinished requests (waiting, running, swapped), not its tokens: how
     long outputs run is unknown until they stop, and a replica steps all its running requests
-    together, so their count is the queue a new request joins; it is also O(1) to read."""
+    together, so their count is the queue a new request joins; it is also O(1) to read.
+
+    Its ``last_trace`` and ``traces`` sum the stepped replicas' records (device idle time too:
+    device-seconds); a trace file is written by each replica, with its own records."""
 
     def __init__(self, replicas: list[Engine], *, trace: bool = False) -> None:
         if not replicas:
@@ -59,6 +64,7 @@ class DataParallelEngine:
         self.traces: list[StepTrace] | None = [] if trace else None
         self.last_trace: StepTrace | None = None   # the latest step, summed over the replicas
         self._failed: Engine | None = None         # the replica whose launch or completion raised
+        self._started = time.perf_counter()
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -119,6 +125,7 @@ class DataParallelEngine:
         """Launch a step on every replica with work (all of them when none has: an empty step
         tells each runner which sequences finished), run ``while_running`` once while they
         compute, then complete each; returns the requests that finished."""
+        start = time.perf_counter()
         active = [r for r in self.replicas if r.has_unfinished_requests()] or self.replicas
         for replica in active:
             self._on(replica, replica.launch)
@@ -127,7 +134,7 @@ class DataParallelEngine:
         finished: list[Request] = []
         for replica in active:
             finished += self._on(replica, replica.complete)
-        self._record(active)
+        self._record(active, start)
         return finished
 
     def _on(self, replica: Engine, half: Callable[[], object]):
@@ -142,6 +149,14 @@ class DataParallelEngine:
         for replica in self.replicas:
             replica.flush()
 
+    def flush_trace(self) -> None:
+        for replica in self.replicas:
+            replica.flush_trace()
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
     def abandon_failed_step(self) -> list[str]:
         """After ``step()`` raised: the replica that failed abandons its steps (see
         ``Engine.abandon_failed_step``); each other replica completes the step it launched, so
@@ -154,18 +169,25 @@ class DataParallelEngine:
                 request_ids += replica.abandon_failed_step()
         return request_ids
 
-    def _record(self, stepped: list[Engine]) -> None:
+    def _record(self, stepped: list[Engine], start: float) -> None:
         traces = [r.last_trace for r in stepped]
-        s = self.stats()
+        s, step_s = self.stats(), time.perf_counter() - start
+
+        def total(name: str):
+            return sum(getattr(t, name) for t in traces)
+
+        device_wait_s = sum(t.step_s - t.host_s for t in traces)      # the host waits for each in turn
         self.last_trace = StepTrace(
-            self.num_steps, sum(t.num_decode_tokens for t in traces), sum(t.num_prefill_tokens for t in traces),
-            sum(t.num_preemptions for t in traces), sum(t.num_blocks_swapped_in for t in traces),
-            sum(t.num_blocks_swapped_out for t in traces), s.kv_usage, s.num_waiting, s.num_running,
-            s.num_swapped, sum(t.num_swap_fallbacks for t in traces))
+            step=self.num_steps, time=round_seconds(start - self._started), num_rows=total("num_rows"),
+            num_decode_tokens=total("num_decode_tokens"), num_prefill_tokens=total("num_prefill_tokens"),
+            num_preemptions=total("num_preemptions"), num_blocks_swapped_in=total("num_blocks_swapped_in"),
+            num_blocks_swapped_out=total("num_blocks_swapped_out"), num_swap_fallbacks=total("num_swap_fallbacks"),
+            kv_usage=s.kv_usage, num_prefix_hit_tokens=total("num_prefix_hit_tokens"), num_waiting=s.num_waiting,
+            num_running=s.num_running, num_swapped=s.num_swapped, step_s=round_seconds(step_s),
+            host_s=round_seconds(step_s - device_wait_s), device_idle_s=round_seconds(total("device_idle_s")))
         if self.traces is not None:
             self.traces.append(self.last_trace)
         self.num_steps += 1
-
 
 def _completes(replica: Engine) -> bool:
     """Complete the step a replica launched before another one failed; False if that fails."""

@@ -223,12 +223,14 @@ class AsyncEngine:
         finally:
             self._fail_all("the server shut down before the request finished" if self._stopping else
                            THREAD_STOPPED, status=503)
+            self.engine.flush_trace()
 
     def _turn(self) -> bool:
         """Apply commands and run one step (or wait for commands when idle); False on stop."""
         engine = self.engine
         if not engine.has_unfinished_requests():
             self._emit_all()                        # the last step's outputs, before going idle
+            engine.flush_trace()                    # an idle server's trace file is complete
         if not self._drain_commands(block=not engine.has_unfinished_requests()):
             return False
         if engine.has_unfinished_requests():
