@@ -1,71 +1,49 @@
 """Offline throughput on the default model (SmolLM2-135M) on this CPU, against transformers
-`generate` in static batches of the same requests, measured in the same run.
+`generate` in static batches of the same requests, measured in the same run: a preset of
+`python -m jaxengine.bench throughput`, and the share of the f32 matmul peak it reaches.
 
 Workload: 64 requests, prompts uniform in 32-512 tokens, outputs uniform in 32-256 with
-ignore_eos. Output tokens/s counts the tokens each request asked for.
+ignore_eos; max_model_len 1024. `--compare-sync` runs the engine with async scheduling on, off,
+and on again (a sweep) instead of the baseline.
 
-    python scripts/bench_offline.py [--requests 64] [--baseline-batch 16] [--skip-baseline]
+    python scripts/bench_offline.py [--requests 64] [--baseline-batch 16] [--skip-baseline] [--compare-sync]
+
+is
+
+    python -m jaxengine.bench throughput --num-prompts 64 --input-len 32:512 --output-len 32:256 \\
+        --max-model-len 1024 --baseline hf --baseline-batch-size 16
+    python -m jaxengine.bench sweep --grid async_scheduling=true,false,true throughput ...   (--compare-sync)
 """
 from __future__ import annotations
 
 import argparse
-import json
-import random
-import time
+import types
 
-import torch
 from bench_model import flops_per_token, matmul_gflops
 
-from jaxengine import LLM, SamplingParams
+from jaxengine.bench.__main__ import main as bench
+from jaxengine.bench.datasets import LengthSpec, random_requests
+
+INPUT_LEN, OUTPUT_LEN, MAX_MODEL_LEN = "32:512", "32:256", 1024
 
 
-def workload(n: int, vocab: int, seed: int = 0):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(32, 512))] for _ in range(n)]
-    outputs = [rng.randint(32, 256) for _ in range(n)]
-    return prompts, outputs
+def workload(n: int, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The benchmark's prompts and output lengths (as the command line draws them)."""
+    requests = random_requests(n, vocab, LengthSpec.parse(INPUT_LEN), LengthSpec.parse(OUTPUT_LEN),
+                               max_model_len=MAX_MODEL_LEN)
+    return [r.prompt_token_ids for r in requests], [r.output_len for r in requests]
 
 
-def run_engine(llm: LLM, prompts, outputs, async_scheduling: bool = True) -> dict:
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
-    llm.engine.async_scheduling = async_scheduling
-    llm.engine.scheduler.kv.reset_prefix_cache()       # repeated runs must not hit the earlier run's prompts
-    llm.engine.traces = []
-    runner = llm.runner
-    runner.device_wait_s = runner.idle_s = 0.0
-    runner.num_launches = runner.num_idle_launches = 0
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    host = seconds - runner.device_wait_s          # host time not spent waiting for results
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(outputs)
-    traces = llm.engine.traces
-    return {"async_scheduling": async_scheduling, "seconds": seconds, "output_tokens": produced,
-            "tok_per_s": produced / seconds, "steps": len(traces),
-            "prefill_tokens": sum(t.num_prefill_tokens for t in traces),
-            "preemptions": sum(t.num_preemptions for t in traces), "host_s": host,
-            "host_ms_per_step": host / len(traces) * 1e3,
-            "idle_launch_fraction": runner.num_idle_launches / max(runner.num_launches, 1),
-            "device_idle_s": runner.idle_s, "device_idle_fraction": runner.idle_s / seconds}
-
-
-def run_transformers(path, prompts, outputs, batch: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        group, lens = prompts[i:i + batch], outputs[i:i + batch]
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])          # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=False,
-                           pad_token_id=0)
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "output_tokens": sum(outputs), "tok_per_s": sum(outputs) / seconds, "batch": batch}
+def bench_argv(args) -> list[str]:
+    throughput = ["throughput", "--num-prompts", str(args.requests), "--input-len", INPUT_LEN,
+                  "--output-len", OUTPUT_LEN, "--max-model-len", str(MAX_MODEL_LEN),
+                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                  "--max-num-seqs", str(args.max_num_seqs)]
+    if args.compare_sync:
+        return ["sweep", "--grid", "async_scheduling=true,false,true", *throughput]
+    if args.skip_baseline:
+        return throughput
+    return [*throughput, "--baseline", "hf", "--baseline-batch-size", str(args.baseline_batch)]
 
 
 def main() -> None:
@@ -73,35 +51,16 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--baseline-batch", type=int, default=16)
     p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--compare-sync", action="store_true", help="also run with async scheduling off")
+    p.add_argument("--compare-sync", action="store_true", help="async scheduling on, off, on again; no baseline")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    args = p.parse_args()
-    t0 = time.perf_counter()
-    llm = LLM(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              max_model_len=1024, progress=False)
-    startup = time.perf_counter() - t0
-    prompts, outputs = workload(args.requests, llm.model_config.vocab_size)
-    engine = run_engine(llm, prompts, outputs)
-    peak = matmul_gflops() * 1e9 / flops_per_token(llm.model_config)      # tokens/s if only matmuls ran
-    print(f"jaxengine: {engine['tok_per_s']:.1f} output tok/s ({engine['output_tokens']} tokens in "
-          f"{engine['seconds']:.1f} s, {engine['steps']} steps; start-up {startup:.1f} s); the f32 matmul "
-          f"peak allows {peak:.0f} tok/s: {engine['tok_per_s'] / peak:.1%} of it")
-    result = {"engine": engine, "startup_s": startup, "matmul_peak_tok_per_s": peak}
-    if args.compare_sync:      # async, sync, async again: the order's effect shows
-        result["engine_sync"] = run_engine(llm, prompts, outputs, async_scheduling=False)
-        result["engine_again"] = run_engine(llm, prompts, outputs)
-    for run in filter(None, (engine, result.get("engine_sync"), result.get("engine_again"))):
-        print(f"async_scheduling={run['async_scheduling']}: {run['tok_per_s']:.1f} tok/s; host work "
-              f"{run['host_ms_per_step']:.2f} ms/step; {run['idle_launch_fraction']:.1%} of steps launched onto "
-              f"an idle device; device idle {run['device_idle_s']:.2f} s ({run['device_idle_fraction']:.2%})")
-    if not args.skip_baseline:
-        base = run_transformers(llm.model_path, prompts, outputs, args.baseline_batch)
-        print(f"transformers generate, static batches of {base['batch']}: {base['tok_per_s']:.1f} output tok/s "
-              f"({base['seconds']:.1f} s)")
-        print(f"ratio: {engine['tok_per_s'] / base['tok_per_s']:.2f}x")
-        result["baseline"] = base
-    print(json.dumps(result))
+    result = bench(bench_argv(p.parse_args()))
+    runs = [point["result"] for point in result["points"]] if result["mode"] == "sweep" else [result]
+    cfg = types.SimpleNamespace(**runs[0]["model"]["config"])
+    peak = matmul_gflops() * 1e9 / flops_per_token(cfg)      # tokens/s if only the matmuls ran
+    for run in runs:
+        tok_s = run["metrics"]["output_tokens_per_s"]
+        print(f"{tok_s:.1f} output tok/s: {tok_s / peak:.1%} of the f32 matmul peak ({peak:.0f} tok/s)")
 
 
 if __name__ == "__main__":

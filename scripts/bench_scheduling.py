@@ -2,7 +2,10 @@
 the feature off, in the same run.
 
 prefix: 64 requests sharing a 1,024-token prefix + 32 unique tokens, 32 output tokens each:
-        prefill tokens computed and output tokens/s, prefix caching on vs off.
+        prefill tokens computed and output tokens/s, prefix caching on vs off; a preset of
+        python -m jaxengine.bench sweep --grid enable_prefix_caching=false,true throughput \
+            --dataset shared-prefix --prefix-len 1024 --input-len 32 --output-len 32 --num-prompts 64 \
+            --max-model-len 2048
 itl:    8 requests decode; then 8 prompts of 2,048 tokens arrive: p99 inter-token latency of the
         8 decoding requests with chunked prefill (budget 512) vs without (budget 2,048 + 64).
 
@@ -18,22 +21,19 @@ import time
 import numpy as np
 
 from jaxengine import LLM, SamplingParams
+from jaxengine.bench.__main__ import main as bench
 
 
-def prefix_run(caching: bool) -> dict:
-    llm = LLM(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048, enable_prefix_caching=caching,
-              progress=False)
-    rng = random.Random(0)
-    shared = [rng.randrange(100, 40000) for _ in range(1024)]
-    prompts = [shared + [rng.randrange(100, 40000) for _ in range(32)] for _ in range(64)]
-    llm.engine.traces = []
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"caching": caching, "seconds": seconds, "tok_per_s": tokens / seconds,
-            "prefill_tokens": sum(t.num_prefill_tokens for t in llm.engine.traces),
-            "cached_tokens": sum(o.num_cached_tokens for o in outs)}
+PREFIX_SWEEP = ["sweep", "--grid", "enable_prefix_caching=false,true", "throughput", "--dataset", "shared-prefix",
+                "--prefix-len", "1024", "--input-len", "32", "--output-len", "32", "--num-prompts", "64",
+                "--max-num-batched-tokens", "512", "--max-num-seqs", "64", "--max-model-len", "2048"]
+
+
+def prefix_runs() -> tuple[dict, dict]:
+    """(caching off, caching on): seconds, output tok/s, prefill tokens computed, cached tokens."""
+    runs = [point["result"]["metrics"] for point in bench(PREFIX_SWEEP)["points"]]
+    return tuple({"seconds": m["elapsed_s"], "tok_per_s": m["output_tokens_per_s"],
+                  "prefill_tokens": m["prefill_tokens"], "cached_tokens": m["cached_prompt_tokens"]} for m in runs)
 
 
 def itl_run(chunked: bool) -> dict:
@@ -70,7 +70,7 @@ def main() -> None:
     args = p.parse_args()
     result = {}
     if args.which in ("prefix", "all"):
-        off, on = prefix_run(False), prefix_run(True)
+        off, on = prefix_runs()
         result["prefix"] = {"off": off, "on": on,
                             "prefill_drop": 1 - on["prefill_tokens"] / off["prefill_tokens"],
                             "speedup": on["tok_per_s"] / off["tok_per_s"]}

@@ -1,4 +1,4 @@
-"""A lower bound on the time of the offline workload (bench_offline.py) on this machine: the
+"""A lower bound on the time of the offline workload (bench_offline.py's) on this machine: the
 roofline of every step, with the ceilings measured in this run.
 
     python scripts/roofline_offline.py [--baseline-tok-s 78.8]

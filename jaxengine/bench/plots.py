@@ -15,7 +15,8 @@ MODES = ("throughput", "serve", "latency", "sweep")
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 SECONDS_LISTS = {"latencies": "latency_ms"}       # lists in seconds not named *_s
 THROUGHPUT_KEYS = ("output_throughput", "output_tok_s", "output_tokens_per_s", "tokens_per_s")
-FRONTIER_Y = (("ttft_ms", "p99 TTFT (ms)"), ("e2e_ms", "p99 e2e latency (ms)"), ("latency_ms", "p99 latency (ms)"))
+FRONTIER_Y = (("ttft_ms", "p99 TTFT (ms)"), ("e2e_ms", "p99 e2e latency (ms)"),
+              ("e2e_latency_ms", "p99 e2e latency (ms)"), ("latency_ms", "p99 latency (ms)"))
 
 
 def plot_result(result: dict, out_dir) -> list[Path]:
@@ -123,8 +124,10 @@ def plot_frontier(result: dict, path: Path) -> list[Path]:
 
 
 def _metrics(point: dict) -> dict:
-    """A grid point's measurements: the point itself or its nested ``result``."""
-    return point.get("result") if isinstance(point.get("result"), dict) else point
+    """A grid point's measurements: the point itself or its nested ``result`` (an offline
+    throughput result keeps them under ``metrics``)."""
+    result = point.get("result") if isinstance(point.get("result"), dict) else point
+    return result.get("metrics") if isinstance(result.get("metrics"), dict) else result
 
 
 def _throughput(point: dict) -> float | None:

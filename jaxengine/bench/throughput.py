@@ -1,0 +1,184 @@
+"""Offline throughput: a workload through LLM.generate, optionally against baselines.
+
+The workload's requests run greedy with ``ignore_eos`` (every request generates exactly its
+output length) on an engine built from any engine flags.
+
+Reports requests/s, input and output tokens/s over the generation's wall time (start-up, i.e.
+loading and compiling, apart), the prefix-cache hit rate (cached prompt tokens / prompt tokens),
+preemptions and swapped blocks from the engine's step traces, per-request latencies, and the
+host's work per step with the device's idle time (async scheduling's effect). The
+result keeps the step traces for plots (``"traces"``: one ``StepTrace`` dict per step, with
+``time_s``: when the step ended, from the start of the generation).
+
+``--baseline hf`` / ``--baseline naive`` (repeatable) run the same requests through transformers
+or a plain JAX loop (see ``hf_baseline`` and ``naive_baseline``) in static batches, in the same
+invocation; the result holds their figures, the ratios jaxengine / baseline, and whether their
+greedy tokens equal the engine's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+from jaxengine.bench.datasets import BenchRequest, add_dataset_arguments, describe, load_requests
+from jaxengine.bench.report import print_table, summarize
+from jaxengine.engine_args import EngineArgs
+from jaxengine.sampling_params import SamplingParams
+
+BASELINES = ("hf", "naive")
+
+
+def add_arguments(parser) -> None:
+    add_dataset_arguments(parser)
+    group = parser.add_argument_group("baselines")
+    group.add_argument("--baseline", action="append", choices=BASELINES, default=[],
+                       help="also run the workload through transformers (hf) or a plain JAX dense-cache loop "
+                            "(naive), in static batches; repeatable")
+    group.add_argument("--baseline-batch-size", type=int, default=16, help="requests per static batch")
+    EngineArgs.add_cli_args(parser)
+
+
+def run(args) -> dict:
+    llm, startup_s = start_engine(EngineArgs.from_cli_args(args), args.progress)
+    requests = load_requests(args, llm.model_config.vocab_size, llm.encode if llm.tokenizer else None,
+                             llm.config.scheduler.max_model_len)
+    result = {"mode": "throughput", "engine_args": dataclasses.asdict(llm.engine_args), "model": model_info(llm),
+              "workload": describe(args)}
+    result.update(measure(llm, requests, args.progress))
+    result["metrics"]["startup_s"] = startup_s
+    tokens = result.pop("tokens")
+    result["baselines"] = {name: run_baseline(name, llm, requests, args, result["metrics"], tokens)
+                           for name in dict.fromkeys(args.baseline)}
+    print_table(table_rows(result), title="offline throughput")
+    return result
+
+
+def model_info(llm) -> dict:
+    """Which model ran, its shape, dtype and device, for the result file."""
+    import jax
+
+    return {"path": str(llm.model_path), "dtype": llm.dtype.name, "platform": jax.devices()[0].platform,
+            "device": jax.devices()[0].device_kind, "config": dataclasses.asdict(llm.model_config)}
+
+
+def start_engine(engine_args: EngineArgs, progress: bool):
+    """The engine and its start-up time (loading and compiling every step bucket)."""
+    from jaxengine.llm import LLM
+
+    start = time.perf_counter()
+    llm = LLM.from_engine_args(engine_args, progress=progress)
+    return llm, time.perf_counter() - start
+
+
+def measure(llm, requests: list[BenchRequest], progress: bool) -> dict:
+    """Generate every request once; ``metrics``, per-request lengths, step traces and the tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    llm.engine.traces = []
+    reset_runner_counters(llm.runner)
+    with recording_step_ends(llm.engine) as ends:
+        start = time.perf_counter()
+        outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=progress)
+        elapsed = time.perf_counter() - start
+    traces = [{**dataclasses.asdict(t), "time_s": end - start} for t, end in zip(llm.engine.traces, ends)]
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    prompt_lens = [len(r.prompt_token_ids) for r in requests]
+    output_lens = [len(t) for t in tokens]
+    metrics = {**rates(len(requests), sum(prompt_lens), sum(output_lens), elapsed),
+               **cache_and_step_figures(outputs, traces), **latency_figures(outputs)}
+    if llm.engine_args.data_parallel_size == 1:        # the runner's counters are one replica's
+        metrics.update(host_figures(llm.runner, elapsed, len(traces)))
+    return {"metrics": metrics, "requests": {"prompt_lens": prompt_lens, "output_lens": output_lens},
+            "traces": traces, "tokens": tokens}
+
+
+@contextlib.contextmanager
+def recording_step_ends(engine):
+    """Within: ``ends`` gets the time each engine step returns (one per step trace)."""
+    ends, step = [], engine.step
+
+    def timed(*args, **kwargs):
+        finished = step(*args, **kwargs)
+        ends.append(time.perf_counter())
+        return finished
+
+    engine.step = timed
+    try:
+        yield ends
+    finally:
+        del engine.step                 # the class's method again
+
+
+def reset_runner_counters(runner) -> None:
+    runner.device_wait_s = runner.idle_s = 0.0
+    runner.num_launches = runner.num_idle_launches = 0
+
+
+def host_figures(runner, elapsed: float, num_steps: int) -> dict:
+    """Host work per step (the time not spent waiting for the device's results), the share of
+    steps launched onto an idle device, and the device's idle time before those launches."""
+    return {"host_ms_per_step": (elapsed - runner.device_wait_s) / max(num_steps, 1) * 1e3,
+            "idle_launch_fraction": runner.num_idle_launches / max(runner.num_launches, 1),
+            "device_idle_s": runner.idle_s}
+
+
+def rates(num_requests: int, prompt_tokens: int, output_tokens: int, seconds: float) -> dict:
+    return {"num_requests": num_requests, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "elapsed_s": seconds, "requests_per_s": num_requests / seconds,
+            "input_tokens_per_s": prompt_tokens / seconds, "output_tokens_per_s": output_tokens / seconds,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds}
+
+
+def cache_and_step_figures(outputs, traces: list[dict]) -> dict:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"cached_prompt_tokens": cached, "prefix_cache_hit_rate": cached / prompt_tokens,
+            "num_steps": len(traces), "prefill_tokens": sum(t["num_prefill_tokens"] for t in traces),
+            "tokens_computed": sum(t["num_prefill_tokens"] + t["num_decode_tokens"] for t in traces),
+            "preemptions": sum(t["num_preemptions"] for t in traces),
+            "blocks_swapped_out": sum(t["num_blocks_swapped_out"] for t in traces),
+            "blocks_swapped_in": sum(t["num_blocks_swapped_in"] for t in traces),
+            "peak_kv_usage": max((t["kv_usage"] for t in traces), default=0.0)}
+
+
+def latency_figures(outputs) -> dict:
+    """Per-request latencies in ms (every request arrives at the start: queueing included)."""
+    m = [o.metrics for o in outputs]
+    tpot = [(x.finished_time - x.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+            for x, o in zip(m, outputs) if len(o.outputs[0].token_ids) > 1]
+    return {"ttft_ms": summarize(x.ttft * 1e3 for x in m),
+            "tpot_ms": summarize(t * 1e3 for t in tpot),
+            "e2e_latency_ms": summarize((x.finished_time - x.arrival_time) * 1e3 for x in m)}
+
+
+def run_baseline(name: str, llm, requests: list[BenchRequest], args, engine_metrics: dict,
+                 engine_tokens: list) -> dict:
+    """One baseline on the same requests: its figures, jaxengine / baseline ratios, token agreement."""
+    if name == "hf":
+        from jaxengine.bench.hf_baseline import run_hf
+
+        figures, tokens = run_hf(llm.model_path, requests, args.baseline_batch_size, args.progress)
+    else:
+        from jaxengine.bench.naive_baseline import run_naive
+
+        figures, tokens = run_naive(llm.model, requests, args.baseline_batch_size, args.progress)
+    figures.update(rates(len(requests), engine_metrics["prompt_tokens"], engine_metrics["output_tokens"],
+                         figures["elapsed_s"]))
+    mismatched = sum(a != b for a, b in zip(engine_tokens, tokens))
+    ratio = {k: engine_metrics[k] / figures[k] for k in ("requests_per_s", "output_tokens_per_s")}
+    return {**figures, "ratio": ratio, "same_tokens": mismatched == 0, "mismatched_requests": mismatched}
+
+
+def table_rows(result: dict) -> list[dict]:
+    m = result["metrics"]
+    rows = [{"run": "jaxengine", "req/s": m["requests_per_s"], "input tok/s": m["input_tokens_per_s"],
+             "output tok/s": m["output_tokens_per_s"], "time s": m["elapsed_s"], "start-up s": m["startup_s"],
+             "prefix hit rate": m["prefix_cache_hit_rate"], "preemptions": m["preemptions"],
+             "swapped blocks": m["blocks_swapped_out"] + m["blocks_swapped_in"], "ratio": None,
+             "same tokens": None}]
+    for name, b in result["baselines"].items():
+        rows.append({"run": f"baseline {name}", "req/s": b["requests_per_s"],
+                     "input tok/s": b["input_tokens_per_s"], "output tok/s": b["output_tokens_per_s"],
+                     "time s": b["elapsed_s"], "start-up s": b.get("load_s", b.get("compile_s")),
+                     "ratio": b["ratio"]["output_tokens_per_s"], "same tokens": b["same_tokens"]})
+    return rows

@@ -1,0 +1,93 @@
+"""python -m jaxengine.bench end to end on a tiny checkpoint: throughput (random with both
+baselines, shared prefix with prefix caching), latency per bucket, a two-point sweep."""
+import json
+import statistics
+
+import pytest
+
+from jaxengine.bench.__main__ import main
+
+# One engine shape for every test: its four step buckets compile once (JAX's persistent cache).
+ENGINE = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--request-buckets", "2,4", "--max-model-len", "128"]
+SHARED_PREFIX = ["--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "16", "--output-len", "4",
+                 "--num-prompts", "4"]
+
+
+def bench(checkpoint, tmp_path, mode, *options, sweep=()) -> tuple[dict, dict]:
+    """Run a mode (a sweep: its options, then the target's) on the tiny engine with ``options``;
+    returns (the result it returned, the JSON file it wrote)."""
+    path = tmp_path / "result.json"
+    result = main([mode, "--result-file", str(path), "--no-progress", *sweep, "--model", str(checkpoint), *ENGINE,
+                   *options])
+    return result, json.loads(path.read_text())
+
+
+def test_throughput_random_against_both_baselines(chat_checkpoint, tmp_path):
+    result, saved = bench(chat_checkpoint, tmp_path, "throughput", "--num-prompts", "6", "--input-len", "5:40",
+                          "--output-len", "7", "--baseline", "naive", "--baseline", "hf",
+                          "--baseline-batch-size", "4")
+    assert saved == json.loads(json.dumps(result))
+    m, lens = result["metrics"], result["requests"]
+    assert m["num_requests"] == 6 and lens["output_lens"] == [7] * 6
+    assert m["output_tokens"] == sum(lens["output_lens"]) == 6 * 7
+    assert m["prompt_tokens"] == sum(lens["prompt_lens"])
+    assert all(5 <= n <= 40 for n in lens["prompt_lens"])
+    assert m["requests_per_s"] == 6 / m["elapsed_s"]
+    assert m["output_tokens_per_s"] == 42 / m["elapsed_s"]
+    assert m["input_tokens_per_s"] == m["prompt_tokens"] / m["elapsed_s"]
+    assert m["prefix_cache_hit_rate"] == 0.0 and m["preemptions"] == 0
+    traces = result["traces"]
+    assert len(traces) == m["num_steps"]
+    # Every prompt token is computed once, and every output token but the last is fed back once.
+    assert m["tokens_computed"] == sum(t["num_prefill_tokens"] + t["num_decode_tokens"] for t in traces)
+    assert m["tokens_computed"] == m["prompt_tokens"] + 6 * (7 - 1)
+    assert [t["time_s"] for t in traces] == sorted(t["time_s"] for t in traces)
+    assert traces[-1]["time_s"] <= m["elapsed_s"]
+    for name in ("naive", "hf"):
+        b = result["baselines"][name]
+        assert b["output_tokens"] == 42 and b["requests_per_s"] == 6 / b["elapsed_s"]
+        assert b["ratio"]["output_tokens_per_s"] == m["output_tokens_per_s"] / b["output_tokens_per_s"]
+        assert b["same_tokens"] is True and b["mismatched_requests"] == 0      # greedy: the engine's tokens
+
+
+def test_shared_prefix_hits_the_prefix_cache_exactly(chat_checkpoint, tmp_path):
+    # The step budget is one prompt (16 + 16 tokens): the first request's prefill runs alone, and
+    # the three others then find its full block of prefix cached.
+    result, _ = bench(chat_checkpoint, tmp_path, "throughput", *SHARED_PREFIX)
+    m = result["metrics"]
+    assert m["prompt_tokens"] == 4 * 32 and m["cached_prompt_tokens"] == 3 * 16
+    assert m["prefix_cache_hit_rate"] == 3 * 16 / (4 * 32) == 0.375
+    assert m["tokens_computed"] == 4 * 32 - 3 * 16 + 4 * (4 - 1)
+    assert m["output_tokens"] == 4 * 4
+    assert result["workload"]["dataset"] == "shared-prefix" and result["engine_args"]["enable_prefix_caching"]
+
+
+def test_latency_times_every_bucket_pair(chat_checkpoint, tmp_path):
+    result, saved = bench(chat_checkpoint, tmp_path, "latency", "--repeats", "3", "--context-len", "20")
+    assert saved["mode"] == "latency"
+    rows = [(r["kind"], r["tokens"], r["rows"], r["token_bucket"], r["row_bucket"], r["context_len"])
+            for r in result["rows"]]
+    assert rows == [("prefill", 16, 2, 16, 2, 0), ("prefill", 16, 4, 16, 4, 0), ("prefill", 32, 2, 32, 2, 0),
+                    ("prefill", 32, 4, 32, 4, 0), ("decode", 2, 2, 16, 2, 20), ("decode", 4, 4, 16, 4, 20)]
+    for r in result["rows"]:
+        assert r["reached"] and len(r["times_ms"]) == 3 and r["step_ms"] == pytest.approx(statistics.median(r["times_ms"]))
+        assert r["us_per_token"] == pytest.approx(r["step_ms"] * 1e3 / r["tokens"])
+
+
+def test_sweep_over_prefix_caching(chat_checkpoint, tmp_path):
+    result, saved = bench(chat_checkpoint, tmp_path, "sweep", *SHARED_PREFIX,
+                          sweep=["--grid", "enable_prefix_caching=true,false", "throughput"])
+    assert saved["mode"] == "sweep" and saved["target"] == "throughput"
+    assert saved["grid"] == {"enable_prefix_caching": [True, False]}
+    assert [p["params"] for p in saved["points"]] == [{"enable_prefix_caching": True},
+                                                      {"enable_prefix_caching": False}]
+    assert [p["result"]["metrics"]["prefix_cache_hit_rate"] for p in saved["points"]] == [0.375, 0.0]
+    assert [p["result"]["engine_args"]["enable_prefix_caching"] for p in saved["points"]] == [True, False]
+    assert saved["frontier"] and set(saved["frontier"]) <= {0, 1}
+
+
+def test_sweep_rejects_an_unknown_option(tmp_path):
+    with pytest.raises(ValueError, match="'max_num_batched_tokenz' is not an option"):
+        main(["sweep", "--result-file", str(tmp_path / "r.json"), "--grid", "max_num_batched_tokenz=1,2"])
+    with pytest.raises(ValueError, match="--grid max_num_seqs: 'x'"):
+        main(["sweep", "--result-file", str(tmp_path / "r.json"), "--grid", "max_num_seqs=1,x"])
