@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
     for name, module in MODES.items():
         doc = module.__doc__ or name
-        sub = modes.add_parser(name, help=doc.splitlines()[0], description=doc, formatter_class=HelpFormatter)
+        sub = modes.add_parser(name, help=doc.splitlines()[0], description=doc, formatter_class=HelpFormatter,
+                               conflict_handler="resolve")    # a mode may define a common flag itself
         add_output_arguments(sub)
         if module is sweep:
             sweep.add_arguments(sub, SWEEP_TARGETS)
