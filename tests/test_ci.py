@@ -22,7 +22,10 @@ chmod +x .venv/bin/pip .venv/bin/python
 """
 
 
-def run_ci(tmp_path: Path, tests: dict[str, str]) -> subprocess.CompletedProcess:
+def run_ci(tmp_path: Path, tests: dict[str, str], tools: dict[str, str] | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``tools``: scripts that stand in for commands; given any, PATH holds only them, the fake
+    python3 and the few real commands the script needs (so no chromium is found)."""
     checkout = tmp_path / "checkout"
     (checkout / ".ci").mkdir(parents=True)
     shutil.copy(ROOT / ".ci" / "run", checkout / ".ci" / "run")
@@ -32,9 +35,15 @@ def run_ci(tmp_path: Path, tests: dict[str, str]) -> subprocess.CompletedProcess
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON3)
     (bin_dir / "python3").chmod(stat.S_IRWXU)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    return subprocess.run(["bash", str(checkout / ".ci" / "run")], env=env, capture_output=True, text=True,
-                          timeout=120)
+    for name, text in (tools or {}).items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    for name in ("dirname", "mkdir", "chmod") if tools else ():
+        (bin_dir / name).symlink_to(shutil.which(name))
+    path = str(bin_dir) if tools else f"{bin_dir}:{os.environ['PATH']}"
+    env = {**os.environ, **(env or {}), "PATH": path}
+    return subprocess.run([shutil.which("bash"), str(checkout / ".ci" / "run")], env=env, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_no_tests_collected_fails(tmp_path):
@@ -54,3 +63,13 @@ def test_it_runs_the_readmes_test_command():
     command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest"
     assert command in (ROOT / "README.md").read_text()
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.parametrize("ci, uid, installs", [("true", "0", True), ("true", "1000", False), ("", "0", False)])
+def test_chromium_is_installed_for_the_browser_test_only_as_root_under_ci(tmp_path, ci, uid, installs):
+    log = tmp_path / "apt-get.log"
+    tools = {"id": f"#!/bin/sh\necho {uid}\n", "apt-get": f"#!/bin/sh\necho \"$*\" >> {log}\n"}
+    result = run_ci(tmp_path, {"test_one.py": "def test_one():\n    assert True\n"}, tools, {"CI": ci})
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines() if log.exists() else []
+    assert calls == (["update -q", "install -y -q chromium"] if installs else [])

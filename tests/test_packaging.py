@@ -37,6 +37,7 @@ def test_wheel_install_ships_models_and_kernels_inside_jaxengine(tmp_path):
     assert plain == "None" and not (tmp_path / "site" / "models").exists()
     shipped = {p.relative_to(tmp_path / "site" / "jaxengine") for p in (tmp_path / "site" / "jaxengine").rglob("*.py")}
     assert sorted(set(source_modules()) - shipped) == []
+    assert (tmp_path / "site" / "jaxengine" / "serve" / "static" / "dashboard.html").is_file()    # package data
 
 
 def source_modules() -> list[Path]:

@@ -8,17 +8,21 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxengine
 from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, EngineUnhealthyError, QueueFullError
+from jaxengine.serve.dashboard import engine_settings, page_html
 from jaxengine.serve.metrics import EngineMetrics
 from jaxengine.serve.openai_serving import OpenAIServing, RequestError, param_of
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
+# Paths behind the API key. The dashboard's page holds no data and stays open (as /metrics does);
+# its data route also names the model path and every engine setting, so it takes the key.
+GUARDED_PATHS = ("/v1", "/dashboard/state")
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -41,6 +45,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
     _add_auth(app, api_key)
     _add_error_handlers(app)
     _add_info_routes(app, engine, serving, metrics)
+    _add_dashboard_routes(app, engine, serving, metrics)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, raw: Request):
@@ -78,14 +83,14 @@ def _add_auth(app: FastAPI, api_key: str | None) -> None:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on /v1/*. Plain ASGI on purpose: Starlette's
+    """``Authorization: Bearer <key>`` on /v1/* and the dashboard's data. Plain ASGI on purpose: Starlette's
     BaseHTTPMiddleware wraps ``receive``, and then a handler no longer sees its client leave."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
@@ -176,3 +181,18 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
         if serving.tokenizer is None:
             raise RequestError(400, "tokens: the server runs without a tokenizer", "tokens")
         return {"prompt": await engine.decode(body.tokens)}
+
+
+def _add_dashboard_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: EngineMetrics) -> None:
+    page, settings = page_html(), engine_settings(engine.llm)
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard():
+        """The live dashboard: a static page that polls /dashboard/state once a second."""
+        return HTMLResponse(page)
+
+    @app.get("/dashboard/state")
+    async def dashboard_state():
+        state = {"model": serving.model_name, "health": engine.health_problem, "settings": settings,
+                 **metrics.dashboard.snapshot()}
+        return JSONResponse(state, headers={"Cache-Control": "no-store"})

@@ -1,7 +1,8 @@
 """Prometheus metrics for the server (prometheus-client), named like vLLM's under ``jaxengine:``.
 
 Each server owns a ``CollectorRegistry`` (so several servers can live in one process, as in
-tests). The engine thread feeds it through the ``AsyncEngine`` observer calls. Under data
+tests). The engine thread feeds it through the ``AsyncEngine`` observer calls, which feed the
+live dashboard's rolling window too (``EngineMetrics.dashboard``). Under data
 parallelism the usual metrics are the totals over the replicas, and ``jaxengine:replica_*``
 gauges (label ``replica``) give each replica's share.
 """
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from jaxengine.engine import Engine
 from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.request import Request
+from jaxengine.serve.dashboard import DashboardCollector
 
 disable_created_metrics()      # no *_created series next to each counter (as vLLM)
 
@@ -56,9 +58,11 @@ class EngineMetrics:
         self.step_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
         self._seen_queries = self._seen_hits = 0
         self.replicas = ReplicaMetrics(model_name, r)
+        self.dashboard = DashboardCollector()
 
     # ---- observer calls (engine thread) ----
     def on_step(self, engine: Engine | DataParallelEngine) -> None:
+        self.dashboard.on_step(engine)
         trace = engine.last_trace
         self.preemptions.inc(trace.num_preemptions)
         self.swap_fallbacks.inc(trace.num_swap_fallbacks)
@@ -67,11 +71,13 @@ class EngineMetrics:
         self._set_state(engine)
 
     def on_tokens(self, request: Request, num_tokens: int, itl: float | None) -> None:
+        self.dashboard.on_tokens(request, num_tokens, itl)
         self.generation_tokens.inc(num_tokens)
         if itl is not None:
             self.itl.observe(itl)
 
     def on_finish(self, request: Request) -> None:
+        self.dashboard.on_finish(request)
         t = request.times
         self.success.labels(self.model_name, request.status.finish_reason).inc()
         self.prompt_tokens.inc(request.num_prompt_tokens)
@@ -87,6 +93,7 @@ class EngineMetrics:
 
     def on_idle(self, engine: Engine | DataParallelEngine) -> None:
         """Gauges after requests left while the engine had no step to run (aborts)."""
+        self.dashboard.on_idle(engine)
         self._set_state(engine)
 
     def _set_state(self, engine: Engine | DataParallelEngine) -> None:

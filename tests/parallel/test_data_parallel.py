@@ -5,6 +5,7 @@ import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from jaxengine import Engine, EngineConfig, SamplingParams
@@ -213,6 +214,7 @@ def test_the_server_spreads_concurrent_requests_over_the_replicas(single, dp_llm
 
         with ThreadPoolExecutor(len(texts)) as pool:
             replies = list(pool.map(complete, texts))
+        dashboard = httpx.get(f"{url}/dashboard/state").json()
     assert [r.choices[0].text for r in replies] == [expected[tuple(single.encode(t))].text for t in texts]
     assert tokens == {key: out.token_ids for key, out in expected.items()}
     per_replica = [a - b for a, b in zip(dp_llm.engine.num_routed, routed)]
@@ -222,6 +224,9 @@ def test_the_server_spreads_concurrent_requests_over_the_replicas(single, dp_llm
             for i in range(2)] == dp_llm.engine.num_routed        # since the engine started
     assert sample("jaxengine:replica_kv_cache_usage_perc", {"model_name": "tiny", "replica": "1"}) == 0
     assert sample("jaxengine:num_requests_running", {"model_name": "tiny"}) == 0
+    assert dashboard["replicas"] == [{"num_waiting": 0, "num_running": 0, "num_swapped": 0, "kv_usage": 0.0,
+                                      "routed": routed} for routed in dp_llm.engine.num_routed]
+    assert dashboard["settings"]["resolved"]["replicas"] == 2
 
 
 def test_more_replicas_than_devices_are_refused_naming_the_option(chat_checkpoint):
