@@ -154,13 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     from jaxengine.parallel import multihost
 
-    try:
-        dist = multihost.initialize(engine_args)          # before any other JAX use
-    except ValueError as error:
-        print(f"python -m jaxengine.generate: {error}", file=sys.stderr)
-        return 2
-    if dist is not None and dist.is_worker:               # process 0 reads and writes; the others run its steps
-        return multihost.run_worker(engine_args, progress=True)
+    if (status := multihost.join_job(engine_args, "python -m jaxengine.generate")) is not None:
+        return status
     if not args.input.exists():
         print(f"--input: {args.input} does not exist", file=sys.stderr)
         return 2

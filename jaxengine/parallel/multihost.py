@@ -521,6 +521,20 @@ class Worker:
                     channel.dist.process_id, steps, num_compilations() - compilations)
 
 
+def join_job(engine_args, program: str) -> int | None:
+    """For a command-line door: join the distributed job (before any other JAX use). Returns
+    the exit status when this process is done (an invalid job: 2; a worker: once process 0
+    stops), or None when it goes on as process 0 or alone."""
+    try:
+        dist = initialize(engine_args)
+    except ValueError as error:
+        print(f"{program}: {error}", file=sys.stderr)
+        return 2
+    if dist is not None and dist.is_worker:        # process 0 schedules and serves; the others run its steps
+        return run_worker(engine_args, progress=True)
+    return None
+
+
 def run_worker(engine_args, *, progress: bool = False) -> int:
     """The entry point of a process other than 0: join the job, load the model's share and
     compile the same steps, then run process 0's steps until it stops (returns 0) or is gone

@@ -70,13 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     from jaxengine.parallel import multihost
 
-    try:
-        dist = multihost.initialize(engine_args)          # before any other JAX use
-    except ValueError as error:
-        print(f"python -m jaxengine.serve: {error}", file=sys.stderr)
-        return 2
-    if dist is not None and dist.is_worker:               # process 0 serves; the others run its steps
-        return multihost.run_worker(engine_args, progress=True)
+    if (status := multihost.join_job(engine_args, "python -m jaxengine.serve")) is not None:
+        return status
     from jaxengine.llm import LLM
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine

@@ -8,24 +8,15 @@ import pytest
 
 from jaxengine.bench import serve
 from jaxengine.bench.serve import RequestResult
-from tests.serve.conftest import API_KEY, ENGINE, LiveServer, uvicorn_thread
+from tests.serve.conftest import API_KEY, LiveServer
 
 OUTPUT_LEN = 5
 
 
-@pytest.fixture(scope="module")
-def live(chat_checkpoint):
-    from jaxengine.llm import LLM
-    from jaxengine.serve.api_server import build_app
-    from jaxengine.serve.async_engine import AsyncEngine
-    from jaxengine.serve.metrics import EngineMetrics
-
-    llm = LLM(chat_checkpoint, **ENGINE)
-    metrics = EngineMetrics("tiny")
-    engine = AsyncEngine(llm, observer=metrics)
-    app = build_app(engine, served_model_name="tiny", metrics=metrics, api_key=API_KEY)
-    with uvicorn_thread(app) as url:
-        yield LiveServer(url, llm, engine, metrics)
+@pytest.fixture
+def live(server):
+    """The tests' shared live server on the tiny chat model (its counters are read as deltas)."""
+    return server
 
 
 # ---- the report, from synthetic requests ----
@@ -192,6 +183,8 @@ def test_max_duration_stops_sending(live):
     prompts = serve.random_word_prompts(50, 3, OUTPUT_LEN, seed=2)
     result = serve.benchmark(f"{live.url}/v1", prompts, model="tiny", request_rate=2.0, max_duration=1.0,
                              api_key=API_KEY, progress=False, extra_body={"ignore_eos": True})
-    assert 1 <= result["num_requests"] < 50
+    # The seeded gaps (arrival_gaps(50, 2.0, seed=0)) start requests at 0, 0.34, 0.85, 0.86 and
+    # 0.861 s; the sixth would start at 1.136 s, past the 1 s limit.
+    assert result["num_requests"] == 5
     assert all(r["start_s"] < 1.0 for r in result["requests"])
     assert result["failed"] == 0
