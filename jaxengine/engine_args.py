@@ -126,17 +126,35 @@ class EngineArgs:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One flag per field, named as vLLM names it (``--max-num-seqs``)."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """One flag per field, named as vLLM names it (``--max-num-seqs``); ``skip``: fields the
+        caller defines a flag for itself (same ``dest``)."""
         group = parser.add_argument_group("engine")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
             group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=f.metadata["help"],
                                **_argparse_kind(hints[f.name], f.metadata.get("choices")))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that rebuild these options from the defaults (what a launched server gets)."""
+        argv = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            if isinstance(value, bool):
+                argv.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+            elif value is None:
+                raise ValueError(f"{f.name}: None cannot be written as a flag (its default is {f.default!r})")
+            else:
+                argv += [_flag(f.name), ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+        return argv
 
     # ---- the frozen configs ----
     def create_engine_config(self, model_config, kv_dtype=None, devices=None) -> EngineConfig:

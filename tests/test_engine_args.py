@@ -58,6 +58,16 @@ def test_flags_reach_the_engine_config():
     assert (args.token_buckets, args.request_buckets, args.skip_kernel_check) == ([32, 96], [4, 12], True)
 
 
+def test_to_cli_args_writes_what_differs_from_the_defaults_and_parses_back():
+    assert EngineArgs().to_cli_args() == []
+    args = EngineArgs(model="/m", max_num_batched_tokens=96, enable_prefix_caching=False, async_scheduling=True,
+                      token_buckets=[32, 96], scheduler_delay_factor=0.5, preemption_mode="swap")
+    assert args.to_cli_args() == ["--model", "/m", "--max-num-batched-tokens", "96", "--no-enable-prefix-caching",
+                                  "--preemption-mode", "swap", "--scheduler-delay-factor", "0.5",
+                                  "--async-scheduling", "--token-buckets", "32,96"]
+    assert EngineArgs.from_cli_args(serve_args(args.to_cli_args())) == args
+
+
 def test_flags_reach_the_llm(module):
     args = EngineArgs.from_cli_args(serve_args(["--max-num-batched-tokens", "64", "--max-num-seqs", "8",
                                                 "--token-buckets", "16,64", "--num-kv-blocks", "30",

@@ -7,23 +7,31 @@ Requests arrive as a Poisson process at ``--request-rate`` (gamma-distributed ga
 carrying tokens), ITL (gaps between such chunks), TPOT ((e2e - TTFT) / (output tokens - 1)), e2e
 latency, output tokens (the server's ``usage`` when it sends one, else the chunks counted).
 The result also holds goodput under SLOs and the output tokens streamed in each second.
+
+``--launch`` starts this engine's server for the run with the engine options given here (see
+``launch``), so ``sweep`` can compare engine options under the same load::
+
+    python -m jaxengine.bench sweep --grid request_rate=0.5,1,2 --grid enable_chunked_prefill=false,true \
+        serve --launch --num-prompts 32 --input-len 256 --output-len 64 --ignore-eos
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import ipaddress
 import json
 import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlparse
 
 import numpy as np
+
+from jaxengine.bench.launch import launched_server
+from jaxengine.engine_args import EngineArgs
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 REQUEST_TIMEOUT_S = 600        # the longest wait for any read: a stalled server fails its requests, not the run
@@ -329,7 +337,12 @@ def parse_slo(text: str) -> tuple[str, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=DEFAULT_BASE_URL, help="the server's OpenAI API root")
     parser.add_argument("--allow-remote", action="store_true", help="allow a base URL not on loopback")
-    parser.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    parser.add_argument("--model", default=None,
+                        help="model name to request (default: the server's first); with --launch, the "
+                             "checkpoint the launched server loads (default: the embedded default model)")
+    parser.add_argument("--launch", action="store_true",
+                        help="start this engine's server for the run (on a free loopback port, with the "
+                             "engine options below; --base-url is then ignored), so that sweep can vary them")
     parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
@@ -345,52 +358,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     _add_prompt_arguments(parser)
+    EngineArgs.add_cli_args(parser, skip=("model",))
 
 
 def _add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
-    datasets = _datasets()
-    if datasets is not None:
-        try:
-            datasets.add_arguments(parser)
-        except argparse.ArgumentError:
-            pass            # the caller added them already
-        return
     parser.add_argument("--input-len", type=int, default=128, help="prompt length in words (or token ids)")
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--token-ids", type=int, nargs=2, metavar=("LOW", "HIGH"), default=None,
                         help="prompts of random token ids in [LOW, HIGH) instead of words (completions only)")
 
 
-def _datasets():
-    """The package's request sources when they are installed alongside and offer both hooks
-    (``add_arguments(parser)``, ``prompts_from_args(args) -> [(prompt, max_tokens)]``); else None,
-    and the random-words source here is used."""
-    if importlib.util.find_spec("jaxengine.bench.datasets") is None:
-        return None
-    import jaxengine.bench.datasets as datasets
-
-    hooks = ("add_arguments", "prompts_from_args")
-    return datasets if all(hasattr(datasets, h) for h in hooks) else None
-
-
 def prompts_from_args(args: argparse.Namespace) -> list[tuple[Prompt, int]]:
-    datasets = _datasets()
-    if datasets is not None:
-        return datasets.prompts_from_args(args)
     if args.token_ids:
         return random_token_prompts(args.num_prompts, args.input_len, args.output_len, *args.token_ids, seed=args.seed)
     return random_word_prompts(args.num_prompts, args.input_len, args.output_len, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> dict:
-    check_loopback(args.base_url, args.allow_remote)
+    engine_args = EngineArgs.from_cli_args(args)
+    if not args.launch:
+        if replace(engine_args, model=None).to_cli_args():
+            raise ValueError("engine options configure a launched server: add --launch, or set them on the server")
+        return run_against(args, args.base_url)
+    with launched_server(engine_args) as base_url:
+        result = run_against(argparse.Namespace(**{**vars(args), "model": None}), base_url)
+        return {**result, "engine_args": asdict(engine_args), "server_settings": server_settings(base_url)}
+
+
+def server_settings(base_url: str) -> dict:
+    """What a server of this engine runs with (the dashboard's settings: the engine options as
+    given and as resolved, e.g. the KV pool's size)."""
+    import httpx
+
+    root = base_url.removesuffix("/").removesuffix("/v1")
+    return httpx.get(f"{root}/dashboard/state", timeout=30).json()["settings"]
+
+
+def run_against(args: argparse.Namespace, base_url: str) -> dict:
+    """The load of ``args`` against the server at ``base_url``."""
+    check_loopback(base_url, args.allow_remote)
     extra = {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {}), **args.extra_body}
     slos = dict(args.slo)
-    result = benchmark(args.base_url, prompts_from_args(args), model=args.model, endpoint=args.endpoint,
+    result = benchmark(base_url, prompts_from_args(args), model=args.model, endpoint=args.endpoint,
                        request_rate=args.request_rate, burstiness=args.burstiness,
                        max_concurrency=args.max_concurrency, max_duration=args.max_duration, extra_body=extra,
                        api_key=args.api_key, slos=slos, seed=args.seed, progress=args.progress)
-    config = {"base_url": args.base_url, "endpoint": args.endpoint,
+    config = {"base_url": base_url, "endpoint": args.endpoint,
               "request_rate": None if math.isinf(args.request_rate) else args.request_rate,      # None: all at once
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "num_prompts": args.num_prompts, "max_duration": args.max_duration, "slo": slos}

@@ -31,6 +31,11 @@ BASELINES = ("hf", "naive")
 
 def add_arguments(parser) -> None:
     add_dataset_arguments(parser)
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--n", type=int, default=1,
+                       help="sequences per request (a group sharing the prompt's KV blocks; n > 1 samples)")
+    group.add_argument("--temperature", type=float, default=None,
+                       help="default: 0 (greedy) for n = 1, else 1 (n greedy copies would be the same sequence)")
     group = parser.add_argument_group("baselines")
     group.add_argument("--baseline", action="append", choices=BASELINES, default=[],
                        help="also run the workload through transformers (hf) or a plain JAX dense-cache loop "
@@ -40,12 +45,14 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
+    if args.n > 1 and args.baseline:
+        raise ValueError("--baseline runs one greedy sequence per request: use --n 1")
     llm, startup_s = start_engine(EngineArgs.from_cli_args(args), args.progress)
     requests = load_requests(args, llm.model_config.vocab_size, llm.encode if llm.tokenizer else None,
                              llm.config.scheduler.max_model_len)
     result = {"mode": "throughput", "engine_args": dataclasses.asdict(llm.engine_args), "model": model_info(llm),
-              "workload": describe(args)}
-    result.update(measure(llm, requests, args.progress))
+              "workload": describe(args), "sampling": sampling_params(args)}
+    result.update(measure(llm, requests, sampling_params(args), args.progress))
     result["metrics"]["startup_s"] = startup_s
     tokens = result.pop("tokens")
     result["baselines"] = {name: run_baseline(name, llm, requests, args, result["metrics"], tokens)
@@ -71,9 +78,16 @@ def start_engine(engine_args: EngineArgs, progress: bool):
     return llm, time.perf_counter() - start
 
 
-def measure(llm, requests: list[BenchRequest], progress: bool) -> dict:
-    """Generate every request once; ``metrics``, per-request lengths, step traces and the tokens."""
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+def sampling_params(args) -> dict:
+    """What every request samples with, but its output length."""
+    temperature = args.temperature if args.temperature is not None else (0.0 if args.n == 1 else 1.0)
+    return {"n": args.n, "temperature": temperature, "seed": args.seed, "ignore_eos": True}
+
+
+def measure(llm, requests: list[BenchRequest], sampling: dict, progress: bool) -> dict:
+    """Generate every request once; ``metrics``, per-request lengths (all sequences of a group),
+    step traces and the first sequence's tokens."""
+    params = [SamplingParams(**sampling, max_tokens=r.output_len) for r in requests]
     llm.engine.traces = []
     reset_runner_counters(llm.runner)
     with recording_step_ends(llm.engine) as ends:
@@ -83,7 +97,7 @@ def measure(llm, requests: list[BenchRequest], progress: bool) -> dict:
     traces = [{**dataclasses.asdict(t), "time_s": end - start} for t, end in zip(llm.engine.traces, ends)]
     tokens = [o.outputs[0].token_ids for o in outputs]
     prompt_lens = [len(r.prompt_token_ids) for r in requests]
-    output_lens = [len(t) for t in tokens]
+    output_lens = [sum(len(c.token_ids) for c in o.outputs) for o in outputs]
     metrics = {**rates(len(requests), sum(prompt_lens), sum(output_lens), elapsed),
                **cache_and_step_figures(outputs, traces), **latency_figures(outputs)}
     if llm.engine_args.data_parallel_size == 1:        # the runner's counters are one replica's

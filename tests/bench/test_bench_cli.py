@@ -91,3 +91,27 @@ def test_sweep_rejects_an_unknown_option(tmp_path):
         main(["sweep", "--result-file", str(tmp_path / "r.json"), "--grid", "max_num_batched_tokenz=1,2"])
     with pytest.raises(ValueError, match="--grid max_num_seqs: 'x'"):
         main(["sweep", "--result-file", str(tmp_path / "r.json"), "--grid", "max_num_seqs=1,x"])
+
+
+def test_sweep_of_preemption_modes_under_memory_pressure(chat_checkpoint, tmp_path):
+    # 4 groups of 2 sequences, 16 + 20 tokens each: a group needs 1 shared + 2 x 2 own blocks of 16
+    # at its end, 20 blocks for all four, and the pool has 10: groups are preempted.
+    result, saved = bench(chat_checkpoint, tmp_path, "sweep", "--num-prompts", "4", "--input-len", "16",
+                          "--output-len", "20", "--n", "2", "--num-kv-blocks", "10", "--max-num-seqs", "8",
+                          "--request-buckets", "2,4,8", "--no-enable-prefix-caching",
+                          sweep=["--grid", "preemption_mode=recompute,swap", "throughput"])
+    recompute, swap = (p["result"] for p in saved["points"])
+    for r in (recompute, swap):
+        m = r["metrics"]
+        assert r["sampling"] == {"n": 2, "temperature": 1.0, "seed": 0, "ignore_eos": True}
+        assert r["requests"]["output_lens"] == [2 * 20] * 4 and m["output_tokens"] == 4 * 2 * 20
+        assert m["preemptions"] > 0 and m["peak_kv_usage"] <= 1.0
+    assert recompute["metrics"]["blocks_swapped_out"] == recompute["metrics"]["blocks_swapped_in"] == 0
+    assert swap["metrics"]["blocks_swapped_out"] == swap["metrics"]["blocks_swapped_in"] > 0
+    # Recompute computes the preempted prompts (and outputs) again; swap computes each prompt once.
+    assert recompute["metrics"]["prefill_tokens"] > 4 * 16 == swap["metrics"]["prefill_tokens"]
+
+
+def test_throughput_refuses_baselines_for_groups(tmp_path):
+    with pytest.raises(ValueError, match="--baseline runs one greedy sequence per request"):
+        main(["throughput", "--result-file", str(tmp_path / "r.json"), "--n", "2", "--baseline", "hf"])

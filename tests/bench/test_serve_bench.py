@@ -188,3 +188,39 @@ def test_max_duration_stops_sending(live):
     assert result["num_requests"] == 5
     assert all(r["start_s"] < 1.0 for r in result["requests"])
     assert result["failed"] == 0
+
+
+# ---- a server launched for the run ----
+LAUNCH_ENGINE = ["--max-num-batched-tokens", "32", "--max-num-seqs", "3", "--request-buckets", "3",
+                 "--num-kv-blocks", "77", "--max-model-len", "64", "--no-enable-prefix-caching"]
+
+
+def test_launch_serves_the_run_with_the_given_engine_options(chat_checkpoint, tmp_path):
+    from jaxengine.bench.__main__ import main
+
+    result = main(["serve", "--launch", "--model", str(chat_checkpoint), *LAUNCH_ENGINE, "--num-prompts", "4",
+                   "--input-len", "3", "--output-len", str(OUTPUT_LEN), "--ignore-eos", "--max-concurrency", "2",
+                   "--no-progress", "--result-file", str(tmp_path / "r.json")])
+    assert (result["completed"], result["failed"], result["total_output_tokens"]) == (4, 0, 4 * OUTPUT_LEN)
+    assert result["config"]["base_url"].startswith("http://127.0.0.1:")
+    assert result["config"]["base_url"] != serve.DEFAULT_BASE_URL
+    assert result["engine_args"]["model"] == str(chat_checkpoint) and result["engine_args"]["max_num_seqs"] == 3
+    given, resolved = result["server_settings"]["engine_args"], result["server_settings"]["resolved"]
+    assert given == result["engine_args"]                       # the launched server got every option
+    assert (resolved["max_num_seqs"], resolved["num_gpu_blocks"], resolved["max_model_len"]) == (3, 77, 64)
+
+
+def test_engine_options_without_launch_are_refused():
+    args = parse(["--max-num-seqs", "3", "--model", "m"])
+    with pytest.raises(ValueError, match="engine options configure a launched server: add --launch"):
+        serve.run(args)
+
+
+def test_a_launched_server_that_fails_to_start_says_why(tmp_path):
+    from jaxengine.bench.launch import launched_server
+    from jaxengine.engine_args import EngineArgs
+
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(RuntimeError, match=r"(?s)exited with status [1-9].*no-such-model"):
+        with launched_server(EngineArgs(model=str(missing))):
+            pass
