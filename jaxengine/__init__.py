@@ -2,10 +2,10 @@
 from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxengine.engine import Engine
 from jaxengine.request import Request, RequestStatus, SequenceGroup
-from jaxengine.sampling_params import SamplingParams
+from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineArgs", "CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
+__all__ = ["LLM", "EngineArgs", "BeamSearchParams", "CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
            "SchedulerConfig", "SequenceGroup"]
 
 

@@ -16,17 +16,17 @@ from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
-from jaxengine.outputs import RequestOutput, make_request_output
+from jaxengine.outputs import BeamSearchOutput, RequestOutput, make_beam_search_output, make_request_output
 from jaxengine.parallel import multihost
 from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.parallel.mesh import (check_replica_devices, kv_head_repeats, kv_heads_per_device, make_mesh,
                                      replica_devices)
-from jaxengine.output_processor import OutputProcessor
+from jaxengine.output_processor import OutputProcessor, beam_stop_check
 from jaxengine.request import Request
 from jaxengine.runner.kernel_check import check_model_kernels
 from jaxengine.runner.kv_cache import bytes_per_block
 from jaxengine.runner.model_runner import ModelRunner
-from jaxengine.sampling_params import SamplingParams
+from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.tokenizer import apply_chat_template, load_tokenizer
 from jaxengine.trace import replica_trace_file
 
@@ -186,12 +186,32 @@ class LLM:
         parsed = [self._parse_prompt(p) for p in _prompt_list(prompts)]
         params = self._params_for(parsed, sampling_params)
         for prompt, p in zip(parsed, params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params: expected SamplingParams, got {type(p).__name__}"
+                                + (" (beam search is LLM.beam_search)" if isinstance(p, BeamSearchParams) else ""))
             self.check_request(prompt.token_ids, p)
-        requests = [self.engine.add_request(f"offline-{next(self._ids)}", prompt.token_ids, p,
-                                            priority=priority[i] if priority else 0, cache_salt=prompt.cache_salt)
+        requests = [self.add_request(f"offline-{next(self._ids)}", prompt.token_ids, p,
+                                     priority=priority[i] if priority else 0, cache_salt=prompt.cache_salt)
                     for i, (prompt, p) in enumerate(zip(parsed, params))]
         texts = self._run(requests, use_tqdm)
         return [make_request_output(r, prompt.text, t) for r, prompt, t in zip(requests, parsed, texts)]
+
+    def beam_search(self, prompts, params: BeamSearchParams | list[BeamSearchParams], *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's call): per prompt, its ``params.beam_width`` best finished
+        hypotheses, best first. The prompts take the forms ``generate`` accepts; ``params`` is
+        one for all or one per prompt. They run together, each a group of beams sharing KV
+        blocks, alongside any other requests."""
+        parsed = [self._parse_prompt(p) for p in _prompt_list(prompts)]
+        params_list = self._params_for(parsed, params)
+        for prompt, p in zip(parsed, params_list):
+            if not isinstance(p, BeamSearchParams):
+                raise TypeError(f"params: expected BeamSearchParams, got {type(p).__name__}")
+            self.check_request(prompt.token_ids, p)
+        requests = [self.add_request(f"beam-{next(self._ids)}", prompt.token_ids, p, cache_salt=prompt.cache_salt)
+                    for prompt, p in zip(parsed, params_list)]
+        texts = self._run(requests, use_tqdm)
+        return [make_beam_search_output(r, t) for r, t in zip(requests, texts)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -200,11 +220,19 @@ class LLM:
         return self.generate([apply_chat_template(self.tokenizer, c) for c in conversations], sampling_params,
                              use_tqdm=use_tqdm)
 
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams | BeamSearchParams, *,
+                    priority: int = 0, cache_salt: str | None = None) -> Request:
+        """Queue one request on the engine (``check_request`` it first); the caller steps the engine."""
+        request = self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
+        if request.beam is not None:
+            request.beam.stop_check = beam_stop_check(self.tokenizer, request.sampling_params)
+        return request
+
     # ---- internals ----
     def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams()] * len(prompts)
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             return [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
@@ -240,8 +268,10 @@ class LLM:
             raise ValueError(f"prompts: 'prompt' must be a string, got {type(text).__name__}")
         return _Prompt(self.encode(text), text, salt)
 
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
+        if isinstance(params, BeamSearchParams):
+            params = params.sampling_params()
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("prompt: must not be empty")

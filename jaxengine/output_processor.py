@@ -138,6 +138,19 @@ class SequenceText:
         self.pieces.append(out)
 
 
+def beam_stop_check(tokenizer, params: SamplingParams):
+    """For a beam search with stop strings: output tokens -> the stop string their text holds,
+    or None (a beam's earlier text held none, or it would have stopped there)."""
+    if not params.stop:
+        return None
+
+    def stop_in(token_ids: list[int]) -> str | None:
+        text = tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+        return next((s for s in params.stop if s in text), None)
+
+    return stop_in
+
+
 class OutputProcessor:
     """The texts of one request's sequences. ``finish_sequence`` (the scheduler's) ends a
     sequence whose text reached a stop string; the tokens after it are discarded."""
@@ -161,7 +174,11 @@ class OutputProcessor:
         return text + state.finish() if final else text
 
     def process(self) -> None:
-        """Take in the new tokens of every live sequence (a stop string finishes its sequence)."""
+        """Take in the new tokens of every live sequence (a stop string finishes its sequence).
+        A beam search's text comes at its end: its beams fork and drop, and the search itself
+        checks stop strings (``beam_stop_check``)."""
+        if self.request.beam is not None:
+            return
         for seq in self.request.seqs:
             if not seq.is_finished:
                 self.new_text(seq)

@@ -67,3 +67,34 @@ def make_request_output(request: Request, prompt: str | None, texts: list[str]) 
                          RequestMetrics(t.queued, t.first_scheduled, t.first_token, t.finished),
                          num_cached_tokens=request.num_cached_tokens, error=request.status_reason,
                          prompt_logprobs=request.prompt_logprobs)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis (vLLM's shape): ``tokens`` is prompt + output, ``text`` the
+    output's text; ``score`` ranks it (cumulative logprob / output tokens ** length_penalty)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]         # per output token: the candidates at that position
+    cum_logprob: float
+    score: float
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's result: its ``beam_width`` best hypotheses, best first (none, with ``error``,
+    when the request could not run)."""
+
+    sequences: list[BeamSearchSequence]
+    error: str | None = None
+
+
+def make_beam_search_output(request: Request, texts: list[str]) -> BeamSearchOutput:
+    hypotheses = request.beam.finished
+    return BeamSearchOutput([
+        BeamSearchSequence(list(seq.token_ids), [top for _, top in seq.logprobs], seq.cumulative_logprob, h.score,
+                           text, seq.status.finish_reason, seq.stop_reason)
+        for seq, h, text in zip(request.seqs, hypotheses, texts)], error=None if hypotheses else request.status_reason)

@@ -13,7 +13,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from jaxengine.sampling_params import SamplingParams
+from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,7 +53,8 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "block_hashes", "num_cached_blocks", "status", "stop_reason",
-                 "sample_index", "is_new", "logprobs", "num_pending", "pending_sample_row")
+                 "sample_index", "is_new", "logprobs", "num_pending", "pending_sample_row",
+                 "cumulative_logprob")
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int) -> None:
         self.seq_id: int = next(_seq_ids)
@@ -73,6 +74,7 @@ class Sequence:
         # count as tokens for scheduling; update_from_output fills them in, oldest first.
         self.num_pending = 0
         self.pending_sample_row = -1          # the latest placeholder's sample row in its step
+        self.cumulative_logprob = 0.0         # beam search: of the output tokens
 
     @property
     def num_tokens(self) -> int:
@@ -123,16 +125,21 @@ class Request:
 
     Until its prompt is computed the group holds a single leader sequence; the step that
     completes the prompt samples ``n`` tokens and the group forks, the siblings sharing the
-    leader's blocks by reference count.
+    leader's blocks by reference count. A beam search (``BeamSearchParams``) is a group of
+    ``beam_width`` beams that fork, extend and drop as the search decides (``beam``); when it
+    ends, ``seqs`` holds its finished hypotheses, best first.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 *, arrival_time: float | None = None, priority: int = 0, eos_token_id: int | None = None,
-                 cache_salt: str | None = None) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams | BeamSearchParams, *, arrival_time: float | None = None,
+                 priority: int = 0, eos_token_id: int | None = None, cache_salt: str | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: must not be empty")
         if not all(isinstance(t, int) and t >= 0 for t in prompt_token_ids):
             raise ValueError("prompt_token_ids: must be non-negative integers")
+        beam_params = sampling_params if isinstance(sampling_params, BeamSearchParams) else None
+        if beam_params is not None:
+            sampling_params = beam_params.sampling_params()
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -153,6 +160,11 @@ class Request:
         self.stop_token_set = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos or eos_token_id is None else {eos_token_id})
         self.max_output_tokens = sampling_params.max_tokens or 1 << 62  # capped by the scheduler
+        self.beam = None
+        if beam_params is not None:
+            from jaxengine.core.beam_search import BeamSearch     # it imports this module
+
+            self.beam = BeamSearch(beam_params, self.max_output_tokens, self.stop_token_set)
         # Penalties read the whole token history on the host: such requests don't run ahead.
         p = sampling_params
         self.needs_history = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1

@@ -28,6 +28,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Logprobs are of log_softmax(logits / logprobs_temperature): 1 is the model's distribution
+    # (beam search scores its candidates at its temperature).
+    logprobs_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +46,7 @@ class SamplingParams:
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        check(self.logprobs_temperature > 0.0, "logprobs_temperature", "must be > 0")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 or a positive integer")
         check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
@@ -68,3 +72,62 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2      # each beam's 2 x width candidates come from the sampler's top-k
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (vLLM's names): ``beam_width`` hypotheses kept each step by cumulative
+    log-probability; the ``beam_width`` best finished ones are returned, best first, ranked by
+    ``cumulative logprob / generated tokens ** length_penalty``.
+
+    ``early_stopping`` (transformers' rule): True stops once ``beam_width`` hypotheses have
+    finished; False stops when the best running beam, scored at its current length, cannot beat
+    the worst finished one; "never" scores it at ``max_tokens`` when ``length_penalty`` > 0.
+    ``temperature`` > 0 scores candidates with ``log_softmax(logits / temperature)``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {message}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
+              and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}]")
+        check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
+              "max_tokens", "must be an integer >= 1")
+        check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        check(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool),
+              "length_penalty", "must be a number")
+        check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
+              "must be True, False or 'never'")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be non-negative integers")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+
+    def sampling_params(self) -> SamplingParams:
+        """What each beam's row asks of the sampler: its top 2 x beam_width candidates with their
+        log-probabilities (the sampled token itself is not used), and the stop conditions."""
+        return SamplingParams(n=self.beam_width, temperature=0.0, max_tokens=self.max_tokens,
+                              logprobs_temperature=self.temperature if self.temperature > 0 else 1.0,
+                              ignore_eos=self.ignore_eos, logprobs=2 * self.beam_width, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens)

@@ -16,10 +16,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-from bench_model import flops_per_token, matmul_gflops
 from bench_offline import workload
 from flax import nnx
 
+from jaxengine.bench.roofline import flops_per_token, matmul_gflops
 from jaxengine.default_model import default_model_path
 from jaxengine.models.weights import load_model
 

@@ -18,8 +18,9 @@ from jaxengine.bench.datasets import BenchRequest
 
 
 def run_hf(model_path: str | Path, requests: list[BenchRequest], batch_size: int,
-           progress: bool = True) -> tuple[dict, list]:
-    """Time the requests through transformers; returns (figures, generated token ids per request)."""
+           progress: bool = True, num_beams: int = 1) -> tuple[dict, list]:
+    """Time the requests through transformers; returns (figures, generated token ids per request:
+    with ``num_beams`` > 1, its beam search's ``num_beams`` hypotheses, best first)."""
     import torch
 
     start = time.perf_counter()
@@ -30,7 +31,7 @@ def run_hf(model_path: str | Path, requests: list[BenchRequest], batch_size: int
     start = time.perf_counter()
     with torch.inference_mode():
         for batch in tqdm(batches, desc="transformers baseline", unit="batch", disable=not progress):
-            tokens += _generate(model, batch)
+            tokens += _generate(model, batch, num_beams)
     return {"elapsed_s": time.perf_counter() - start, "load_s": load_s, "batch_size": batch_size,
             "torch_threads": torch.get_num_threads()}, tokens
 
@@ -54,7 +55,7 @@ def load_hf_model(path: Path):
     return model.eval()
 
 
-def _generate(model, batch: list[BenchRequest]) -> list[list[int]]:
+def _generate(model, batch: list[BenchRequest], num_beams: int = 1) -> list:
     import torch
 
     width = max(len(r.prompt_token_ids) for r in batch)
@@ -62,5 +63,8 @@ def _generate(model, batch: list[BenchRequest]) -> list[list[int]]:
     mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
     steps = max(r.output_len for r in batch)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                         do_sample=False, pad_token_id=0)
-    return [row[width:width + r.output_len].tolist() for row, r in zip(out, batch)]
+                         do_sample=False, pad_token_id=0, num_beams=num_beams, num_return_sequences=num_beams)
+    rows = [row[width:width + r.output_len].tolist() for row, r in zip(out, (r for r in batch for _ in range(num_beams)))]
+    if num_beams == 1:
+        return rows
+    return [rows[i:i + num_beams] for i in range(0, len(rows), num_beams)]

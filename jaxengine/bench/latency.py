@@ -11,6 +11,10 @@ launched again ``--repeats`` times on the compiled step (host-to-device transfer
 every step), and the median is reported; a pair whose step the engine did not run within a
 bounded number of steps is reported with ``reached: false``. Prefix caching is off (so a prompt is all computed) and
 async scheduling off (one step in flight).
+
+``--baseline matmul`` measures this device's matmul rate in the same run (in the model's dtype)
+and states each step against the floor it gives: the projection and MLP FLOPs of the step's
+tokens at that rate (``x_matmul_floor``; attention and everything else left out).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxengine.bench.report import print_table
+from jaxengine.bench.roofline import flops_per_token, matmul_gflops
 from jaxengine.bench.throughput import model_info, start_engine
 from jaxengine.engine_args import EngineArgs, comma_separated
 from jaxengine.runner.model_runner import NO_MOVES
@@ -48,6 +53,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--context-len", type=int, default=256, help="decode: context tokens of each row")
     group.add_argument("--kinds", type=comma_separated(str), default=list(KINDS), help="prefill, decode or both")
     group.add_argument("--seed", type=int, default=0, help="seed of the prompts' random token ids")
+    group.add_argument("--baseline", choices=["matmul"], default=None,
+                       help="state each step against the matmul floor measured in the same run")
     EngineArgs.add_cli_args(parser)
 
 
@@ -64,10 +71,21 @@ def run(args) -> dict:
     rows = [time_step(llm, plan, args.repeats, rng)
             for plan in tqdm(plans, desc="timing buckets", unit="bucket", disable=not args.progress)]
     result = {"mode": "latency", "engine_args": dataclasses.asdict(llm.engine_args), "model": model_info(llm),
-              "startup_s": startup_s,
-              "repeats": args.repeats, "rows": rows}
+              "startup_s": startup_s, "repeats": args.repeats, "rows": rows}
+    if args.baseline == "matmul":
+        result["baseline"] = matmul_floor(llm, rows)
     print_table([table_row(r) for r in rows], title=f"step latency, median of {args.repeats}")
     return result
+
+
+def matmul_floor(llm, rows: list[dict]) -> dict:
+    """The matmul rate measured now, the floor per token it gives, and each reached row's
+    time per token against it (in place)."""
+    gflops = matmul_gflops(dtype=llm.dtype)
+    floor_us = flops_per_token(llm.model_config) / (gflops * 1e9) * 1e6
+    for row in rows:
+        row["x_matmul_floor"] = row["us_per_token"] / floor_us if row["reached"] else None
+    return {"matmul_gflops": gflops, "floor_us_per_token": floor_us}
 
 
 def step_plans(llm, kinds: list[str], context_len: int) -> list[StepPlan]:
@@ -170,4 +188,4 @@ def _timed_launch(runner, inputs) -> float:
 def table_row(row: dict) -> dict:
     return {"kind": row["kind"], "reached": row["reached"], "tokens": row["tokens"], "rows": row["rows"],
             "bucket": f"({row['token_bucket']}, {row['row_bucket']})", "context": row["context_len"],
-            "median ms": row["step_ms"], "us/token": row["us_per_token"]}
+            "median ms": row["step_ms"], "us/token": row["us_per_token"], "x floor": row.get("x_matmul_floor")}

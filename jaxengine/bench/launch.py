@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from jaxengine.engine_args import EngineArgs
 
@@ -30,9 +31,15 @@ def server_command(engine_args: EngineArgs, port: int) -> list[str]:
             "--log-level", "warning", *engine_args.to_cli_args()]
 
 
+@dataclass(frozen=True)
+class LaunchedServer:
+    api_url: str        # the OpenAI API root, http://127.0.0.1:PORT/v1
+    pid: int
+
+
 @contextlib.contextmanager
 def launched_server(engine_args: EngineArgs, start_timeout_s: float = START_TIMEOUT_S):
-    """Within: the server's OpenAI API root (``http://127.0.0.1:PORT/v1``); stopped on exit.
+    """Within: the running server (``LaunchedServer``); stopped on exit.
     A server that exits or stays silent before it is ready raises RuntimeError with its last
     lines of output."""
     port = free_port()
@@ -40,7 +47,7 @@ def launched_server(engine_args: EngineArgs, start_timeout_s: float = START_TIME
                             stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_ready(proc, start_timeout_s)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield LaunchedServer(f"http://127.0.0.1:{port}/v1", proc.pid)
     finally:
         proc.terminate()
         try:

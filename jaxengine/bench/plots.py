@@ -28,6 +28,7 @@ def plot_result(result: dict, out_dir) -> list[Path]:
     paths = []
     if mode == "sweep":
         paths += plot_frontier(result, out / "sweep_frontier.png")
+        paths += plot_sweep_percentiles(result, out / "sweep_percentiles.png")
     samples = latency_samples(result)
     if samples:
         paths.append(plot_latency_cdfs(samples, out / f"{mode}_latency_cdf.png"))
@@ -123,6 +124,48 @@ def plot_frontier(result: dict, path: Path) -> list[Path]:
     return [_save(fig, path)]
 
 
+def plot_sweep_percentiles(result: dict, path: Path) -> list[Path]:
+    """For a grid with a numeric first axis: median (dashed) and p99 (solid) TTFT and ITL (TPOT
+    offline) against it, one line per value of the second axis; nothing for other grids."""
+    grid = result.get("grid") or {}
+    points = result.get("points") or []
+    if not grid or not points:
+        return []
+    x_name = next(iter(grid))
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in grid[x_name]):
+        return []
+    panels = [(key, label) for key, label in PERCENTILE_PANELS if any(_percentiles(p, key) for p in points)]
+    if not panels:
+        return []
+    series = {}
+    for point in points:
+        line = ", ".join(f"{k}={v}" for k, v in point["params"].items() if k != x_name)
+        series.setdefault(line, []).append(point)
+    fig, axes = _figure(len(panels))
+    for ax, (key, label) in zip(axes, panels):
+        for i, (line, members) in enumerate(series.items()):
+            xs = [p["params"][x_name] for p in members]
+            color = f"C{i}"
+            for stat, style in (("median", "--"), ("p99", "-")):
+                ys = [(_percentiles(p, key) or {}).get(stat) for p in members]
+                ax.plot(xs, ys, style, marker="o", color=color, label=f"{line or 'all'} {stat}")
+        ax.set_xlabel(x_name)
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return [_save(fig, path)]
+
+
+def _percentiles(point: dict, key: str) -> dict | None:
+    """{median, p99} of a latency in a grid point's result (serve: median; offline: p50)."""
+    value = _metrics(point).get(key)
+    if not isinstance(value, dict):
+        return None
+    median = value.get("median", value.get("p50"))
+    return {"median": median, "p99": value.get("p99")} if median is not None else None
+
+
 def _metrics(point: dict) -> dict:
     """A grid point's measurements: the point itself or its nested ``result`` (an offline
     throughput result keeps them under ``metrics``)."""
@@ -138,6 +181,9 @@ def _throughput(point: dict) -> float | None:
 def _p99(point: dict, key: str) -> float | None:
     value = _metrics(point).get(key)
     return value.get("p99") if isinstance(value, dict) else None
+
+
+PERCENTILE_PANELS = (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("tpot_ms", "TPOT (ms)"))
 
 
 def _label(point: dict) -> str:

@@ -380,9 +380,9 @@ def run(args: argparse.Namespace) -> dict:
         if replace(engine_args, model=None).to_cli_args():
             raise ValueError("engine options configure a launched server: add --launch, or set them on the server")
         return run_against(args, args.base_url)
-    with launched_server(engine_args) as base_url:
-        result = run_against(argparse.Namespace(**{**vars(args), "model": None}), base_url)
-        return {**result, "engine_args": asdict(engine_args), "server_settings": server_settings(base_url)}
+    with launched_server(engine_args) as server:
+        result = run_against(argparse.Namespace(**{**vars(args), "model": None}), server.api_url)
+        return {**result, "engine_args": asdict(engine_args), "server_settings": server_settings(server.api_url)}
 
 
 def server_settings(base_url: str) -> dict:

@@ -3,7 +3,9 @@
 ``--grid max_num_batched_tokens=256,512 --grid scheduler_delay_factor=0,1`` runs the four
 combinations; a grid name is any option of the target mode (an engine option, a workload
 option), written as its flag without dashes or with underscores, each value as on the command
-line. The result holds one result per point (``"points"``: its ``params`` and the target's
+line. Options joined by ``+`` move together, one value each per point:
+``--grid enable_chunked_prefill+max_num_batched_tokens=true+256,false+1024`` is one axis of two
+points (chunked prefill in a small budget against whole prefills in a large one). The result holds one result per point (``"points"``: its ``params`` and the target's
 ``result``) and ``"frontier"``: the indices of the points on the throughput-latency frontier
 (no other point has both more output tokens/s and a lower median request latency).
 """
@@ -36,20 +38,25 @@ def add_arguments(parser, targets: dict) -> None:
         target.set_defaults(target_run=module.run, target_parser=target)
 
 
-def parse_axis(text: str) -> tuple[str, list[str]]:
+def parse_axis(text: str) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """``a+b=1+2,3+4`` -> (("a", "b"), [("1", "2"), ("3", "4")])."""
     name, sep, values = text.partition("=")
-    values = [v for v in values.split(",") if v.strip()]
-    if not sep or not name.strip() or not values:
-        raise argparse.ArgumentTypeError(f"expected NAME=V1,V2,..., got {text!r}")
-    return name.strip().lstrip("-").replace("-", "_"), values
+    names = tuple(n.strip().lstrip("-").replace("-", "_") for n in name.split("+"))
+    points = [tuple(v.strip() for v in value.split("+")) for value in values.split(",") if value.strip()]
+    if not sep or not all(names) or not points:
+        raise argparse.ArgumentTypeError(f"expected NAME=V1,V2,... or NAME+NAME=V+W,..., got {text!r}")
+    if any(len(p) != len(names) for p in points):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value needs one part per name ({len(names)})")
+    return names, points
 
 
 def run(args) -> dict:
-    axes = dict(args.grid)
-    if len(axes) != len(args.grid) or len(axes) > MAX_AXES:
-        raise ValueError(f"--grid: one to {MAX_AXES} different options, got {[name for name, _ in args.grid]}")
-    values = {name: [option_value(args.target_parser, name, v) for v in texts] for name, texts in axes.items()}
-    points = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+    names = [n for axis_names, _ in args.grid for n in axis_names]
+    if len(set(names)) != len(names) or len(args.grid) > MAX_AXES:
+        raise ValueError(f"--grid: one to {MAX_AXES} axes of different options, got {names}")
+    axes = [[{n: option_value(args.target_parser, n, v) for n, v in zip(axis_names, point)} for point in points]
+            for axis_names, points in args.grid]
+    points = [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*axes)]
     runs = []
     for point in tqdm(points, desc="sweep", unit="point", disable=not args.progress):
         point_args = copy.copy(args)
@@ -60,8 +67,8 @@ def run(args) -> dict:
         runs.append({"params": {name: _plain(value) for name, value in point.items()}, "result": result})
     frontier = frontier_indices([_throughput_and_latency(r["result"]) for r in runs])
     print_table([table_row(r, i in frontier) for i, r in enumerate(runs)], title=f"sweep of {args.target}")
-    return {"mode": "sweep", "target": args.target, "grid": {n: [_plain(v) for v in vs] for n, vs in values.items()},
-            "points": runs, "frontier": frontier}
+    grid = {"+".join(axis[0]): [_axis_value(tuple(point.values())) for point in axis] for axis in axes}
+    return {"mode": "sweep", "target": args.target, "grid": grid, "points": runs, "frontier": frontier}
 
 
 def option_value(parser: argparse.ArgumentParser, name: str, text: str):
@@ -84,6 +91,10 @@ def option_value(parser: argparse.ArgumentParser, name: str, text: str):
 
 
 BOOLEANS = {"true": True, "1": True, "on": True, "yes": True, "false": False, "0": False, "off": False, "no": False}
+
+
+def _axis_value(values: tuple):
+    return _plain(values[0]) if len(values) == 1 else "+".join(str(_plain(v)) for v in values)
 
 
 def _plain(value):

@@ -10,6 +10,10 @@ host's work per step with the device's idle time (async scheduling's effect). Th
 result keeps the step traces for plots (``"traces"``: one ``StepTrace`` dict per step, with
 ``time_s``: when the step ended, from the start of the generation).
 
+``--beam-width K`` runs each request as a beam search of width K instead (``LLM.beam_search``;
+output tokens are those of the K hypotheses returned) and reports the KV blocks held at the peak
+against what the same beams would hold with every block copied (no sharing, no copy-on-write).
+
 ``--baseline hf`` / ``--baseline naive`` (repeatable) run the same requests through transformers
 or a plain JAX loop (see ``hf_baseline`` and ``naive_baseline``) in static batches, in the same
 invocation; the result holds their figures, the ratios jaxengine / baseline, and whether their
@@ -23,6 +27,7 @@ import time
 
 from jaxengine.bench.datasets import BenchRequest, add_dataset_arguments, describe, load_requests
 from jaxengine.bench.report import print_table, summarize
+from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.engine_args import EngineArgs
 from jaxengine.sampling_params import SamplingParams
 
@@ -36,6 +41,7 @@ def add_arguments(parser) -> None:
                        help="sequences per request (a group sharing the prompt's KV blocks; n > 1 samples)")
     group.add_argument("--temperature", type=float, default=None,
                        help="default: 0 (greedy) for n = 1, else 1 (n greedy copies would be the same sequence)")
+    group.add_argument("--beam-width", type=int, default=0, help="run each request as a beam search of this width")
     group = parser.add_argument_group("baselines")
     group.add_argument("--baseline", action="append", choices=BASELINES, default=[],
                        help="also run the workload through transformers (hf) or a plain JAX dense-cache loop "
@@ -47,12 +53,18 @@ def add_arguments(parser) -> None:
 def run(args) -> dict:
     if args.n > 1 and args.baseline:
         raise ValueError("--baseline runs one greedy sequence per request: use --n 1")
+    if args.beam_width and (args.n > 1 or "naive" in args.baseline):
+        raise ValueError("--beam-width: with --n 1, against --baseline hf only")
     llm, startup_s = start_engine(EngineArgs.from_cli_args(args), args.progress)
     requests = load_requests(args, llm.model_config.vocab_size, llm.encode if llm.tokenizer else None,
                              llm.config.scheduler.max_model_len)
     result = {"mode": "throughput", "engine_args": dataclasses.asdict(llm.engine_args), "model": model_info(llm),
               "workload": describe(args), "sampling": sampling_params(args)}
-    result.update(measure(llm, requests, sampling_params(args), args.progress))
+    if args.beam_width:
+        result["sampling"] = {"beam_width": args.beam_width}
+        result.update(measure_beams(llm, requests, args.beam_width, args.progress))
+    else:
+        result.update(measure(llm, requests, sampling_params(args), args.progress))
     result["metrics"]["startup_s"] = startup_s
     tokens = result.pop("tokens")
     result["baselines"] = {name: run_baseline(name, llm, requests, args, result["metrics"], tokens)
@@ -106,14 +118,54 @@ def measure(llm, requests: list[BenchRequest], sampling: dict, progress: bool) -
             "traces": traces, "tokens": tokens}
 
 
+def measure_beams(llm, requests: list[BenchRequest], width: int, progress: bool) -> dict:
+    """Every request as a beam search (no EOS: each hypothesis has its full output length)."""
+    from jaxengine.sampling_params import BeamSearchParams
+
+    params = [BeamSearchParams(beam_width=width, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    llm.engine.traces = []
+    with recording_step_ends(llm.engine, kv_blocks(llm.engine.scheduler)) as ends:
+        start = time.perf_counter()
+        outputs = llm.beam_search([r.prompt_token_ids for r in requests], params, use_tqdm=progress)
+        elapsed = time.perf_counter() - start
+    traces = [{**dataclasses.asdict(t), "time_s": end - start, **blocks}
+              for t, (end, blocks) in zip(llm.engine.traces, ends)]
+    tokens = [[s.tokens[len(r.prompt_token_ids):] for s in o.sequences] for r, o in zip(requests, outputs)]
+    prompt_lens = [len(r.prompt_token_ids) for r in requests]
+    output_lens = [sum(map(len, t)) for t in tokens]
+    metrics = {**rates(len(requests), sum(prompt_lens), sum(output_lens), elapsed),
+               "num_steps": len(traces), "preemptions": sum(t["num_preemptions"] for t in traces),
+               "blocks_swapped_out": sum(t["num_blocks_swapped_out"] for t in traces),
+               "blocks_swapped_in": sum(t["num_blocks_swapped_in"] for t in traces),
+               "prefix_cache_hit_rate": 0.0, "peak_kv_blocks": max(t["kv_blocks"] for t in traces),
+               "peak_kv_blocks_copied": max(t["kv_blocks_copied"] for t in traces)}
+    metrics["kv_blocks_saved"] = 1 - metrics["peak_kv_blocks"] / metrics["peak_kv_blocks_copied"]
+    return {"metrics": metrics, "requests": {"prompt_lens": prompt_lens, "output_lens": output_lens},
+            "traces": traces, "tokens": tokens}
+
+
+def kv_blocks(scheduler):
+    """After a step: the KV blocks held, and the blocks the running beams would hold if none were
+    shared (each beam its own copy of every block of its tokens)."""
+    kv = scheduler.kv
+
+    def count() -> dict:
+        held = kv.num_usable_blocks - kv.num_free_blocks
+        copied = sum(cdiv(s.num_tokens, kv.block_size) for g in scheduler.running for s in g.live_seqs)
+        return {"kv_blocks": held, "kv_blocks_copied": copied}
+
+    return count
+
+
 @contextlib.contextmanager
-def recording_step_ends(engine):
-    """Within: ``ends`` gets the time each engine step returns (one per step trace)."""
+def recording_step_ends(engine, sample=None):
+    """Within: ``ends`` gets the time each engine step returns (one per step trace), with
+    ``sample()``'s value after it when given."""
     ends, step = [], engine.step
 
     def timed(*args, **kwargs):
         finished = step(*args, **kwargs)
-        ends.append(time.perf_counter())
+        ends.append(time.perf_counter() if sample is None else (time.perf_counter(), sample()))
         return finished
 
     engine.step = timed
@@ -171,7 +223,8 @@ def run_baseline(name: str, llm, requests: list[BenchRequest], args, engine_metr
     if name == "hf":
         from jaxengine.bench.hf_baseline import run_hf
 
-        figures, tokens = run_hf(llm.model_path, requests, args.baseline_batch_size, args.progress)
+        figures, tokens = run_hf(llm.model_path, requests, args.baseline_batch_size, args.progress,
+                                 num_beams=max(args.beam_width, 1))
     else:
         from jaxengine.bench.naive_baseline import run_naive
 
@@ -190,6 +243,8 @@ def table_rows(result: dict) -> list[dict]:
              "prefix hit rate": m["prefix_cache_hit_rate"], "preemptions": m["preemptions"],
              "swapped blocks": m["blocks_swapped_out"] + m["blocks_swapped_in"], "ratio": None,
              "same tokens": None}]
+    if "peak_kv_blocks" in m:
+        rows[0]["peak KV blocks (copied)"] = f"{m['peak_kv_blocks']} ({m['peak_kv_blocks_copied']})"
     for name, b in result["baselines"].items():
         rows.append({"run": f"baseline {name}", "req/s": b["requests_per_s"],
                      "input tok/s": b["input_tokens_per_s"], "output tok/s": b["output_tokens_per_s"],

@@ -41,6 +41,7 @@ class Scheduler:
         self._finished: list[Request] = []              # finished outside update_from_output
         self._finished_seq_ids: list[int] = []          # for the runner to forget
         self._out: SchedulerOutput | None = None         # the step being built, inside schedule()
+        self._num_beam_searches = 0                      # unfinished beam-search groups
         self._max_prefill_chunk = (config.long_prefill_token_threshold if config.enable_chunked_prefill
                                    else 0) or config.max_num_batched_tokens
         # delay_factor: latency of the last step that admitted prompts
@@ -56,7 +57,10 @@ class Scheduler:
         # prompt + output <= max_model_len: the same rule the API checks max_tokens against
         request.max_output_tokens = min(request.max_output_tokens,
                                         self.config.max_model_len - request.num_prompt_tokens)
+        if request.beam is not None:
+            request.beam.max_tokens = request.max_output_tokens
         self.requests[request.request_id] = request
+        self._num_beam_searches += request.beam is not None
         reason = self._never_reason(request)
         if reason:
             self._finish_request(request, RequestStatus.FINISHED_IGNORED, reason)
@@ -224,7 +228,7 @@ class Scheduler:
         done = seq.num_computed_tokens == len(seq.token_ids)
         out.seq_ids.append(seq.seq_id)
         out.num_scheduled_tokens.append(n)
-        out.num_samples.append(0 if not done else (1 if group.forked else group.sampling_params.n))
+        out.num_samples.append(0 if not done else (1 if group.forked or group.beam else group.sampling_params.n))
         out.scheduled_seqs.append(seq)
 
     @staticmethod
@@ -236,10 +240,10 @@ class Scheduler:
         """Async scheduling: before ``update_from_output(out)``, give every row of ``out`` that
         samples one token a placeholder, so the next ``schedule()`` can run its decode (the
         runner feeds it the token from the device, named by its sample row). Not for fork rows
-        (n > 1 samples)."""
+        (n > 1 samples) nor beams (the search picks their tokens)."""
         sample_row = 0
         for seq, k in zip(out.scheduled_seqs, out.num_samples):
-            if k == 1 and seq.status is RUNNING:
+            if k == 1 and seq.status is RUNNING and seq.request.beam is None:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending += 1
                 seq.pending_sample_row = sample_row
@@ -530,6 +534,7 @@ class Scheduler:
         self._finished_seq_ids.append(seq.seq_id)
 
     def _mark_finished(self, group: Request, status: RequestStatus, reason: str | None) -> None:
+        self._num_beam_searches -= group.beam is not None
         group.status = status
         group.status_reason = reason
         group.times.finished = self.clock()
@@ -566,7 +571,10 @@ class Scheduler:
             for seq, row in zip(out.scheduled_seqs, result.prompt_logprobs):
                 for position, entry in row or ():
                     seq.request.prompt_logprobs[position] = entry     # by position: recompute-safe
-        for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids):
+        sampled, beams = result.sampled_token_ids, ()
+        if self._num_beam_searches:                        # the search picks a beam's tokens (below)
+            sampled, beams = self._take_beam_candidates(out, result)
+        for seq, tokens in zip(out.scheduled_seqs, sampled):
             if seq.status is not RUNNING:
                 if tokens and seq.num_pending and not seq.is_finished:
                     self._fill_preempted(seq, tokens[0])   # preempted while its step ran: keep the token
@@ -597,10 +605,87 @@ class Scheduler:
                 if status is not None:
                     self._finish_seq(request, seq, status)
                     any_finished |= request.is_finished
+        for group in beams:
+            if group.status is RUNNING and all(s.seq_id in group.beam.candidates for s in group.live_seqs):
+                self._beam_step(group)
+                any_finished |= group.is_finished
         if any_finished:
             self.running = [g for g in self.running if g.status is RUNNING]
         finished, self._finished = self._finished, []
         return finished
+
+    # ------------------------------------------------------------------ beam search
+    def _take_beam_candidates(self, out: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list, list[Request]]:
+        """Each beam row that sampled leaves its candidates with its group's search; returns the
+        sampled tokens with the beam rows' taken out, and the groups that got candidates. A beam
+        swapped out while its step ran (async scheduling) steps back one token instead, so it
+        runs that token again once back (its KV is rewritten the same)."""
+        sampled, groups = list(result.sampled_token_ids), {}
+        logprobs = result.logprobs or [None] * len(sampled)
+        for i, (seq, row) in enumerate(zip(out.scheduled_seqs, logprobs)):
+            group = seq.request
+            if group.beam is None or not sampled[i]:
+                continue
+            sampled[i] = []
+            if seq.status is RequestStatus.SWAPPED:
+                seq.num_computed_tokens -= 1
+            elif seq.status is RUNNING:
+                group.beam.candidates[seq.seq_id] = list(row[0][1].items())
+                groups[group.request_id] = group
+        return sampled, list(groups.values())
+
+    def _beam_step(self, group: Request) -> None:
+        """One step of the group's search, applied to its sequences: a beam continued once
+        extends in place, one continued several ways forks (its blocks shared, the partial last
+        one copied on write), one not continued is freed. When the search ends the group
+        finishes with its hypotheses as its sequences."""
+        search, beams = group.beam, group.live_seqs
+        if group.times.first_token is None:
+            group.times.first_token = self.clock()
+        step = search.step([(s.output_token_ids, s.logprobs, s.cumulative_logprob) for s in beams],
+                           [search.candidates.pop(s.seq_id) for s in beams])
+        group.forked = True
+        if step.done:
+            self._finish_beam_search(group)
+            return
+        parents_taken: set[int] = set()
+        next_beams = []
+        for c in step.continuations:            # forks first: a child copies its parent as it is
+            parent = beams[c.beam]
+            if c.beam in parents_taken:
+                child = Sequence(group, list(parent.token_ids), len(group.seqs) + len(next_beams))
+                self.kv.fork(parent, child)
+                child.status, child.logprobs = RUNNING, list(parent.logprobs)
+                next_beams.append((child, c))
+            else:
+                parents_taken.add(c.beam)
+                next_beams.append((parent, c))
+        for b, seq in enumerate(beams):
+            if b not in parents_taken:         # not continued: its blocks go back
+                self.kv.free(seq)
+                seq.status = RequestStatus.FINISHED_ABORTED
+                self._finished_seq_ids.append(seq.seq_id)
+        for seq, c in next_beams:
+            seq.token_ids.append(c.token)
+            seq.logprobs.append((c.logprob, c.top))
+            seq.cumulative_logprob = c.cumulative_logprob
+            seq.is_new = True                  # the runner learns the chosen token with the sequence
+        group.seqs = [seq for seq, _ in next_beams]
+
+    def _finish_beam_search(self, group: Request) -> None:
+        for seq in group.live_seqs:
+            self._free_seq(seq, RequestStatus.FINISHED_ABORTED)
+        hypotheses = group.beam.finished
+        group.seqs = []
+        for rank, h in enumerate(hypotheses):
+            seq = Sequence(group, [*group.prompt_token_ids, *h.token_ids], rank)
+            seq.status, seq.stop_reason = h.status, h.stop_reason
+            seq.logprobs, seq.cumulative_logprob = h.logprobs, h.cumulative_logprob
+            group.seqs.append(seq)
+        status = hypotheses[0].status if hypotheses else RequestStatus.FINISHED_LENGTH
+        self.running.remove(group)
+        self._mark_finished(group, status, None)
+        self._finished.append(group)
 
     def _fill_preempted(self, seq: Sequence, token: int) -> None:
         """Async scheduling: a sequence swapped out or sent back to waiting by the step scheduled
@@ -623,7 +708,7 @@ class Scheduler:
     def _record_logprobs(out: SchedulerOutput, logprobs: list) -> None:
         """Before the fork: a fork row's samples go to the leader and then to its new siblings."""
         for seq, row in zip(out.scheduled_seqs, logprobs):
-            if row and not seq.is_finished:            # None: not asked; []: nothing sampled
+            if row and not seq.is_finished and seq.request.beam is None:   # None: not asked; []: nothing sampled
                 seq.logprobs.append(row[0])
                 seq.request.fork_logprobs = row[1:]
 

@@ -5,7 +5,8 @@ before any model exists.
 (block table + offset), applies the swap and copy lists, and samples a token that is a hash of
 the context *read back through the block table*. A wrong block table, a bad prefix-cache hit or
 a missed copy-on-write changes the tokens, so "outputs do not depend on scheduling" checks the
-KV cache manager too. ``ConstantRunner`` samples one fixed token (for host-cost benchmarks).
+KV cache manager too. Rows that ask for logprobs (beam search's candidates) get a top-k drawn
+from the same hash: distinct tokens with decreasing log-probabilities. ``ConstantRunner`` samples one fixed token (for host-cost benchmarks).
 """
 from __future__ import annotations
 
@@ -26,27 +27,31 @@ class HashRunner:
         self.host_kv = np.full((max(num_cpu_blocks, 1), block_size), UNWRITTEN, np.int64)
         self.tokens: dict[int, list[int]] = {}
         self.tables: dict[int, list[int]] = {}
+        self.num_logprobs: dict[int, int | None] = {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._sync_state(out)
         self._apply_block_moves(out)
-        sampled = []
+        sampled, logprobs = [], []
         for seq_id, start, n, k in zip(out.seq_ids, out.num_computed_tokens, out.num_scheduled_tokens,
                                        out.num_samples):
             self._write(seq_id, start, n)
             sampled.append([self._sample(seq_id, start + n, i) for i in range(k)])
+            top_k = self.num_logprobs[seq_id]
+            logprobs.append(None if top_k is None else [self._top(seq_id, start + n, i, top_k) for i in range(k)])
         for seq_id, tokens in zip(out.seq_ids, sampled):
             if tokens:   # at a fork the leader keeps the first sample; siblings arrive as new
                 self.tokens[seq_id].append(tokens[0])
-        return ModelRunnerOutput(sampled)
+        return ModelRunnerOutput(sampled, logprobs if any(row is not None for row in logprobs) else None)
 
     def _sync_state(self, out: SchedulerOutput) -> None:
         for seq_id in (*out.finished_seq_ids, *out.preempted_seq_ids):
-            for d in (self.tokens, self.tables):
+            for d in (self.tokens, self.tables, self.num_logprobs):
                 d.pop(seq_id, None)
         for new in out.new_seqs:
             self.tokens[new.seq_id] = list(new.token_ids)
             self.tables[new.seq_id] = list(new.block_table)
+            self.num_logprobs[new.seq_id] = new.sampling_params.logprobs
         for seq_id, table in out.block_tables.items():
             self.tables[seq_id] = list(table)
 
@@ -70,6 +75,15 @@ class HashRunner:
         context = self.device_kv[table].reshape(-1)[:num_computed]
         assert (context != UNWRITTEN).all(), f"sequence {seq_id} reads unwritten KV"
         return zlib.crc32(context.tobytes(), sample_index) % self.vocab_size
+
+    def _top(self, seq_id: int, num_computed: int, sample_index: int, k: int) -> tuple[float, dict[int, float]]:
+        """(logprob of the sampled token, top-k {token: logprob} best first), from the context's hash."""
+        table = self.tables[seq_id]
+        context = self.device_kv[table].reshape(-1)[:num_computed]
+        rng = np.random.default_rng(zlib.crc32(context.tobytes(), sample_index))
+        tokens = rng.permutation(self.vocab_size)[:k].tolist()
+        logprobs = (-np.cumsum(rng.exponential(1.0, k))).tolist()
+        return logprobs[0], dict(zip(tokens, logprobs))
 
 
 class ConstantRunner:

@@ -57,11 +57,12 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
         # The float sampling parameters, one row each (a step gathers them in one go):
-        # temperature, top_p, min_p, presence, frequency and repetition penalty.
-        self.float_params = np.zeros((6, max_num_seqs), np.float32)
-        self.float_params[(1, 5), :] = 1.0
+        # temperature, top_p, min_p, presence, frequency and repetition penalty, logprobs temperature.
+        self.float_params = np.zeros((7, max_num_seqs), np.float32)
+        self.float_params[(1, 5, 6), :] = 1.0
         self.temperature, self.top_p, self.min_p = self.float_params[:3]
-        self.penalties = self.float_params[3:]
+        self.penalties = self.float_params[3:6]
+        self.logprobs_temperature = self.float_params[6]
         self.top_k = np.zeros(max_num_seqs, np.int32)
         self.seed = np.zeros((max_num_seqs, 2), np.uint32)            # the 64-bit seed as (high, low) words
         self.sample_index = np.zeros(max_num_seqs, np.int32)
@@ -94,6 +95,7 @@ class InputBatch:
             self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
             self.num_prompt_logprobs[slot] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
             self.penalties[:, slot] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            self.logprobs_temperature[slot] = p.logprobs_temperature
             bias = list((p.logit_bias or {}).items())
             self.bias_ids[slot], self.bias_values[slot] = 0, 0.0
             self.has_bias[slot] = bool(bias)
@@ -156,8 +158,8 @@ class InputBatch:
         Fields of one dtype are rows of one array: few allocations on the per-step path."""
         sample_row = np.repeat(np.arange(len(slots)), samples)
         s, r = slots[sample_row], len(sample_row)
-        floats = np.zeros((6, b_pad), np.float32)
-        floats[(1, 5), :] = 1.0                            # padding: top_p and repetition penalty off
+        floats = np.zeros((7, b_pad), np.float32)
+        floats[(1, 5, 6), :] = 1.0                         # padding: top_p, repetition penalty off; logprobs at 1
         floats[:, :r] = self.float_params[:, s]
         ints = np.zeros((4, b_pad), np.int32)              # logits index, top_k, sample index, step
         ints[0, :r] = ends[sample_row] - 1
@@ -170,12 +172,12 @@ class InputBatch:
         seed, want = np.zeros((b_pad, 2), np.uint32), np.zeros(b_pad, bool)
         seed[:r], want[:r] = self.seed[s], self.num_logprobs[s] >= 0
         bias_ids, bias_values = self._logit_bias(s, b_pad)
-        history, num_prompt, num_history = self._history(s, seq_lens[sample_row], floats[3:, :r], b_pad)
+        history, num_prompt, num_history = self._history(s, seq_lens[sample_row], floats[3:6, :r], b_pad)
         md = SamplingMetadata(
             temperature=floats[0], top_p=floats[1], top_k=ints[1], min_p=floats[2], seed=seed, sample_index=ints[2],
             step=ints[3], want_logprobs=want, presence_penalty=floats[3], frequency_penalty=floats[4],
             repetition_penalty=floats[5], history=history, num_prompt=num_prompt, num_history=num_history,
-            bias_ids=bias_ids, bias_values=bias_values)
+            bias_ids=bias_ids, bias_values=bias_values, logprobs_temperature=floats[6])
         return md, ints[0]
 
     def _logit_bias(self, s, b_pad: int) -> tuple:

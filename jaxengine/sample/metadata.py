@@ -27,3 +27,4 @@ class SamplingMetadata:
     num_history: jax.Array         # [R] i32: how many are valid
     bias_ids: jax.Array            # [R, MAX_LOGIT_BIAS] i32
     bias_values: jax.Array         # [R, MAX_LOGIT_BIAS] f32 (0 for unused entries)
+    logprobs_temperature: jax.Array  # [R] f32: logprobs are of log_softmax(logits / this); 1 = the model's

@@ -34,7 +34,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> Sa
     no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
                    jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
     picked, top_ids, top_logprobs = jax.lax.cond(
-        jnp.any(md.want_logprobs), lambda: logprobs_of(logits, tokens, num_top_logprobs), lambda: no_logprobs)
+        jnp.any(md.want_logprobs),
+        lambda: logprobs_of(logits / md.logprobs_temperature[:, None], tokens, num_top_logprobs), lambda: no_logprobs)
     return SamplerOutput(tokens, picked, top_ids, top_logprobs)
 
 

@@ -295,7 +295,7 @@ class AsyncEngine:
         with self._lock:
             self._num_queued -= 1
         try:
-            request = self.engine.add_request(request_id, ids, params, priority=priority)
+            request = self.llm.add_request(request_id, ids, params, priority=priority)
         except Exception as error:                      # noqa: BLE001 - reported to that request only
             deliver(RequestDelta(request_id, [], finished=True, error=str(error), error_status=400))
             return
@@ -350,6 +350,8 @@ class AsyncEngine:
 
     def _delta(self, tracked: _Tracked, now: float) -> RequestDelta | None:
         request = tracked.request
+        if request.beam is not None and not request.is_finished:
+            return None             # a beam search's choices are its hypotheses, known at its end
         choices = [c for seq in list(request.seqs) if (c := self._choice_delta(tracked, seq)) is not None]
         finished = request.is_finished
         if not choices and not finished:
@@ -380,7 +382,8 @@ class AsyncEngine:
         if not new and not finished:
             return None
         params = tracked.request.sampling_params
-        logprobs = seq.logprobs[sent:sent + len(new)] if params.logprobs is not None else []
+        asked = params.logprobs is not None and tracked.request.beam is None      # beams' are internal
+        logprobs = seq.logprobs[sent:sent + len(new)] if asked else []
         tracked.sent[seq.seq_id] = sent + len(new)
         if finished:
             tracked.done.add(seq.seq_id)

@@ -8,7 +8,7 @@ from contextlib import aclosing
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from jaxengine.sampling_params import SamplingParams
+from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, RequestDelta
 
@@ -50,7 +50,7 @@ class OpenAIServing:
             raise RequestError(400, f"model: `{model}` is not served here; this server serves "
                                     f"`{self.model_name}`", "model")
 
-    def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams | BeamSearchParams,
                priority: int) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Check every prompt before queueing any, then merge their delta streams."""
         for ids in prompts:
@@ -82,8 +82,8 @@ class OpenAIServing:
         deltas = self._start(request_id, prompts, params, request.priority)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._completion_stream(request_id, deltas, params.n, include_usage), True
-        return self._completion_full(request_id, deltas, params.n, len(prompts)), False
+            return self._completion_stream(request_id, deltas, request.n, include_usage), True
+        return self._completion_full(request_id, deltas, request.n, len(prompts)), False
 
     def _completion_stream(self, request_id: str, deltas, n: int, include_usage: bool):
         def chunk(i: int, c, usage: p.UsageInfo | None = None) -> p.CompletionResponse:
@@ -134,7 +134,7 @@ class OpenAIServing:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return self._chat_stream(request_id, deltas, include_usage), True
-        return self._chat_full(request_id, deltas, params.n), False
+        return self._chat_full(request_id, deltas, request.n), False
 
     def _chat_stream(self, request_id: str, deltas, include_usage: bool):
         started: set[int] = set()

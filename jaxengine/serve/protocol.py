@@ -8,10 +8,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxengine.sampling_params import SamplingParams
+from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1     # a signed 64-bit integer, as in vLLM
+MAX_BEAM_TOKENS = 1 << 30      # no max_tokens: up to the context length (the scheduler caps it)
+# Sampling fields beam search does not use, with their neutral values.
+BEAM_UNSUPPORTED = {"top_p": None, "top_k": None, "min_p": None, "seed": None, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "repetition_penalty": None, "logit_bias": None, "min_tokens": 0}
 
 
 def random_id(prefix: str) -> str:
@@ -49,10 +53,16 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    use_beam_search: bool = False          # n is then the beam width
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """-> SamplingParams; a bad value raises ValueError naming the field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams | BeamSearchParams:
+        """-> SamplingParams (BeamSearchParams with use_beam_search); a bad value raises
+        ValueError naming the field."""
         self._check_stream_options_and_seed()
+        if self.use_beam_search:
+            return self.beam_search_params(max_tokens, logprobs)
         bias = None
         if self.logit_bias:
             try:
@@ -69,6 +79,19 @@ class _SamplingRequest(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens)
 
+
+    def beam_search_params(self, max_tokens: int | None, logprobs: int | None) -> BeamSearchParams:
+        """use_beam_search: n beams; the sampling knobs that beam search has no use for are refused."""
+        for name, neutral in BEAM_UNSUPPORTED.items():
+            if getattr(self, name) != neutral:
+                raise ValueError(f"{name}: not supported with use_beam_search")
+        if logprobs is not None:
+            raise ValueError("logprobs: not supported with use_beam_search")
+        return BeamSearchParams(
+            beam_width=self.n, max_tokens=MAX_BEAM_TOKENS if max_tokens is None else max_tokens,
+            ignore_eos=self.ignore_eos, temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens)
 
     def _check_stream_options_and_seed(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -1,5 +1,6 @@
 """python -m jaxengine.bench end to end on a tiny checkpoint: throughput (random with both
 baselines, shared prefix with prefix caching), latency per bucket, a two-point sweep."""
+import argparse
 import json
 import statistics
 
@@ -63,7 +64,8 @@ def test_shared_prefix_hits_the_prefix_cache_exactly(chat_checkpoint, tmp_path):
 
 
 def test_latency_times_every_bucket_pair(chat_checkpoint, tmp_path):
-    result, saved = bench(chat_checkpoint, tmp_path, "latency", "--repeats", "3", "--context-len", "20")
+    result, saved = bench(chat_checkpoint, tmp_path, "latency", "--repeats", "3", "--context-len", "20",
+                          "--baseline", "matmul")
     assert saved["mode"] == "latency"
     rows = [(r["kind"], r["tokens"], r["rows"], r["token_bucket"], r["row_bucket"], r["context_len"])
             for r in result["rows"]]
@@ -72,6 +74,11 @@ def test_latency_times_every_bucket_pair(chat_checkpoint, tmp_path):
     for r in result["rows"]:
         assert r["reached"] and len(r["times_ms"]) == 3 and r["step_ms"] == pytest.approx(statistics.median(r["times_ms"]))
         assert r["us_per_token"] == pytest.approx(r["step_ms"] * 1e3 / r["tokens"])
+        assert r["x_matmul_floor"] == r["us_per_token"] / result["baseline"]["floor_us_per_token"]
+    # 2 layers of hidden 64, 4 query + 2 + 2 KV heads of 16, MLP 128: QKV 64*128, O 64*64, MLP 3*64*128
+    # multiply-adds per layer, 2 FLOPs each: 147,456 FLOPs per token
+    floor = result["baseline"]
+    assert floor["floor_us_per_token"] == pytest.approx(147456 / (floor["matmul_gflops"] * 1e9) * 1e6)
 
 
 def test_sweep_over_prefix_caching(chat_checkpoint, tmp_path):
@@ -86,11 +93,43 @@ def test_sweep_over_prefix_caching(chat_checkpoint, tmp_path):
     assert saved["frontier"] and set(saved["frontier"]) <= {0, 1}
 
 
+def test_parse_axis_single_and_linked():
+    from jaxengine.bench.sweep import parse_axis
+
+    assert parse_axis("--max-num-seqs=1,2") == (("max_num_seqs",), [("1",), ("2",)])
+    assert parse_axis("enable_chunked_prefill+max_num_batched_tokens=true+32,false+128") == (
+        ("enable_chunked_prefill", "max_num_batched_tokens"), [("true", "32"), ("false", "128")])
+    for bad in ("max_num_seqs", "a+b=1+2,3", "=1,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_axis(bad)
+
+
+def test_a_linked_axis_moves_its_options_together():
+    from jaxengine.bench import sweep
+
+    target = argparse.ArgumentParser()
+    target.add_argument("--chunked", action=argparse.BooleanOptionalAction, default=True)
+    target.add_argument("--budget", type=int, default=8)
+    target.add_argument("--rate", type=float, default=1.0)
+    seen = []
+    args = argparse.Namespace(
+        grid=[sweep.parse_axis("rate=1,2"), sweep.parse_axis("chunked+budget=true+32,false+128")], target="serve",
+        target_parser=target, progress=False, chunked=True, budget=8, rate=1.0,
+        target_run=lambda a: seen.append((a.rate, a.chunked, a.budget)) or {})
+    result = sweep.run(args)
+    assert seen == [(1.0, True, 32), (1.0, False, 128), (2.0, True, 32), (2.0, False, 128)]
+    assert result["grid"] == {"rate": [1.0, 2.0], "chunked+budget": ["True+32", "False+128"]}
+    assert [p["params"] for p in result["points"]][1] == {"rate": 1.0, "chunked": False, "budget": 128}
+
+
 def test_sweep_rejects_an_unknown_option(tmp_path):
     with pytest.raises(ValueError, match="'max_num_batched_tokenz' is not an option"):
         main(["sweep", "--result-file", str(tmp_path / "r.json"), "--grid", "max_num_batched_tokenz=1,2"])
     with pytest.raises(ValueError, match="--grid max_num_seqs: 'x'"):
         main(["sweep", "--result-file", str(tmp_path / "r.json"), "--grid", "max_num_seqs=1,x"])
+    with pytest.raises(ValueError, match="axes of different options"):
+        main(["sweep", "--result-file", str(tmp_path / "r.json"), "--grid", "max_num_seqs+block_size=1+16",
+              "--grid", "max_num_seqs=1,2"])
 
 
 def test_sweep_of_preemption_modes_under_memory_pressure(chat_checkpoint, tmp_path):
@@ -115,3 +154,16 @@ def test_sweep_of_preemption_modes_under_memory_pressure(chat_checkpoint, tmp_pa
 def test_throughput_refuses_baselines_for_groups(tmp_path):
     with pytest.raises(ValueError, match="--baseline runs one greedy sequence per request"):
         main(["throughput", "--result-file", str(tmp_path / "r.json"), "--n", "2", "--baseline", "hf"])
+
+
+def test_beam_search_throughput_against_transformers_and_the_blocks_it_shares(chat_checkpoint, tmp_path):
+    result, _ = bench(chat_checkpoint, tmp_path, "throughput", "--num-prompts", "3", "--input-len", "20",
+                      "--output-len", "6", "--beam-width", "2", "--baseline", "hf", "--baseline-batch-size", "1",
+                      "--max-num-seqs", "8", "--request-buckets", "2,4,8")
+    m = result["metrics"]
+    assert result["requests"]["output_lens"] == [2 * 6] * 3 and m["output_tokens"] == 3 * 2 * 6
+    hf = result["baselines"]["hf"]
+    assert hf["same_tokens"] is True and hf["output_tokens"] == m["output_tokens"]
+    # Two beams share their 20-token prompt's full blocks (one of 16): fewer blocks than copies.
+    assert 0 < m["peak_kv_blocks"] < m["peak_kv_blocks_copied"]
+    assert m["kv_blocks_saved"] == 1 - m["peak_kv_blocks"] / m["peak_kv_blocks_copied"]

@@ -98,3 +98,18 @@ def test_an_empty_trace_and_an_unknown_mode(tmp_path):
     assert plots.plot_trace([], tmp_path) == []
     with pytest.raises(ValueError, match="unknown mode 'offline'"):
         plots.plot_result({"mode": "offline"}, tmp_path)
+
+
+def test_sweep_percentiles_one_line_per_value_of_the_second_axis(tmp_path):
+    points = [{"params": {"request_rate": rate, "enable_chunked_prefill": chunked},
+               "result": {"output_throughput": 10.0 * rate, "ttft_ms": {"median": rate, "p99": 3.0 * rate},
+                          "itl_ms": {"median": 2.0, "p99": 9.0 + chunked}}}
+              for rate in (0.5, 1.0, 2.0) for chunked in (False, True)]
+    result = {"mode": "sweep", "grid": {"request_rate": [0.5, 1.0, 2.0], "enable_chunked_prefill": [False, True]},
+              "points": points}
+    paths = plots.plot_result(result, tmp_path)
+    assert names(paths) == ["sweep_frontier.png", "sweep_percentiles.png"]
+    assert_drawn(paths)
+    # a first axis that is not numeric has no x to draw against
+    result["grid"] = {"enable_chunked_prefill": [False, True], "request_rate": [0.5, 1.0, 2.0]}
+    assert plots.plot_sweep_percentiles(result, tmp_path / "none.png") == []

@@ -4,7 +4,9 @@ After every step: the budget and max_num_seqs hold, ref counts equal the number 
 tables holding each block, free + used = pool, partial prefills stay under their bound. At the
 end every request has finished and every block is free. With the KV-simulating runner, output
 tokens are identical whatever the budget, pool, preemption mode, policy, prefix caching or
-async scheduling (steps launched before the previous step's tokens are known). Under the
+async scheduling (steps launched before the previous step's tokens are known), beam searches
+included: their groups fork, drop and finish without a leaked block, and no step ever writes
+a block another sequence holds (copy-on-write). Under the
 priority policy nothing that comes back from preemption overtakes a better queued request, and
 the best request never waits through a step in which nothing else runs.
 """
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 
 from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.request import Request, RequestStatus
-from jaxengine.sampling_params import SamplingParams
+from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 from tests.helpers import Harness
 
@@ -37,6 +39,8 @@ class Spec:
     min_tokens: int
     ignore_eos: bool
     abort_step: int | None
+    beam: int = 0                       # a beam search of this width (n unused)
+    early_stopping: bool | str = False
 
 
 BASES = [tuple(range(1, 30)), tuple(range(30, 1, -1))]   # shared prefixes for the prefix cache
@@ -55,13 +59,14 @@ def specs(draw, with_aborts: bool):
             n=draw(st.sampled_from([1, 1, 1, 2, 3])), priority=draw(st.integers(0, 2)),
             arrival_step=draw(st.integers(0, 12)), min_tokens=draw(st.integers(0, max_tokens)),
             ignore_eos=draw(st.booleans()),
-            abort_step=draw(st.none() | st.integers(0, 40)) if with_aborts else None))
+            abort_step=draw(st.none() | st.integers(0, 40)) if with_aborts else None,
+            beam=draw(st.sampled_from([0, 0, 0, 1, 2, 3])), early_stopping=draw(st.sampled_from([False, True, "never"]))))
     return out
 
 
 def pool_need(spec: Spec, block_size: int) -> int:
     """Blocks the group could ever hold at once with nothing shared."""
-    return spec.n * cdiv(len(spec.prompt) + spec.max_tokens, block_size)
+    return max(spec.n, spec.beam) * cdiv(len(spec.prompt) + spec.max_tokens, block_size)
 
 
 @st.composite
@@ -94,6 +99,8 @@ def run_workload(workload: list[Spec], config: dict, check: bool = True, observe
     """``observe(h, step)`` runs after every step; ``make_harness(**config)`` builds the engine."""
     h = make_harness(**config)
     h.runner.vocab_size = VOCAB
+    if check:
+        forbid_shared_writes(h)
     pending = sorted(workload, key=lambda s: s.arrival_step)
     for step in range(MAX_STEPS):
         h.clock.now = float(step)
@@ -114,9 +121,26 @@ def run_workload(workload: list[Spec], config: dict, check: bool = True, observe
     return h
 
 
+def forbid_shared_writes(h: Harness) -> None:
+    """The runner fails a step that writes KV into a block another sequence holds (a missed or
+    wrong copy-on-write): every written block has exactly one holder when the step runs."""
+    write = h.runner._write
+
+    def checked(seq_id: int, start: int, n: int) -> None:
+        table, bs = h.runner.tables[seq_id], h.runner.block_size
+        for block in {table[pos // bs] for pos in range(start, start + n)}:
+            assert h.kv.pool.ref_cnt[block] == 1, f"sequence {seq_id} writes block {block}, which others hold"
+        write(seq_id, start, n)
+
+    h.runner._write = checked
+
+
 def add(h: Harness, spec: Spec) -> None:
     params = SamplingParams(max_tokens=spec.max_tokens, n=spec.n, min_tokens=spec.min_tokens,
                             ignore_eos=spec.ignore_eos)
+    if spec.beam:
+        params = BeamSearchParams(beam_width=spec.beam, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos,
+                                  early_stopping=spec.early_stopping, length_penalty=spec.priority - 0.5)
     request = Request(spec.request_id, list(spec.prompt), params, arrival_time=h.clock(),
                       priority=spec.priority, eos_token_id=0)
     h.requests[spec.request_id] = request

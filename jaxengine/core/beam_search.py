@@ -1,0 +1,137 @@
+"""Beam search's decisions, one step at a time, for one sequence group (no KV blocks here: the
+scheduler applies the decisions to the group's sequences by forking, extending and freeing).
+
+Each step every live beam brings its top ``2 x beam_width`` candidates (token, log-probability)
+from the sampler. Over all beams the ``2 x beam_width`` best by cumulative log-probability are
+ranked; the best ``beam_width`` that do not stop continue; of the first ``beam_width`` ranks,
+those that stop (a stop token, the length limit, a stop string) become finished hypotheses,
+scored ``cumulative logprob / generated tokens ** length_penalty``, of which the
+``beam_width`` best are kept. The search ends by ``early_stopping``'s rule, when nothing
+continues, or at the length limit. This is transformers' beam search, so the two agree token
+for token.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxengine.request import RequestStatus
+from jaxengine.sampling_params import BeamSearchParams
+
+# (token id, log-probability): one beam's candidates for its next token, most likely first.
+Candidates = list[tuple[int, float]]
+StopCheck = Callable[[list[int]], str | None]      # output tokens -> the stop string in their text, or None
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A ranked candidate: beam ``beam`` extended by ``token``."""
+
+    beam: int
+    token: int
+    logprob: float
+    cumulative_logprob: float
+    top: dict[int, float]             # the beam's candidates at this position (for logprobs)
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: its output tokens (the stop token included), per-token log-probabilities
+    and the candidates at each position, its cumulative log-probability and its score."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, dict[int, float]]]
+    cumulative_logprob: float
+    score: float
+    status: RequestStatus
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamStep:
+    continuations: list[Continuation]      # the next beams, best first
+    done: bool                             # the search is over: ``finished`` holds the result
+
+
+@dataclass
+class BeamSearch:
+    """One group's search state."""
+
+    params: BeamSearchParams
+    max_tokens: int                        # max_tokens, capped by the model's context length
+    stop_token_ids: frozenset[int]         # EOS (unless ignore_eos) and stop_token_ids
+    stop_check: StopCheck | None = None    # for stop strings; set by the door that has the tokenizer
+    finished: list[Hypothesis] = field(default_factory=list)     # best first, at most beam_width
+    improvable: bool = True                # may a running beam still beat the worst finished one?
+    num_generated: int = 0                 # tokens every running beam has generated
+    candidates: dict[int, Candidates] = field(default_factory=dict)   # by sequence id, until the step
+
+    @property
+    def width(self) -> int:
+        return self.params.beam_width
+
+    def step(self, beams: list[tuple[list[int], list, float]], candidates: list[Candidates]) -> BeamStep:
+        """``beams``: per live beam (output tokens, per-token logprobs, cumulative logprob), in
+        rank order; ``candidates``: each beam's top candidates. Records the hypotheses that
+        finish and returns the beams that continue."""
+        k = self.width
+        ranked = self._rank(beams, candidates)
+        stops = [self._stop(beams[c.beam][0], c.token) for c in ranked]
+        continuing = [c for c, stop in zip(ranked, stops) if stop is None][:k]
+        if self.improvable and not self._full_and_early():
+            for rank, (c, stop) in enumerate(zip(ranked, stops)):
+                if rank < k and stop is not None:
+                    self._add_hypothesis(beams[c.beam], c, stop)
+        self.num_generated += 1
+        if self.improvable and continuing:
+            self.improvable = self._best_running_score(continuing[0]) > self._worst_finished_score()
+        done = not continuing or not self.improvable or self._full_and_early()
+        return BeamStep(continuing, done)
+
+    def _rank(self, beams, candidates: list[Candidates]) -> list[Continuation]:
+        """The 2 x width best continuations over all beams by cumulative logprob (ties: earlier
+        beam, then the beam's own order)."""
+        scored = []
+        for b, ((_, _, cumulative), cands) in enumerate(zip(beams, candidates)):
+            top = dict(cands)
+            for rank, (token, logprob) in enumerate(cands):
+                scored.append((-_f32(cumulative + np.float32(logprob)), b, rank, token, logprob, top))
+        scored.sort(key=lambda s: s[:3])
+        return [Continuation(b, token, logprob, -neg, top) for neg, b, _, token, logprob, top in scored[:2 * self.width]]
+
+    def _stop(self, output: list[int], token: int) -> tuple[RequestStatus, int | str | None] | None:
+        if token in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if self.num_generated + 1 >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if self.stop_check is not None and (matched := self.stop_check([*output, token])) is not None:
+            return RequestStatus.FINISHED_STOPPED, matched
+        return None
+
+    def _add_hypothesis(self, beam, c: Continuation, stop) -> None:
+        output, logprobs, _ = beam
+        score = _f32(c.cumulative_logprob / np.float32((self.num_generated + 1) ** self.params.length_penalty))
+        self.finished.append(Hypothesis([*output, c.token], [*logprobs, (c.logprob, c.top)], c.cumulative_logprob,
+                                        score, *stop))
+        self.finished.sort(key=lambda h: -h.score)          # stable: an earlier one wins a tie
+        del self.finished[self.width:]
+
+    def _full_and_early(self) -> bool:
+        return self.params.early_stopping is True and len(self.finished) == self.width
+
+    def _best_running_score(self, best: Continuation) -> float:
+        """The best running beam's score at the length transformers' heuristic assumes."""
+        p = self.params
+        length = self.max_tokens if p.early_stopping == "never" and p.length_penalty > 0 else self.num_generated
+        return _f32(best.cumulative_logprob / np.float32(length ** p.length_penalty))
+
+    def _worst_finished_score(self) -> float:
+        return min(h.score for h in self.finished) if len(self.finished) == self.width else -math.inf
+
+
+def _f32(x) -> float:
+    """Scores in float32, as transformers keeps them: the same near-ties break the same way."""
+    return float(np.float32(x))

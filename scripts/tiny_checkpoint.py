@@ -1,0 +1,15 @@
+"""The tests' tiny random Llama (2 layers, hidden 64, byte-level tokenizer) as a checkpoint folder,
+for the scripts that measure the engine's own overheads rather than a model's speed. Needs torch
+and transformers (the test extra)."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def tiny_checkpoint(folder: str) -> str:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tests.conftest import make_chat_checkpoint
+
+    make_chat_checkpoint(folder)
+    return folder
