@@ -91,6 +91,13 @@ class BeamSearch:
         done = not continuing or not self.improvable or self._full_and_early()
         return BeamStep(continuing, done)
 
+    def end_running(self, beams: list[tuple[list[int], list, float]]) -> None:
+        """The search is cut short (the group outgrew the KV pool): its running beams finish by
+        length, as they would at max_tokens, and compete with the finished hypotheses."""
+        for output, logprobs, cumulative in beams:
+            score = _f32(cumulative / np.float32(len(output) ** self.params.length_penalty))
+            self._keep(Hypothesis(list(output), list(logprobs), cumulative, score, RequestStatus.FINISHED_LENGTH))
+
     def _rank(self, beams, candidates: list[Candidates]) -> list[Continuation]:
         """The 2 x width best continuations over all beams by cumulative logprob (ties: earlier
         beam, then the beam's own order)."""
@@ -114,8 +121,10 @@ class BeamSearch:
     def _add_hypothesis(self, beam, c: Continuation, stop) -> None:
         output, logprobs, _ = beam
         score = _f32(c.cumulative_logprob / np.float32((self.num_generated + 1) ** self.params.length_penalty))
-        self.finished.append(Hypothesis([*output, c.token], [*logprobs, (c.logprob, c.top)], c.cumulative_logprob,
-                                        score, *stop))
+        self._keep(Hypothesis([*output, c.token], [*logprobs, (c.logprob, c.top)], c.cumulative_logprob, score, *stop))
+
+    def _keep(self, hypothesis: Hypothesis) -> None:
+        self.finished.append(hypothesis)
         self.finished.sort(key=lambda h: -h.score)          # stable: an earlier one wins a tie
         del self.finished[self.width:]
 

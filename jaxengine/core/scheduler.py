@@ -518,8 +518,13 @@ class Scheduler:
             self.swapped.remove(group)
         elif group in self.waiting:
             self.waiting.remove(group)
+        if group.beam is not None and status is RequestStatus.FINISHED_LENGTH:
+            group.beam.end_running([(s.output_token_ids, s.logprobs, s.cumulative_logprob)
+                                    for s in group.live_seqs if s.num_output_tokens])
         for seq in group.live_seqs:
             self._free_seq(seq, status)
+        if group.beam is not None and group.beam.finished:
+            group.seqs = self._hypothesis_seqs(group)
         self._mark_finished(group, status, reason)
         self._finished.append(group)
 
@@ -675,17 +680,22 @@ class Scheduler:
     def _finish_beam_search(self, group: Request) -> None:
         for seq in group.live_seqs:
             self._free_seq(seq, RequestStatus.FINISHED_ABORTED)
-        hypotheses = group.beam.finished
-        group.seqs = []
-        for rank, h in enumerate(hypotheses):
-            seq = Sequence(group, [*group.prompt_token_ids, *h.token_ids], rank)
-            seq.status, seq.stop_reason = h.status, h.stop_reason
-            seq.logprobs, seq.cumulative_logprob = h.logprobs, h.cumulative_logprob
-            group.seqs.append(seq)
-        status = hypotheses[0].status if hypotheses else RequestStatus.FINISHED_LENGTH
+        group.seqs = self._hypothesis_seqs(group)
+        status = group.seqs[0].status if group.seqs else RequestStatus.FINISHED_LENGTH
         self.running.remove(group)
         self._mark_finished(group, status, None)
         self._finished.append(group)
+
+    @staticmethod
+    def _hypothesis_seqs(group: Request) -> list[Sequence]:
+        """The search's hypotheses as the group's (finished, blockless) sequences, best first."""
+        seqs = []
+        for rank, h in enumerate(group.beam.finished):
+            seq = Sequence(group, [*group.prompt_token_ids, *h.token_ids], rank)
+            seq.status, seq.stop_reason = h.status, h.stop_reason
+            seq.logprobs, seq.cumulative_logprob = h.logprobs, h.cumulative_logprob
+            seqs.append(seq)
+        return seqs
 
     def _fill_preempted(self, seq: Sequence, token: int) -> None:
         """Async scheduling: a sequence swapped out or sent back to waiting by the step scheduled

@@ -66,3 +66,21 @@ def test_bad_parameters_are_named(field, value, message):
     with pytest.raises(ValueError) as info:
         BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, field: value})
     assert str(info.value) == message
+
+
+def test_a_beam_group_that_outgrows_the_pool_ends_by_length_with_its_running_beams():
+    from tests.helpers import Harness
+    from jaxengine.request import Request
+
+    h = Harness(block_size=2, num_gpu_blocks=9)            # 8 usable blocks: 16 tokens in all
+    h.runner.vocab_size = 40
+    request = Request("b", [1, 2, 3, 4], BeamSearchParams(beam_width=2, max_tokens=50, ignore_eos=True))
+    h.scheduler.add_request(request)
+    h.run()
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert "needs more KV cache than the whole pool" in request.status_reason
+    assert [s.status.finish_reason for s in request.seqs] == ["length", "length"]
+    assert [len(s.token_ids) for s in request.seqs] == [s.num_prompt_tokens + len(s.logprobs) for s in request.seqs]
+    scores = [hyp.score for hyp in request.beam.finished]
+    assert scores == sorted(scores, reverse=True) and len(scores) == 2
+    assert h.kv.num_free_blocks == h.kv.num_usable_blocks and not h.scheduler.has_unfinished_requests()
