@@ -3,16 +3,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
+
+import numpy as np
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
+from jaxengine.structured_output import ALL_ALLOWED, bitmask_words
 from jaxengine.trace import StepTrace, TraceWriter, round_seconds
+
+GRAMMAR_WAIT_S = 0.05       # an idle engine waits this long at most for a grammar to compile
 
 
 class Runner(Protocol):
@@ -62,8 +68,11 @@ class Engine:
 
     def __init__(self, config: EngineConfig, runner: Runner, *, eos_token_id: int | None = None,
                  clock: Callable[[], float] = time.monotonic, trace: bool = False,
-                 async_scheduling: bool = False, trace_file: str | Path | None = None) -> None:
+                 async_scheduling: bool = False, trace_file: str | Path | None = None,
+                 grammar_compiler=None) -> None:
         self.config = config
+        self.grammar_compiler = grammar_compiler      # structured output (``structured_output``); None: refused
+        self._awaiting_grammar: dict[str, Request] = {}   # WAITING_FOR_GRAMMAR, not yet in the scheduler
         self.runner = runner
         self.eos_token_id = eos_token_id
         self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock)
@@ -89,18 +98,32 @@ class Engine:
         request = Request(request_id, prompt_token_ids, sampling_params or SamplingParams(),
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           priority=priority, eos_token_id=self.eos_token_id, cache_salt=cache_salt)
-        self.scheduler.add_request(request)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(request)
+            return request
+        if self.grammar_compiler is None:
+            raise ValueError(f"{constraint.field}: structured output needs the model's tokenizer "
+                             f"(this engine runs without one)")
+        if self.has_request(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR          # compiled on a worker thread
+        request.grammar_future = self.grammar_compiler.submit(constraint)
+        self._awaiting_grammar[request_id] = request
         return request
 
     def abort(self, request_id: str) -> bool:
+        if (request := self._awaiting_grammar.pop(request_id, None)) is not None:
+            self.scheduler.add_request(request)          # finished through the scheduler, like any
+            return self.scheduler.abort(request_id)
         return self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
 
     def has_request(self, request_id: str) -> bool:
         """``request_id`` is unfinished here."""
-        return request_id in self.scheduler.requests
+        return request_id in self.scheduler.requests or request_id in self._awaiting_grammar
 
     def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Finish one running sequence from outside (a stop string found by output processing)."""
@@ -112,12 +135,12 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
 
     @property
     def num_unfinished(self) -> int:
-        """Requests not finished: waiting, running or swapped out."""
-        return len(self.scheduler.requests)
+        """Requests not finished: waiting (for a grammar too), running or swapped out."""
+        return len(self.scheduler.requests) + len(self._awaiting_grammar)
 
     def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Leading blocks of this prompt in the prefix cache now (a query: nothing changes)."""
@@ -204,9 +227,43 @@ class Engine:
             abandon()
         return [rid for rid, r in s.requests.items() if any(seq.seq_id in seq_ids for seq in r.seqs)]
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the scheduler (one whose constraint is invalid
+        finishes there at once, ignored, with the compiler's message). When nothing else could
+        run, wait for the first grammar rather than spin."""
+        if not self.scheduler.has_unfinished_requests():
+            futures.wait([r.grammar_future for r in self._awaiting_grammar.values()],
+                         timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
+        for request_id, request in list(self._awaiting_grammar.items()):
+            if not request.grammar_future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            request.status = RequestStatus.WAITING
+            error = request.grammar_future.exception()
+            if error is None:
+                request.seqs[0].grammar = request.grammar_future.result().matcher()
+            self.scheduler.add_request(request)
+            if error is not None:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_IGNORED, str(error))
+
+    def _fill_token_bitmask(self, out: SchedulerOutput) -> None:
+        """Each sampling row with a grammar writes its allowed tokens into the step's bitmask."""
+        bitmask = None
+        for i, (seq, k) in enumerate(zip(out.scheduled_seqs, out.num_samples)):
+            if k and seq.grammar is not None:
+                if bitmask is None:
+                    words = bitmask_words(self.grammar_compiler.vocab_size)
+                    bitmask = np.full((len(out.scheduled_seqs), words), ALL_ALLOWED, np.int32)
+                seq.grammar.fill(bitmask[i])
+        out.token_bitmask = bitmask
+
     def _launch(self) -> _Launch:
         """Schedule a step and launch it on the runner."""
+        if self._awaiting_grammar:
+            self._admit_compiled()
         out = self.last_output = self.scheduler.schedule()
+        if self.scheduler.num_structured:
+            self._fill_token_bitmask(out)
         self._unapplied.append(out)
         dispatch = getattr(self.runner, "dispatch", None)
         idle = self._runner_counter("idle_s")

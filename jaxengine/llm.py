@@ -27,6 +27,7 @@ from jaxengine.runner.kernel_check import check_model_kernels
 from jaxengine.runner.kv_cache import bytes_per_block
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
+from jaxengine.structured_output import GrammarCompiler
 from jaxengine.tokenizer import apply_chat_template, load_tokenizer
 from jaxengine.trace import replica_trace_file
 
@@ -99,6 +100,8 @@ class LLM:
                             enabled=False if args.skip_kernel_check else None)
         if self.distributed is not None:
             multihost.check_same_kernels(self.model)
+        self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
+            self.tokenizer, self.model_config.vocab_size, self._eos_token_id())
         self.config = args.create_engine_config(self.model_config, self.dtype, list(self.mesh.devices.flat))
         if self.distributed is not None:
             self.config = multihost.without_swap(self.config)
@@ -124,7 +127,7 @@ class LLM:
         if trace_file is not None and args.data_parallel_size > 1:
             trace_file = replica_trace_file(trace_file, replica)
         return Engine(self.config, runner, eos_token_id=self._eos_token_id(), async_scheduling=async_scheduling,
-                      trace_file=trace_file)
+                      trace_file=trace_file, grammar_compiler=self.grammar_compiler)
 
     def _runner(self, model, mesh, progress: bool) -> ModelRunner:
         args = self.engine_args
@@ -190,6 +193,7 @@ class LLM:
                 raise TypeError(f"sampling_params: expected SamplingParams, got {type(p).__name__}"
                                 + (" (beam search is LLM.beam_search)" if isinstance(p, BeamSearchParams) else ""))
             self.check_request(prompt.token_ids, p)
+            self.check_constraint(p)
         requests = [self.add_request(f"offline-{next(self._ids)}", prompt.token_ids, p,
                                      priority=priority[i] if priority else 0, cache_salt=prompt.cache_salt)
                     for i, (prompt, p) in enumerate(zip(parsed, params))]
@@ -208,6 +212,7 @@ class LLM:
             if not isinstance(p, BeamSearchParams):
                 raise TypeError(f"params: expected BeamSearchParams, got {type(p).__name__}")
             self.check_request(prompt.token_ids, p)
+            self.check_constraint(p)
         requests = [self.add_request(f"beam-{next(self._ids)}", prompt.token_ids, p, cache_salt=prompt.cache_salt)
                     for prompt, p in zip(parsed, params_list)]
         texts = self._run(requests, use_tqdm)
@@ -268,6 +273,13 @@ class LLM:
             raise ValueError(f"prompts: 'prompt' must be a string, got {type(text).__name__}")
         return _Prompt(self.encode(text), text, salt)
 
+    def check_constraint(self, params: SamplingParams | BeamSearchParams) -> None:
+        """Compile the request's structured-output grammar now (cached for the engine); a
+        ValueError naming the field if it is invalid. The server skips this: there the engine
+        compiles off its thread and an invalid constraint fails its request alone."""
+        if params.structured_outputs is not None and self.grammar_compiler is not None:
+            self.grammar_compiler.submit(params.structured_outputs).result()
+
     def check_request(self, ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
         if isinstance(params, BeamSearchParams):
@@ -283,6 +295,9 @@ class LLM:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary of {vocab} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError(f"{params.structured_outputs.field}: structured output needs a tokenizer "
+                             f"(skip_tokenizer_init=True)")
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n: {params.n} samples can never run together (max_num_seqs="
                              f"{self.config.scheduler.max_num_seqs})")

@@ -17,6 +17,7 @@ from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_GRAMMAR = -1   # its structured-output grammar is compiling; not yet in the scheduler
     WAITING = 0
     RUNNING = 1
     SWAPPED = 2
@@ -54,7 +55,7 @@ class Sequence:
     __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "block_hashes", "num_cached_blocks", "status", "stop_reason",
                  "sample_index", "is_new", "logprobs", "num_pending", "pending_sample_row",
-                 "cumulative_logprob")
+                 "cumulative_logprob", "grammar")
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int) -> None:
         self.seq_id: int = next(_seq_ids)
@@ -75,6 +76,7 @@ class Sequence:
         self.num_pending = 0
         self.pending_sample_row = -1          # the latest placeholder's sample row in its step
         self.cumulative_logprob = 0.0         # beam search: of the output tokens
+        self.grammar = None                   # structured output: this sequence's matcher
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +170,9 @@ class Request:
         # Penalties read the whole token history on the host: such requests don't run ahead.
         p = sampling_params
         self.needs_history = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        # Structured output: the step's token mask depends on the previous token (no running ahead).
+        self.grammar_future = None
+        self.needs_history |= p.structured_outputs is not None
         # Fixed here so a preempted and resumed request continues the same random stream.
         self.seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
 

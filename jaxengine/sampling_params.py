@@ -5,6 +5,49 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20   # top-k logprobs the sampler computes for every row
 MAX_LOGIT_BIAS = 64  # logit_bias entries per request
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrained decoding (vLLM's names); exactly one kind: ``json`` (a JSON schema, as a dict
+    or its text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (Lark
+    or GBNF/EBNF), or ``json_object=True`` (any JSON object). ``field`` is the request field
+    that errors name (the server sets ``response_format``, ``guided_json``, ``tools``, ...)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    field: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{self.field}: exactly one of {', '.join(STRUCTURED_KINDS)} must be given, got "
+                             f"{given or 'none'}")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"{self.field}: choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"{self.field}: {name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"{self.field}: json must be a JSON schema (an object or its text)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """Equal for equal constraints (the compiled-grammar cache's key)."""
+        import json as json_module
+
+        value = getattr(self, self.kind)
+        return self.kind, json_module.dumps(value, sort_keys=True) if isinstance(value, dict) else value
 
 
 @dataclass
@@ -31,6 +74,7 @@ class SamplingParams:
     # Logprobs are of log_softmax(logits / logprobs_temperature): 1 is the model's distribution
     # (beam search scores its candidates at its temperature).
     logprobs_temperature: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +109,8 @@ class SamplingParams:
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be StructuredOutputsParams")
         bias = self.logit_bias or {}
         check(len(bias) <= MAX_LOGIT_BIAS and all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias",
               f"must map at most {MAX_LOGIT_BIAS} non-negative token ids to biases")
@@ -98,6 +144,7 @@ class BeamSearchParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None     # every beam follows the constraint
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,4 +177,4 @@ class BeamSearchParams:
                               ignore_eos=self.ignore_eos, logprobs=2 * self.beam_width, stop=self.stop,
                               stop_token_ids=self.stop_token_ids,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured_outputs)

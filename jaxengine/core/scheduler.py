@@ -42,6 +42,7 @@ class Scheduler:
         self._finished_seq_ids: list[int] = []          # for the runner to forget
         self._out: SchedulerOutput | None = None         # the step being built, inside schedule()
         self._num_beam_searches = 0                      # unfinished beam-search groups
+        self.num_structured = 0                          # unfinished requests with a grammar
         self._max_prefill_chunk = (config.long_prefill_token_threshold if config.enable_chunked_prefill
                                    else 0) or config.max_num_batched_tokens
         # delay_factor: latency of the last step that admitted prompts
@@ -61,6 +62,7 @@ class Scheduler:
             request.beam.max_tokens = request.max_output_tokens
         self.requests[request.request_id] = request
         self._num_beam_searches += request.beam is not None
+        self.num_structured += request.sampling_params.structured_outputs is not None
         reason = self._never_reason(request)
         if reason:
             self._finish_request(request, RequestStatus.FINISHED_IGNORED, reason)
@@ -540,6 +542,7 @@ class Scheduler:
 
     def _mark_finished(self, group: Request, status: RequestStatus, reason: str | None) -> None:
         self._num_beam_searches -= group.beam is not None
+        self.num_structured -= group.sampling_params.structured_outputs is not None
         group.status = status
         group.status_reason = reason
         group.times.finished = self.clock()
@@ -610,6 +613,8 @@ class Scheduler:
                 if status is not None:
                     self._finish_seq(request, seq, status)
                     any_finished |= request.is_finished
+        if self.num_structured:
+            any_finished |= self._advance_grammars(out, sampled)
         for group in beams:
             if group.status is RUNNING and all(s.seq_id in group.beam.candidates for s in group.live_seqs):
                 self._beam_step(group)
@@ -617,6 +622,35 @@ class Scheduler:
         if any_finished:
             self.running = [g for g in self.running if g.status is RUNNING]
         finished, self._finished = self._finished, []
+        return finished
+
+    # ------------------------------------------------------------------ structured output
+    def _advance_grammars(self, out: SchedulerOutput, sampled: list) -> bool:
+        """Each sequence with a grammar takes in the token it got (after the stop checks: a token
+        that stopped it is not fed). The grammar complete, the sequence stops; a token the
+        grammar refuses (it cannot happen through the mask) ends it with an error. At a fork the
+        siblings start from copies of the leader's matcher. Returns whether a group finished."""
+        finished = False
+        for seq, tokens in zip(out.scheduled_seqs, sampled):
+            if not tokens or seq.grammar is None or seq.status is not RUNNING:
+                continue
+            group = seq.request
+            if len(tokens) > 1:                         # a fork: the siblings are new
+                for sibling in group.seqs:
+                    if sibling.grammar is None:
+                        sibling.grammar = seq.grammar.copy()
+                pairs = [(s, s.token_ids[-1]) for s in group.seqs]
+            else:
+                pairs = [(seq, tokens[0])]
+            for s, token in pairs:
+                if s.is_finished:
+                    continue
+                if not s.grammar.accept(token):
+                    group.status_reason = f"structured output: token {token} is not allowed here"
+                    self._finish_seq(group, s, RequestStatus.FINISHED_ERROR)
+                elif s.grammar.is_done:
+                    self._finish_seq(group, s, RequestStatus.FINISHED_STOPPED)
+                finished |= group.is_finished
         return finished
 
     # ------------------------------------------------------------------ beam search
@@ -661,6 +695,7 @@ class Scheduler:
                 child = Sequence(group, list(parent.token_ids), len(group.seqs) + len(next_beams))
                 self.kv.fork(parent, child)
                 child.status, child.logprobs = RUNNING, list(parent.logprobs)
+                child.grammar = parent.grammar.copy() if parent.grammar is not None else None
                 next_beams.append((child, c))
             else:
                 parents_taken.add(c.beam)
@@ -671,6 +706,8 @@ class Scheduler:
                 seq.status = RequestStatus.FINISHED_ABORTED
                 self._finished_seq_ids.append(seq.seq_id)
         for seq, c in next_beams:
+            if seq.grammar is not None:
+                seq.grammar.accept(c.token)    # the candidates came through its mask
             seq.token_ids.append(c.token)
             seq.logprobs.append((c.logprob, c.top))
             seq.cumulative_logprob = c.cumulative_logprob

@@ -53,6 +53,9 @@ class SchedulerOutput:
     num_preemptions: int = 0
     num_swap_fallbacks: int = 0     # preemptions that meant to swap but recomputed: host pool full
     num_prefix_hit_tokens: int = 0  # prompt tokens that sequences admitted now found in the prefix cache
+    # Structured output: [B, ceil(V / 32)] int32, each sampling row's allowed tokens (all bits set
+    # for rows without a grammar); None when no row of the step has one.
+    token_bitmask: object = None
     # Host-side handles for ``Scheduler.update_from_output`` (not for the runner).
     scheduled_seqs: list = field(default_factory=list, repr=False)
 

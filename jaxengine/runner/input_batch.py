@@ -19,6 +19,7 @@ from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sampling_params import MAX_LOGIT_BIAS
+from jaxengine.structured_output import ALL_ALLOWED, bitmask_words
 
 
 @dataclass
@@ -49,8 +50,9 @@ def seed_words(seed: int) -> tuple[int, int]:
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int,
                  token_buckets: list[int], request_buckets: list[int],
-                 placement: jax.sharding.Sharding | None = None) -> None:
+                 placement: jax.sharding.Sharding | None = None, vocab_size: int = 32) -> None:
         self.block_size = block_size
+        self.bitmask_words = bitmask_words(vocab_size)
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
         self.max_blocks_per_seq = max_blocks_per_seq
         self.tokens = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
@@ -125,7 +127,7 @@ class InputBatch:
         pos = np.arange(num_tokens) - (ends - n)[token_row] + computed[token_row]
         input_ids, prev_index = self._input_ids(token_slot, pos, ends, out.previous_sample_rows, t_pad)
         attention = self._attention(slots, token_slot, pos, ends, seq_lens, t_pad, b_pad)
-        sampling, logits_indices = self._sampling(slots, samples, ends, seq_lens, b_pad)
+        sampling, logits_indices = self._sampling(slots, samples, ends, seq_lens, b_pad, out.token_bitmask)
         want, target = self._prompt_logprob_targets(token_slot, pos, t_pad)
         return StepInputs(input_ids, prev_index, attention, logits_indices, sampling, want, target, num_samples), slots
 
@@ -153,7 +155,8 @@ class InputBatch:
         block_tables[:num_rows] = self.block_tables[slots]
         return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables)
 
-    def _sampling(self, slots, samples, ends, seq_lens, b_pad: int) -> tuple[SamplingMetadata, np.ndarray]:
+    def _sampling(self, slots, samples, ends, seq_lens, b_pad: int,
+                  token_bitmask: np.ndarray | None = None) -> tuple[SamplingMetadata, np.ndarray]:
         """Per sample row (a fork row samples the group's n streams 0..n-1, other rows their own).
         Fields of one dtype are rows of one array: few allocations on the per-step path."""
         sample_row = np.repeat(np.arange(len(slots)), samples)
@@ -177,8 +180,21 @@ class InputBatch:
             temperature=floats[0], top_p=floats[1], top_k=ints[1], min_p=floats[2], seed=seed, sample_index=ints[2],
             step=ints[3], want_logprobs=want, presence_penalty=floats[3], frequency_penalty=floats[4],
             repetition_penalty=floats[5], history=history, num_prompt=num_prompt, num_history=num_history,
-            bias_ids=bias_ids, bias_values=bias_values, logprobs_temperature=floats[6])
+            bias_ids=bias_ids, bias_values=bias_values, logprobs_temperature=floats[6],
+            **self._token_bitmask(token_bitmask, sample_row, b_pad))
         return md, ints[0]
+
+    def _token_bitmask(self, rows_bitmask: np.ndarray | None, sample_row, b_pad: int) -> dict:
+        """Structured output's allowed tokens per sample row (a fork's samples share their row's);
+        in steps without a grammar, the device's all-allowed mask."""
+        constrained = np.zeros(b_pad, bool)
+        if rows_bitmask is None:
+            return {"token_bitmask": self._device_full((b_pad, self.bitmask_words), ALL_ALLOWED),
+                    "constrained": constrained}
+        bitmask = np.full((b_pad, self.bitmask_words), ALL_ALLOWED, np.int32)
+        bitmask[:len(sample_row)] = rows_bitmask[sample_row]
+        constrained[:len(sample_row)] = True
+        return {"token_bitmask": bitmask, "constrained": constrained}
 
     def _logit_bias(self, s, b_pad: int) -> tuple:
         """The rows' logit bias; in steps without any, the device's zeros."""
@@ -220,10 +236,14 @@ class InputBatch:
     def _device_zeros(self, shape: tuple, dtype) -> jax.Array:
         """What a step without penalties or logit bias passes for their large inputs: one
         device-resident array per shape, so such a step builds and sends none."""
-        zeros = self._zeros.get((shape, dtype))
-        if zeros is None:
-            zeros = self._zeros[(shape, dtype)] = jax.device_put(np.zeros(shape, dtype), self.placement)
-        return zeros
+        return self._device_full(shape, 0, dtype)
+
+    def _device_full(self, shape: tuple, value, dtype=np.int32) -> jax.Array:
+        key = (shape, np.dtype(dtype).name, value)
+        array = self._zeros.get(key)
+        if array is None:
+            array = self._zeros[key] = jax.device_put(np.full(shape, value, dtype), self.placement)
+        return array
 
     def record_samples(self, out: SchedulerOutput, slots: np.ndarray, tokens: np.ndarray) -> None:
         """A step's sampled tokens (a fork row's first, the leader's) join the token buffer after

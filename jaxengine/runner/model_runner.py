@@ -112,7 +112,8 @@ class ModelRunner:
         self.request_buckets = _checked_buckets(request_buckets, sc.max_num_seqs, "request_buckets") or \
             default_request_buckets(sc.max_num_seqs, minimum=min(8, sc.max_num_seqs))
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
-                                cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated)
+                                cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated,
+                                vocab_size=model_config.vocab_size)
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype,
                                         sharding=None if mesh is None else kv_cache_sharding(mesh))
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)

@@ -28,3 +28,6 @@ class SamplingMetadata:
     bias_ids: jax.Array            # [R, MAX_LOGIT_BIAS] i32
     bias_values: jax.Array         # [R, MAX_LOGIT_BIAS] f32 (0 for unused entries)
     logprobs_temperature: jax.Array  # [R] f32: logprobs are of log_softmax(logits / this); 1 = the model's
+    # Structured output: token t is allowed when bit t & 31 of word t >> 5 is set (-1: every token).
+    token_bitmask: jax.Array       # [R, ceil(V / 32)] i32
+    constrained: jax.Array         # [R] bool: some row of the step has a grammar (the mask is applied)

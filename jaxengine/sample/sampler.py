@@ -28,6 +28,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> Sa
     needs_penalties = (jnp.any((md.presence_penalty != 0) | (md.frequency_penalty != 0)
                                | (md.repetition_penalty != 1)) | jnp.any(md.bias_values != 0))
     logits = jax.lax.cond(needs_penalties, lambda x: apply_penalties(x, md), lambda x: x, logits)
+    logits = jax.lax.cond(jnp.any(md.constrained), lambda x: apply_token_bitmask(x, md.token_bitmask),
+                          lambda x: x, logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda: _draw(logits, md, greedy), lambda: greedy)
     num_rows = logits.shape[0]
@@ -56,6 +58,15 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     logits = logits - md.frequency_penalty[:, None] * counts - md.presence_penalty[:, None] * (counts > 0)
     bias_rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], md.bias_ids.shape)
     return logits.at[bias_rows, md.bias_ids].add(md.bias_values)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Disallowed tokens (their bit clear) to -inf: structured output's grammar, after penalties
+    and before temperature, top-k and top-p."""
+    token = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    words = jnp.take(bitmask, token >> 5, axis=1)
+    allowed = (jnp.right_shift(words, token & 31) & 1).astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _draw(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -> jax.Array:

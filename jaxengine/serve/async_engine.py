@@ -139,10 +139,13 @@ class AsyncEngine:
         tokenizer = self._tokenizer_or_error("prompt")
         return await self._on_pool(lambda: tokenizer.get().encode(prompt, add_special_tokens=add_special_tokens))
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """A conversation through the chat template -> token ids, on the tokenizer pool."""
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> list[int]:
+        """A conversation (and the tools offered) through the chat template -> token ids, on the
+        tokenizer pool."""
         tokenizer = self._tokenizer_or_error("messages")
-        return await self._on_pool(lambda: apply_chat_template(tokenizer.get(), messages, add_generation_prompt))
+        return await self._on_pool(lambda: apply_chat_template(tokenizer.get(), messages, add_generation_prompt,
+                                                               tools=tools))
 
     async def decode(self, token_ids: list[int]) -> str:
         tokenizer = self._tokenizer_or_error("tokens")

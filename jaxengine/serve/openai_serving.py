@@ -3,6 +3,7 @@ responses, whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from contextlib import aclosing
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, RequestDelta
+from jaxengine.serve.tool_calls import ToolCall, ToolMode, tool_mode
 
 
 class RequestError(Exception):
@@ -65,10 +67,11 @@ class OpenAIServing:
             raise RequestError(400, "prompt: must not be empty", "prompt")
         return list(await asyncio.gather(*(self.engine.encode(x) for x in prompts)))
 
-    async def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, request: p.ChatCompletionRequest, tools: ToolMode | None = None) -> list[int]:
         if self.tokenizer is None:
             raise RequestError(400, "messages: the server runs without a tokenizer", "messages")
-        return await self.engine.encode_chat([m.as_template_input() for m in request.messages])
+        offered = request.tools if tools is not None and tools.kind != "none" else None
+        return await self.engine.encode_chat([m.as_template_input() for m in request.messages], tools=offered)
 
     # ---- completions ----
     async def completion(self, request: p.CompletionRequest) -> tuple[AsyncIterator, bool]:
@@ -128,33 +131,67 @@ class OpenAIServing:
             if param_of(error) == "logprobs":
                 raise RequestError(400, "top_logprobs" + str(error)[len("logprobs"):], "top_logprobs") from None
             raise
-        prompt = await self.chat_prompt(request)
+        tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls)
+        if tools.constraint is not None:
+            if params.structured_outputs is not None:
+                raise RequestError(400, f"tool_choice: {request.tool_choice!r} constrains the output; it cannot "
+                                        f"be combined with {params.structured_outputs.field}", "tool_choice")
+            params = dataclasses.replace(params, structured_outputs=tools.constraint)
+        prompt = await self.chat_prompt(request, tools)
         request_id = p.random_id("chatcmpl")
         deltas = self._start(request_id, [prompt], params, request.priority)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._chat_stream(request_id, deltas, include_usage), True
-        return self._chat_full(request_id, deltas, request.n), False
+            return self._chat_stream(request_id, deltas, include_usage, tools), True
+        return self._chat_full(request_id, deltas, request.n, tools), False
 
-    def _chat_stream(self, request_id: str, deltas, include_usage: bool):
+    def _chat_stream(self, request_id: str, deltas, include_usage: bool, tools: ToolMode):
         started: set[int] = set()
+        held: dict[int, str] = {}            # tool modes parsed at the end: the text so far
 
-        def chunk(_i: int, c, usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
+        def chunk(_i: int, c, usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk | None:
             if c is None:
                 return p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
-            message = p.DeltaMessage(content=c.text, role=None if c.index in started else "assistant")
+            role = None if c.index in started else "assistant"
+            first = c.index not in started
             started.add(c.index)
-            choice = p.ChatStreamChoice(index=c.index, delta=message, finish_reason=c.finish_reason,
+            finish = c.finish_reason
+            if tools.kind == "named":            # the arguments stream as they come
+                call = p.ToolCallOut(index=0, function=p.FunctionCall(arguments=c.text))
+                if first:
+                    call = p.ToolCallOut(index=0, id=ToolCall.make(tools.name, "").id, type="function",
+                                         function=p.FunctionCall(name=tools.name, arguments=c.text))
+                message = p.DeltaMessage(role=role, tool_calls=[call])
+                finish = "tool_calls" if finish == "stop" else finish
+            elif tools.kind in ("required", "auto"):
+                held[c.index] = held.get(c.index, "") + c.text
+                if finish is None:
+                    return None if not first else p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+                        p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(role=role, content=""))])
+                content, calls, finish = _tool_message(tools, held.pop(c.index), finish)
+                message = p.DeltaMessage(role=role, content=content, tool_calls=[
+                    p.ToolCallOut(index=k, id=call.id, type="function", function=p.FunctionCall(
+                        name=call.name, arguments=call.arguments)) for k, call in enumerate(calls)] or None)
+            else:
+                message = p.DeltaMessage(content=c.text, role=role)
+            choice = p.ChatStreamChoice(index=c.index, delta=message, finish_reason=finish,
                                         stop_reason=c.stop_reason, logprobs=self._chat_logprobs(c))
             return p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
 
         return _sse_stream(deltas, chunk, include_usage)
 
-    async def _chat_full(self, request_id: str, deltas, n: int):
+    async def _chat_full(self, request_id: str, deltas, n: int, tools: ToolMode):
         choices, usage = await _gather(deltas, n, 1)
-        yield p.ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
-            p.ChatChoice(index=k, message=p.ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                         stop_reason=c.stop_reason, logprobs=self._chat_logprobs(c)) for k, c in enumerate(choices)])
+        out = []
+        for k, c in enumerate(choices):
+            content, calls, finish = _tool_message(tools, c.text, c.finish_reason)
+            message = p.ChatMessageOut(content=content, tool_calls=[
+                p.ToolCallOut(id=call.id, type="function", function=p.FunctionCall(name=call.name,
+                                                                                   arguments=call.arguments))
+                for call in calls] or None)
+            out.append(p.ChatChoice(index=k, message=message, finish_reason=finish, stop_reason=c.stop_reason,
+                                    logprobs=self._chat_logprobs(c)))
+        yield p.ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=out)
 
     def _chat_logprobs(self, choice) -> p.ChatLogprobs | None:
         if not choice.logprobs:
@@ -172,6 +209,15 @@ class OpenAIServing:
 
 
 # ---- helpers ----
+def _tool_message(tools: ToolMode, text: str, finish_reason: str | None):
+    """A finished choice's text -> (content, tool calls, finish reason: "tool_calls" when calls
+    were made and the output ended of itself)."""
+    content, calls = tools.calls(text)
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return content, calls, finish_reason
+
+
 # Characters that Python's str.splitlines (and so clients such as httpx's aiter_lines) treat as
 # line breaks, though SSE breaks lines only at CR and LF: escaped in the JSON (they can only occur
 # inside its strings), an event is one line for every client.
@@ -194,7 +240,8 @@ async def _sse_stream(deltas, chunk, include_usage: bool):
                 break
             _count(usage, delta)
             for c in delta.choices:
-                yield _sse(chunk(i, c))
+                if (event := chunk(i, c)) is not None:      # None: a choice held back until it ends
+                    yield _sse(event)
         else:
             if include_usage:
                 yield _sse(chunk(0, None, _total(usage)))

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxengine.sampling_params import BeamSearchParams, SamplingParams
+from jaxengine.sampling_params import STRUCTURED_KINDS, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1     # a signed 64-bit integer, as in vLLM
@@ -24,6 +24,23 @@ def random_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's guided_* extras -> StructuredOutputsParams fields
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class _SamplingRequest(BaseModel):
@@ -56,6 +73,36 @@ class _SamplingRequest(BaseModel):
     use_beam_search: bool = False          # n is then the beam width
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* extras.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, or None; ValueError naming the field."""
+        sources = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format: json_schema needs a schema")
+            sources.append(StructuredOutputsParams(json=fmt.json_schema.json_schema, field="response_format"))
+        elif fmt is not None and fmt.type == "json_object":
+            sources.append(StructuredOutputsParams(json_object=True, field="response_format"))
+        if self.structured_outputs is not None:
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown keys {unknown} (accepted: {list(STRUCTURED_KINDS)})")
+            sources.append(StructuredOutputsParams(**self.structured_outputs))
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                sources.append(StructuredOutputsParams(**{kind: getattr(self, name)}, field=name))
+        if len(sources) > 1:
+            raise ValueError(f"{sources[1].field}: only one output constraint per request (also given: "
+                             f"{sources[0].field})")
+        return sources[0] if sources else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams | BeamSearchParams:
         """-> SamplingParams (BeamSearchParams with use_beam_search); a bad value raises
@@ -63,6 +110,7 @@ class _SamplingRequest(BaseModel):
         self._check_stream_options_and_seed()
         if self.use_beam_search:
             return self.beam_search_params(max_tokens, logprobs)
+        constraint = self.structured_outputs_params()
         bias = None
         if self.logit_bias:
             try:
@@ -77,7 +125,7 @@ class _SamplingRequest(BaseModel):
             logit_bias=bias, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=constraint)
 
 
     def beam_search_params(self, max_tokens: int | None, logprobs: int | None) -> BeamSearchParams:
@@ -91,7 +139,8 @@ class _SamplingRequest(BaseModel):
             beam_width=self.n, max_tokens=MAX_BEAM_TOKENS if max_tokens is None else max_tokens,
             ignore_eos=self.ignore_eos, temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
             early_stopping=self.early_stopping, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens)
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params())
 
     def _check_stream_options_and_seed(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -137,6 +186,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---- responses ----
@@ -184,9 +236,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(BaseModel):
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int | None = None          # in stream deltas
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
-    content: str = ""
+    content: str | None = ""
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -209,6 +274,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -187,7 +187,8 @@ def test_presence_frequency_and_logit_bias_exact_values():
                           repetition_penalty=jnp.asarray([2.0]),
                           history=jnp.asarray([[1, 2, 2, 4, 0, 0]]), num_prompt=jnp.asarray([2]),
                           num_history=jnp.asarray([4]), bias_ids=jnp.asarray([[3, 0]]),
-                          bias_values=jnp.asarray([[5.0, 0.0]]), logprobs_temperature=jnp.ones(1))
+                          bias_values=jnp.asarray([[5.0, 0.0]]), logprobs_temperature=jnp.ones(1),
+                          token_bitmask=jnp.full((1, 1), -1, jnp.int32), constrained=jnp.zeros(1, bool))
     # prompt [1, 2], outputs [2, 4]; repetition on 1, 2, 4; presence+frequency on 2 (once) and 4 (once)
     expected = [2.0, -1.0 * 2, 0.5 / 2 - 0.25 - 0.5, 0.0 + 5.0, 1.0 / 2 - 0.25 - 0.5]
     assert apply_penalties(logits, md)[0].tolist() == pytest.approx(expected)
