@@ -8,14 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-import numpy as np
-
 from jaxengine.config import EngineConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.structured_output import ALL_ALLOWED, bitmask_words
 from jaxengine.trace import StepTrace, TraceWriter, round_seconds
 
 GRAMMAR_WAIT_S = 0.05       # an idle engine waits this long at most for a grammar to compile
@@ -248,6 +245,10 @@ class Engine:
 
     def _fill_token_bitmask(self, out: SchedulerOutput) -> None:
         """Each sampling row with a grammar writes its allowed tokens into the step's bitmask."""
+        import numpy as np
+
+        from jaxengine.structured_output import ALL_ALLOWED, bitmask_words
+
         bitmask = None
         for i, (seq, k) in enumerate(zip(out.scheduled_seqs, out.num_samples)):
             if k and seq.grammar is not None:
