@@ -155,24 +155,26 @@ class Request:
         self.forked = sampling_params.n == 1
         self.num_cached_tokens = 0            # prompt tokens served by the prefix cache
         self.num_preemptions = 0
-        self.fork_logprobs: list = []
+        self.fork_logprobs: list = []         # the siblings' first-sample logprobs, handed over at the fork
         # With prompt_logprobs: per prompt position, {token id: logprob} (None for the first token).
-        self.prompt_logprobs = None if sampling_params.prompt_logprobs is None else [None] * len(prompt_token_ids)         # the siblings' first-sample logprobs, handed over at the fork
+        self.prompt_logprobs = None if sampling_params.prompt_logprobs is None else [None] * len(prompt_token_ids)
         self.times = RequestTimes(queued=self.arrival_time)
         self.stop_token_set = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos or eos_token_id is None else {eos_token_id})
         self.max_output_tokens = sampling_params.max_tokens or 1 << 62  # capped by the scheduler
+        # Penalties read the whole token history on the host: such requests don't run ahead.
+        p = sampling_params
+        self.needs_history = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        self.grammar_future = None            # structured output: its grammar, compiling
         self.beam = None
         if beam_params is not None:
             from jaxengine.core.beam_search import BeamSearch     # it imports this module
 
             self.beam = BeamSearch(beam_params, self.max_output_tokens, self.stop_token_set)
-        # Penalties read the whole token history on the host: such requests don't run ahead.
-        p = sampling_params
-        self.needs_history = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-        # Structured output: the step's token mask depends on the previous token (no running ahead).
-        self.grammar_future = None
-        self.needs_history |= p.structured_outputs is not None
+        # Its rows get no placeholder under async scheduling, so they sit out the step run ahead
+        # (the others run on): a beam's next token is the search's choice, a grammar's mask
+        # needs the previous token.
+        self.waits_for_tokens = self.beam is not None or p.structured_outputs is not None
         # Fixed here so a preempted and resumed request continues the same random stream.
         self.seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
 

@@ -146,3 +146,40 @@ def test_an_invalid_constraint_submitted_to_the_engine_fails_its_request_alone(l
     assert {r.request_id for r in finished} == {"bad", "good"}
     engine.flush()
     assert released(llm)
+
+
+def test_async_scheduling_runs_the_others_ahead_while_grammars_wait_for_their_tokens(chat_checkpoint, llm):
+    from jaxengine.llm import LLM
+
+    fast = LLM(chat_checkpoint, max_num_batched_tokens=64, max_num_seqs=16, block_size=4, max_model_len=256,
+               num_kv_blocks=600, async_scheduling=True, progress=False)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [constrained(json=s) for s in SCHEMAS.values()] + [plain] * len(PROMPTS)
+    prompts = [PROMPTS[0]] * len(SCHEMAS) + PROMPTS
+    outs = fast.generate(prompts, params, use_tqdm=False)
+    assert fast.engine.num_run_ahead > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in
+                                                      llm.generate(prompts, params, use_tqdm=False)]
+    assert released(fast)
+
+
+def test_the_default_model_writes_valid_json_and_matching_text():
+    from jaxengine import default_model
+    from jaxengine.llm import LLM
+
+    try:
+        default_model.default_model_path(progress=False)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    llm = LLM(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=512, progress=False)
+    schemas = [SCHEMAS["nested"], SCHEMAS["numbers"]]
+    params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=s))
+              for s in schemas]
+    params.append(SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(
+        regex=r"(Monday|Tuesday|Friday), [0-9]{1,2} (May|June)")))
+    outs = llm.chat([[{"role": "user", "content": "Describe a person and where they live, as JSON."}],
+                     [{"role": "user", "content": "Give three numbers as JSON."}],
+                     [{"role": "user", "content": "Name a day and a date."}]], params, use_tqdm=False)
+    for schema, out in zip(schemas, outs):
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert re.fullmatch(r"(Monday|Tuesday|Friday), [0-9]{1,2} (May|June)", outs[2].outputs[0].text)

@@ -121,8 +121,8 @@ class KVCacheManager:
         if self.num_blocks_to_hold(request) > self.pool.num_usable_blocks:
             return AllocStatus.NEVER
         needed = sum(self._num_new_blocks(seq, hit, n) + hit.num_evictable for seq, hit, n in plan)
-        if request.beam is not None:           # the worst case of its next step: a block per beam
-            needed += request.max_num_running_seqs
+        if request.beam is not None and use_watermark:     # the worst case of its next step: a block
+            needed += request.max_num_running_seqs        # per beam (alone in the pool, it just goes)
         if len(self.pool.free_queue) - needed < (self.watermark_blocks if use_watermark else 0):
             return AllocStatus.LATER
         return AllocStatus.OK

@@ -242,10 +242,10 @@ class Scheduler:
         """Async scheduling: before ``update_from_output(out)``, give every row of ``out`` that
         samples one token a placeholder, so the next ``schedule()`` can run its decode (the
         runner feeds it the token from the device, named by its sample row). Not for fork rows
-        (n > 1 samples) nor beams (the search picks their tokens)."""
+        (n > 1 samples) nor beams and grammars (``Request.waits_for_tokens``)."""
         sample_row = 0
         for seq, k in zip(out.scheduled_seqs, out.num_samples):
-            if k == 1 and seq.status is RUNNING and seq.request.beam is None:
+            if k == 1 and seq.status is RUNNING and not seq.request.waits_for_tokens:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending += 1
                 seq.pending_sample_row = sample_row
