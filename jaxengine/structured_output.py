@@ -71,7 +71,12 @@ class GrammarCompiler:
         error = LLMatcher.validate_grammar(text, self.ll_tokenizer)
         if error:
             raise ValueError(f"{params.field}: invalid {_KIND_NAMES[params.kind]}: {error}")
-        return Grammar(text, self.ll_tokenizer)
+        grammar = Grammar(text, self.ll_tokenizer)
+        start = grammar.matcher()
+        start.fill(np.zeros(bitmask_words(self.vocab_size), np.int32))     # settles its start state
+        if start.is_done and not start.is_accepting:      # nothing may come, and nothing is not enough
+            raise ValueError(f"{params.field}: unsatisfiable {_KIND_NAMES[params.kind]}: no output matches it")
+        return grammar
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -136,6 +141,11 @@ class Matcher:
     def is_done(self) -> bool:
         """Only the end of the output can follow (the constraint is complete)."""
         return self._m.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """What has been taken in so far is a complete output."""
+        return self._m.is_accepting()
 
     @property
     def error(self) -> str | None:

@@ -118,11 +118,22 @@ def test_preemption_and_prefix_caching_keep_outputs_valid(chat_checkpoint, llm):
     (dict(json="{not json"), "structured_outputs: invalid JSON schema"),
     (dict(regex="a(b"), "structured_outputs: invalid regular expression"),
     (dict(grammar="start: foo"), "structured_outputs: invalid grammar"),
+    (dict(json={"type": "object", "if": {"type": "object"}}), 'Unimplemented keys: ["if"]'),
+    (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "Unsatisfiable schema"),
+    (dict(regex=r"[^\s\S]"), "structured_outputs: unsatisfiable regular expression"),
+    (dict(grammar='start: a\na: a "x"'), "structured_outputs: unsatisfiable grammar"),
 ])
 def test_invalid_constraints_are_named_before_anything_runs(llm, kind, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         llm.generate(["x"], constrained(**kind), use_tqdm=False)
     assert released(llm)
+
+
+def test_a_stop_string_ends_a_constrained_output(llm):
+    params = SamplingParams(temperature=0, max_tokens=60, stop=[" "], structured_outputs=StructuredOutputsParams(
+        regex="[a-z]{2,8}( [a-z]{2,8}){3}"))
+    out = llm.generate(["Words:"], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[a-z]{2,8}", out.text) and out.finish_reason == "stop" and out.stop_reason == " "
 
 
 def test_exactly_one_kind_and_no_tokenizer():
