@@ -182,7 +182,9 @@ def test_the_default_model_writes_valid_json_and_matching_text():
         default_model.default_model_path(progress=False)
     except RuntimeError as e:
         pytest.skip(str(e))
-    llm = LLM(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=512, progress=False)
+    # One step bucket (the three prompts prefill together in it): a single compile of the model.
+    llm = LLM(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=512, token_buckets=[128],
+              request_buckets=[8], progress=False)
     schemas = [SCHEMAS["nested"], SCHEMAS["numbers"]]
     params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=s))
               for s in schemas]
