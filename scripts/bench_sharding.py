@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 if "--tp" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxengine import EngineArgs, SamplingParams  # noqa: E402
+from jaxengine.bench.report import write_result  # noqa: E402
 from jaxengine.engine import Engine  # noqa: E402
 from jaxengine.kernels.paged_attention.backend import select_attention  # noqa: E402
 from jaxengine.models.config import ModelConfig  # noqa: E402
@@ -114,8 +116,7 @@ def main() -> None:
     result = compare(args.size, args.repeats, [int(t) for t in args.tp.split(",") if t])
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(result, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ import random
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from jaxengine import LLM, SamplingParams
+from jaxengine.bench.report import write_result
 from jaxengine.sampling_params import StructuredOutputsParams
 from jaxengine.structured_output import Matcher
 
@@ -105,8 +107,7 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=1), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"summary": summary, "turns": rows}, f, indent=1)
+        write_result({"summary": summary, "turns": rows}, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine import LLM, SamplingParams
+from jaxengine.bench.report import write_result
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.llama import LlamaForCausalLM
 from jaxengine.trace import StepTrace, TraceWriter
@@ -154,8 +155,7 @@ def main() -> None:
     result = compare(args.repeats, args.batch, args.prompt, args.output)
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(result, Path(args.out))
 
 
 if __name__ == "__main__":
