@@ -1,12 +1,13 @@
 """jaxengine: a vLLM-class LLM inference and serving engine on JAX/XLA."""
 from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxengine.core.policy import SchedulingPolicy
 from jaxengine.engine import Engine
 from jaxengine.request import Request, RequestStatus, SequenceGroup
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "EngineArgs", "BeamSearchParams", "CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
-           "SchedulerConfig", "SequenceGroup"]
+           "SchedulerConfig", "SchedulingPolicy", "SequenceGroup"]
 
 
 def __getattr__(name: str):

@@ -66,8 +66,9 @@ class Engine:
     def __init__(self, config: EngineConfig, runner: Runner, *, eos_token_id: int | None = None,
                  clock: Callable[[], float] = time.monotonic, trace: bool = False,
                  async_scheduling: bool = False, trace_file: str | Path | None = None,
-                 grammar_compiler=None) -> None:
+                 grammar_compiler=None, timer: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
+        self.timer = timer                            # step times in traces (a simulator passes its clock)
         self.grammar_compiler = grammar_compiler      # structured output (``structured_output``); None: refused
         self._awaiting_grammar: dict[str, Request] = {}   # WAITING_FOR_GRAMMAR, not yet in the scheduler
         self.runner = runner
@@ -82,7 +83,7 @@ class Engine:
         self.last_output: SchedulerOutput | None = None   # the latest schedule() (tests read it)
         self.trace_writer = None if trace_file is None else TraceWriter(trace_file)
         self._unwritten: StepTrace | None = None      # the latest record, until the next launch writes it
-        self._started = time.perf_counter()           # trace times count from here
+        self._started = timer()           # trace times count from here
         self._cycle_start = self._started             # this step's launch()
         self._wait_at_start = 0.0                     # the runner's device wait then
         self._in_flight: _Launch | None = None        # launched ahead
@@ -163,7 +164,7 @@ class Engine:
     def launch(self) -> None:
         """The first half of ``step()``: schedule and launch a step (with async scheduling, take
         the one already launched and launch the next); the device computes while the caller works."""
-        self._cycle_start, self._wait_at_start = time.perf_counter(), self._device_wait_s()
+        self._cycle_start, self._wait_at_start = self.timer(), self._device_wait_s()
         launched = self._in_flight or self._launch()
         self._in_flight = self._launch_ahead(launched.out)
         self._launched = launched
@@ -296,7 +297,7 @@ class Engine:
         raise RuntimeError(f"requests still unfinished after {max_steps} steps")
 
     def _record(self, launched: _Launch) -> None:
-        step_s = time.perf_counter() - self._cycle_start
+        step_s = self.timer() - self._cycle_start
         host_s = step_s - (self._device_wait_s() - self._wait_at_start)
         self.last_trace = self._trace(launched, step_s, host_s)
         if self.traces is not None:
@@ -307,6 +308,7 @@ class Engine:
 
     def _trace(self, launched: _Launch, step_s: float, host_s: float) -> StepTrace:
         s, out = self.scheduler, launched.out
+        contexts = [c + n for c, n in zip(out.num_computed_tokens, out.num_scheduled_tokens)]
         return StepTrace(
             step=self.num_steps, time=round_seconds(self._cycle_start - self._started), num_rows=len(out.seq_ids),
             num_decode_tokens=out.num_decode_tokens, num_prefill_tokens=out.num_prefill_tokens,
@@ -314,7 +316,8 @@ class Engine:
             num_blocks_swapped_out=len(out.blocks_to_swap_out), num_swap_fallbacks=out.num_swap_fallbacks,
             kv_usage=s.kv.usage, num_prefix_hit_tokens=out.num_prefix_hit_tokens, num_waiting=len(s.waiting),
             num_running=len(s.running), num_swapped=len(s.swapped), step_s=round_seconds(step_s),
-            host_s=round_seconds(host_s), device_idle_s=round_seconds(launched.device_idle_s))
+            host_s=round_seconds(host_s), device_idle_s=round_seconds(launched.device_idle_s),
+            max_context_len=max(contexts, default=0), num_context_tokens=sum(contexts))
 
     def _write_trace(self) -> None:
         if self._unwritten is not None:

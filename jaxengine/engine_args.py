@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from jaxengine.config import PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from jaxengine.core.policy import SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 
 GiB = 1 << 30
@@ -23,7 +24,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 def _option(default, help: str, **extra):
-    """A field with its default and its help text (``choices=`` where the value is one of a set)."""
+    """A field with its default and its help text (``choices=`` where the value is one of a set;
+    ``cli_type=`` where the flag's value has another type than the field's annotation)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -55,8 +57,11 @@ class EngineArgs:
     preemption_mode: str = _option(
         "auto", "under memory pressure: recompute (drop KV) or swap to host memory; auto swaps "
                 "multi-sequence groups", choices=PREEMPTION_MODES)
-    scheduling_policy: str = _option("fcfs", "fcfs, or priority (lower value first; may preempt)",
-                                     choices=SCHEDULING_POLICIES)
+    scheduling_policy: str | type[SchedulingPolicy] | SchedulingPolicy = _option(
+        "fcfs", f"order of the waiting queue: a built-in ({', '.join(SCHEDULING_POLICIES)}; priority: lower "
+                "value first, may preempt running requests), or module:Class, which imports module and uses "
+                "its class Class, a user's SchedulingPolicy subclass (from jaxengine import SchedulingPolicy)",
+        cli_type=str)
     scheduler_delay_factor: float = _option(
         0.0, "wait this fraction of the last prompt's latency before admitting new prompts")
     attention_backend: str = _option(
@@ -112,6 +117,7 @@ class EngineArgs:
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        resolve_policy(self.scheduling_policy, field="scheduling_policy")
 
     # ---- the three doors ----
     @classmethod
@@ -134,8 +140,9 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
+            hint = f.metadata.get("cli_type", hints[f.name])
             group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=f.metadata["help"],
-                               **_argparse_kind(hints[f.name], f.metadata.get("choices")))
+                               **_argparse_kind(hint, f.metadata.get("choices")))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -153,7 +160,7 @@ class EngineArgs:
             elif value is None:
                 raise ValueError(f"{f.name}: None cannot be written as a flag (its default is {f.default!r})")
             else:
-                argv += [_flag(f.name), ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+                argv += [_flag(f.name), _flag_value(f.name, value)]
         return argv
 
     # ---- the frozen configs ----
@@ -171,13 +178,17 @@ class EngineArgs:
         per_block = bytes_per_block(mc.num_layers, self.block_size, heads, mc.head_dim, kv_dtype)
         num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(
             kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices), per_block)
-        cache = CacheConfig(block_size=self.block_size, num_gpu_blocks=num_gpu_blocks,
-                            num_cpu_blocks=int(self.swap_space * GiB) // (per_block * self.tensor_parallel_size), watermark=self.watermark,
-                            enable_prefix_caching=self.enable_prefix_caching)
+        num_cpu_blocks = int(self.swap_space * GiB) // (per_block * self.tensor_parallel_size)
+        return self.engine_config(num_gpu_blocks, num_cpu_blocks, self.max_model_len or min(mc.max_position_embeddings, 2048))
+
+    def engine_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> EngineConfig:
+        """The frozen configs of these options, given the pool sizes and the model length (what the
+        model decides; the scheduler lab passes a profiled machine's)."""
+        cache = CacheConfig(block_size=self.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                            watermark=self.watermark, enable_prefix_caching=self.enable_prefix_caching)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len or min(mc.max_position_embeddings, 2048),
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills, policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode, delay_factor=self.scheduler_delay_factor)
@@ -195,6 +206,22 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _flag_value(name: str, value) -> str:
+    """A value as its flag's text; a SchedulingPolicy subclass as the ``module:Class`` it is
+    imported back from (an instance has no such text: its state would be lost)."""
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    if isinstance(value, SchedulingPolicy):
+        raise ValueError(f"{name}: a policy instance cannot be written as a flag; give its class or "
+                         f"'module:Class'")
+    if isinstance(value, type):
+        if "<locals>" in value.__qualname__:
+            raise ValueError(f"{name}: {value.__qualname__} is defined inside a function: no "
+                             f"'module:Class' imports it")
+        return f"{value.__module__}:{value.__qualname__}"
+    return str(value)
 
 
 def _argparse_kind(hint, choices) -> dict:

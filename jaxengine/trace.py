@@ -42,6 +42,9 @@ class StepTrace:
     step_s: float                   # wall time of the step's cycle, from launch() to the end of complete()
     host_s: float                   # of it, the time the host was not blocked on the device's results
     device_idle_s: float            # device idle before this step's launch (0: the runner does not measure it)
+    # The step's shape as a cost model reads it (0 in records written before these fields existed).
+    max_context_len: int = 0        # longest context a row attends to (tokens before it + its new ones)
+    num_context_tokens: int = 0     # the rows' attended contexts summed
 
 
 def round_seconds(seconds: float) -> float:

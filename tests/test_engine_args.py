@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxengine import SchedulingPolicy
 from jaxengine.engine_args import GiB, EngineArgs, resolve_dtype
 from jaxengine.llm import LLM
 from jaxengine.models.config import ModelConfig
@@ -96,6 +97,55 @@ def test_unknown_llm_keyword_is_named(module):
 def test_a_value_outside_the_choices_is_named(field, value):
     with pytest.raises(ValueError, match=f"^{field}: must be one of"):
         EngineArgs(**{field: value})
+
+
+class OldestFirst(SchedulingPolicy):
+    """A user's policy, importable as tests.test_engine_args:OldestFirst."""
+
+    def key(self, request, kv):
+        return (request.arrival_time,)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("lifo", "must be one of \\['fcfs', 'priority', 'shortest-prompt-first', 'longest-cached-prefix-first'\\] "
+             "or 'module:Class'"),
+    ("no_such_policy_module:P", "cannot import module 'no_such_policy_module'"),
+    ("jaxengine:Nope", "module 'jaxengine' has no attribute 'Nope'"),
+    ("jaxengine:Engine", "<class 'jaxengine.engine.Engine'> is not a SchedulingPolicy subclass"),
+])
+def test_a_bad_scheduling_policy_is_named(spec, message):
+    with pytest.raises(ValueError, match=f"^scheduling_policy: {message}"):
+        EngineArgs(scheduling_policy=spec)
+
+
+def test_a_user_policy_flag_loads_the_class_and_reaches_the_engine_config(tmp_path, monkeypatch):
+    (tmp_path / "tests_mod.py").write_text("from jaxengine import SchedulingPolicy\n\n\n"
+                                           "class Cls(SchedulingPolicy):\n"
+                                           "    def key(self, request, kv):\n"
+                                           "        return (-request.num_prompt_tokens,)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "tests_mod", raising=False)
+    args = EngineArgs.from_cli_args(serve_args(["--scheduling-policy", "tests_mod:Cls"]))
+    assert args.scheduling_policy == "tests_mod:Cls"
+    assert args.to_cli_args() == ["--scheduling-policy", "tests_mod:Cls"]
+    config = args.create_engine_config(CFG, jnp.float32)
+    assert config.scheduler.policy == "tests_mod:Cls"
+
+
+def test_a_policy_class_is_written_as_module_colon_class_and_an_instance_is_refused():
+    args = EngineArgs(scheduling_policy=OldestFirst)
+    assert args.to_cli_args() == ["--scheduling-policy", "tests.test_engine_args:OldestFirst"]
+    assert EngineArgs(scheduling_policy=OldestFirst()).scheduling_policy.name == "OldestFirst"
+    with pytest.raises(ValueError, match="^scheduling_policy: a policy instance cannot be written as a flag"):
+        EngineArgs(scheduling_policy=OldestFirst()).to_cli_args()
+
+
+def test_the_scheduling_policy_help_lists_the_built_ins(capsys):
+    with pytest.raises(SystemExit):
+        serve_args(["--help"])
+    text = "".join(capsys.readouterr().out.split())
+    assert "fcfs,priority,shortest-prompt-first,longest-cached-prefix-first" in text
+    assert "module:Class" in text and "SchedulingPolicysubclass" in text
 
 
 def test_a_bad_list_flag_is_a_usage_error(capsys):

@@ -1,4 +1,5 @@
-"""Waiting queues: arrival order (fcfs) or (priority, arrival) order. Lower priority value = sooner."""
+"""The built-in policies' waiting queues: arrival order (fcfs) or (priority, arrival) order,
+lower priority value sooner. Other policies use ``core.policy.KeyedQueue``."""
 from __future__ import annotations
 
 import heapq
@@ -67,7 +68,3 @@ class PriorityQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return (e[3] for e in sorted(self._heap))
-
-
-def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
-    return PriorityQueue() if policy == "priority" else FCFSQueue()

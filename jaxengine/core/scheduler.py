@@ -2,9 +2,11 @@
 
 Order within a step: (priority policy) preempt lower-priority running groups for a waiting
 higher-priority one; running groups' decodes; running groups' partial prefills with what is
-left; then queued groups, chunked to the rest of the budget: fcfs swaps groups in before any
-admission; priority takes swapped and waiting groups in one (priority, arrival) order, so a
-group preempted for a request comes back only after it. A step that preempted admits nothing.
+left; then queued groups, chunked to the rest of the budget: fcfs (and every policy that does
+not rank, ``SchedulingPolicy.ranks``) swaps groups in before any admission, then admits in the
+waiting queue's order; priority takes swapped and waiting groups in one (priority, arrival)
+order, so a group preempted for a request comes back only after it. A step that preempted
+admits nothing.
 The scheduler knows no prefill/decode phases: a sequence simply advances
 ``num_computed_tokens`` towards ``num_tokens``.
 """
@@ -15,7 +17,7 @@ from collections.abc import Callable
 
 from jaxengine.config import CacheConfig, SchedulerConfig
 from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
-from jaxengine.core.request_queue import make_queue
+from jaxengine.core.policy import resolve_policy
 from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
 
@@ -34,7 +36,8 @@ class Scheduler:
         self.kv = KVCacheManager(cache_config)
         self.block_size = cache_config.block_size
         self.clock = clock
-        self.waiting = make_queue(config.policy)
+        self.policy = resolve_policy(config.policy, field="policy")
+        self.waiting = self.policy.make_queue(self.kv)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}          # unfinished, by id
@@ -132,11 +135,11 @@ class Scheduler:
         self._step_new: list[Sequence] = []     # sequences the runner has not seen
         self._step_changed: list[Sequence] = []
         passed_delay = self._passed_delay(now)
-        if self.config.policy == "priority" and len(self.waiting):
+        if self.policy.ranks and len(self.waiting):
             self._preempt_for_priority()
         self._schedule_running()
         if not self._preempted:                    # a step that preempted admits nothing
-            if self.config.policy == "priority":
+            if self.policy.ranks:
                 self._schedule_by_rank(now, passed_delay)
             else:
                 self._schedule_in_arrival_order(now, passed_delay)
@@ -257,8 +260,8 @@ class Scheduler:
         return any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs)
 
     def _schedule_in_arrival_order(self, now: float, passed_delay: bool) -> None:
-        """fcfs: swapped groups in the order they were swapped out, then (only once none is
-        left) waiting requests."""
+        """fcfs and every policy that does not rank: swapped groups in the order they were
+        swapped out, then (only once none is left) waiting requests in the queue's order."""
         for group in list(self.swapped):
             if not self._swap_in(group):
                 return
@@ -423,11 +426,12 @@ class Scheduler:
         self._finish_request(group, status, reason)
 
     def _pick_victim(self) -> Request:
-        """fcfs: the last admitted; priority: the lowest priority (largest value), then the latest
-        arrival, then the last admitted. A strict total order: the best running group is never a
-        victim, so it always progresses (equal groups cannot keep preempting each other)."""
+        """Not ranking: the last admitted; ranking (priority): the lowest priority (largest
+        value), then the latest arrival, then the last admitted. A strict total order: the best
+        running group is never a victim, so it always progresses (equal groups cannot keep
+        preempting each other)."""
         running = self.running
-        if self.config.policy == "priority":
+        if self.policy.ranks:
             i = max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time, i))
             return running[i]
         return running[-1]

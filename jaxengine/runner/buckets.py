@@ -22,6 +22,11 @@ def request_buckets(max_num_seqs: int, minimum: int = 1) -> list[int]:
     return power_of_two_buckets(minimum, max_num_seqs)
 
 
+def step_row_buckets(max_num_seqs: int) -> list[int]:
+    """The runner's default row buckets: from 8 (fewer rows cost the same) up to ``max_num_seqs``."""
+    return request_buckets(max_num_seqs, minimum=min(8, max_num_seqs))
+
+
 def pick_bucket(n: int, buckets: list[int]) -> int:
     """The smallest bucket >= n."""
     i = bisect.bisect_left(buckets, n)

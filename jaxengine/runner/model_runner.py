@@ -21,7 +21,7 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.parallel.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
-from jaxengine.runner.buckets import request_buckets as default_request_buckets
+from jaxengine.runner.buckets import step_row_buckets
 from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
@@ -110,7 +110,7 @@ class ModelRunner:
         self.token_buckets = _checked_buckets(token_buckets, sc.max_num_batched_tokens, "token_buckets") or \
             default_token_buckets(sc.max_num_batched_tokens)
         self.request_buckets = _checked_buckets(request_buckets, sc.max_num_seqs, "request_buckets") or \
-            default_request_buckets(sc.max_num_seqs, minimum=min(8, sc.max_num_seqs))
+            step_row_buckets(sc.max_num_seqs)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
                                 cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated,
                                 vocab_size=model_config.vocab_size)

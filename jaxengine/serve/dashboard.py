@@ -46,8 +46,12 @@ def engine_settings(llm) -> dict:
                 "max_num_seqs": scheduler.max_num_seqs, "block_size": cache.block_size,
                 "num_gpu_blocks": cache.num_gpu_blocks, "num_cpu_blocks": cache.num_cpu_blocks,
                 "async_scheduling": first.async_scheduling, "dtype": str(llm.dtype),
-                "platform": llm.mesh.devices.flat[0].platform, "replicas": llm.engine_args.data_parallel_size}
-    return {"engine_args": dataclasses.asdict(llm.engine_args), "resolved": resolved}
+                "platform": llm.mesh.devices.flat[0].platform, "replicas": llm.engine_args.data_parallel_size,
+                "scheduling_policy": first.scheduler.policy.name}
+    args = dataclasses.asdict(llm.engine_args)
+    if not isinstance(args["scheduling_policy"], str):     # a policy class or instance given in Python
+        args["scheduling_policy"] = repr(args["scheduling_policy"])
+    return {"engine_args": args, "resolved": resolved}
 
 
 def nearest_rank(p: int, n: int) -> int:

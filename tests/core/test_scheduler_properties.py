@@ -3,8 +3,9 @@
 After every step: the budget and max_num_seqs hold, ref counts equal the number of block
 tables holding each block, free + used = pool, partial prefills stay under their bound. At the
 end every request has finished and every block is free. With the KV-simulating runner, output
-tokens are identical whatever the budget, pool, preemption mode, policy, prefix caching or
-async scheduling (steps launched before the previous step's tokens are known), beam searches
+tokens are identical whatever the budget, pool, preemption mode, policy (every built-in),
+prefix caching or async scheduling (steps launched before the previous step's tokens are
+known), beam searches
 included: their groups fork, drop and finish without a leaked block, and no step ever writes
 a block another sequence holds (copy-on-write). Under the
 priority policy nothing that comes back from preemption overtakes a better queued request, and
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxengine.config import SCHEDULING_POLICIES
 from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.request import Request, RequestStatus
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
@@ -88,7 +90,7 @@ def configs(draw, workload: list[Spec]):
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 1, 3, 8])),
         max_num_partial_prefills=draw(st.integers(1, 3)),
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        policy=draw(st.sampled_from(SCHEDULING_POLICIES)),     # every built-in
         preemption_mode=draw(st.sampled_from(["auto", "recompute", "swap"])),
         async_scheduling=draw(st.booleans()),
     )

@@ -183,7 +183,7 @@ def test_settings_are_the_engine_args(dash):
     assert settings["resolved"] == {"max_model_len": 128, "max_num_batched_tokens": 64, "max_num_seqs": 32,
                                     "block_size": 4, "num_gpu_blocks": 400,
                                     "num_cpu_blocks": dash.llm.config.cache.num_cpu_blocks, "async_scheduling": False,
-                                    "dtype": "float32", "platform": "cpu", "replicas": 1}
+                                    "dtype": "float32", "platform": "cpu", "replicas": 1, "scheduling_policy": "fcfs"}
 
 
 # ---------------------------------------------------------------- the page in a browser

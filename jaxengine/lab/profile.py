@@ -1,0 +1,389 @@
+"""Cost profiles: how long one engine step takes, as a function of the step's shape.
+
+A ``StepShape`` is what a step costs by: its scheduled tokens (padded by the runner to a token
+bucket), its rows (padded to a row bucket), the longest context a row attends to and the
+attended contexts summed. ``CostProfile`` is fitted from measured steps (``calibrate`` or a
+recorded step trace): for each token bucket a non-negative linear model
+
+    step_s = c0 + c_pre * prefill_step + c_rows * row_bucket + c_max * max_context + c_sum * sum_context
+
+(``prefill_step`` is 1 for a step that runs prompt tokens: admissions and prompt chunks cost the
+host more than decodes. A step computes its whole padded bucket, so within a bucket the real
+token count is left out: fitted, it soaks up noise and biased predictions of served steps by
+10-15% on this project's CPU machine. On the CPU the plain-jnp attention loops over the longest context's pages for every
+padded token, so ``max_context`` carries it; a paged kernel's cost follows ``sum_context``; the
+sampler's follows the padded rows). A bucket
+that was not measured takes its coefficients by linear interpolation in the bucket size between
+the nearest measured ones (linear extrapolation past the largest, the smallest's below it). The profile keeps the spread of
+measured / predicted times, which the simulator may draw from so that tails are not too tidy.
+
+``RooflineProfile`` answers the same question from datasheet figures (bandwidth, FLOP/s) for a
+machine that is not here: a model, not a measurement, and it says so.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+FEATURES = ("const", "prefill_step", "row_bucket", "max_context", "sum_context")
+NOISE_QUANTILES = 41          # measured/predicted ratios kept: the 0th, 2.5th, ..., 100th percentiles
+
+
+class StepShape(NamedTuple):
+    """What one step costs by."""
+
+    num_tokens: int
+    num_rows: int
+    max_context: int            # longest context a row attends to (tokens before it + its new ones)
+    sum_context: int            # attended contexts summed
+    attention_work: int = 0     # sum over rows of new tokens x mean attended context (roofline only)
+    num_swapped_blocks: int = 0
+    row_bucket: int = 0         # the rows as the runner pads them (0: not known, the rows are taken)
+    num_prefill_tokens: int = 0
+
+    @classmethod
+    def of_output(cls, out) -> "StepShape":
+        """The shape of a ``SchedulerOutput``."""
+        contexts = [c + n for c, n in zip(out.num_computed_tokens, out.num_scheduled_tokens)]
+        work = sum(n * (c - (n - 1) / 2) for c, n in zip(contexts, out.num_scheduled_tokens))
+        return cls(sum(out.num_scheduled_tokens), max(len(contexts), sum(out.num_samples)), max(contexts, default=0),
+                   sum(contexts), int(work), len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out),
+                   num_prefill_tokens=out.num_prefill_tokens)
+
+    @classmethod
+    def of_trace(cls, record) -> "StepShape":
+        """The shape of a ``StepTrace`` (or its dict)."""
+        get = record.get if isinstance(record, dict) else lambda k, d=0: getattr(record, k, d)
+        return cls(get("num_prefill_tokens") + get("num_decode_tokens"), get("num_rows"), get("max_context_len", 0),
+                   get("num_context_tokens", 0), 0, get("num_blocks_swapped_in") + get("num_blocks_swapped_out"),
+                   num_prefill_tokens=get("num_prefill_tokens"))
+
+    def padded(self, request_buckets: list[int]) -> "StepShape":
+        """With the row bucket the runner pads this step to."""
+        from jaxengine.runner.buckets import pick_bucket
+
+        return self._replace(row_bucket=pick_bucket(max(self.num_rows, 1), request_buckets))
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.num_prefill_tokens > 0), self.row_bucket or self.num_rows, self.max_context,
+                self.sum_context)
+
+
+@dataclass
+class FitError:
+    """How well a profile predicts the steps it was fitted on (percent of the measured time)."""
+
+    num_steps: int
+    mean_abs_pct: float
+    p50_abs_pct: float
+    p90_abs_pct: float
+    max_abs_pct: float
+
+    @classmethod
+    def of(cls, measured: np.ndarray, predicted: np.ndarray) -> "FitError":
+        err = np.abs(predicted - measured) / measured * 100
+        return cls(len(err), float(err.mean()), float(np.percentile(err, 50)), float(np.percentile(err, 90)),
+                   float(err.max()))
+
+
+@dataclass
+class CostProfile:
+    """Measured step costs of one model on one machine (see the module docstring)."""
+
+    coefficients: dict[int, list[float]]          # token bucket -> one coefficient per FEATURES
+    num_gpu_blocks: int                           # the KV pool the calibration engine had
+    block_size: int = 16
+    num_cpu_blocks: int = 0
+    max_model_len: int = 2048
+    noise: list[float] = field(default_factory=list)   # quantiles of measured / predicted (empty: none)
+    swap_s_per_block: float = 0.0
+    request_overhead_s: float = 0.0               # added to every arrival: the request's way into the engine
+    fit_error: FitError | None = None
+    source: dict = field(default_factory=dict)    # what was measured where: model, machine, options, date
+    kind: str = "measured"
+
+    def __post_init__(self) -> None:
+        self.coefficients = {int(k): list(map(float, v)) for k, v in self.coefficients.items()}
+        if not self.coefficients:
+            raise ValueError("coefficients: a profile needs at least one token bucket")
+        if isinstance(self.fit_error, dict):
+            self.fit_error = FitError(**self.fit_error)
+        self._buckets = sorted(self.coefficients)
+        self._cache: dict[int, np.ndarray] = {}
+
+    # ---- prediction ----
+    def step_seconds(self, shape: StepShape, token_bucket: int) -> float:
+        """The predicted time of a step of ``shape`` padded to ``token_bucket`` tokens."""
+        c = self._at(token_bucket)
+        f = shape.features()
+        seconds = c[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3] + c[4] * f[4]
+        return max(seconds, 0.0) + self.swap_s_per_block * shape.num_swapped_blocks
+
+    def _at(self, bucket: int) -> np.ndarray:
+        c = self._cache.get(bucket)
+        if c is None:
+            c = self._cache[bucket] = self._interpolate(bucket)
+        return c
+
+    def _interpolate(self, bucket: int) -> np.ndarray:
+        b = self._buckets
+        if bucket in self.coefficients:
+            return np.asarray(self.coefficients[bucket])
+        if bucket < b[0] or len(b) == 1:           # below the smallest measured: no cheaper than it
+            return np.asarray(self.coefficients[b[0]])
+        i = min(max(bisect.bisect_left(b, bucket), 1), len(b) - 1)
+        lo, hi = b[i - 1], b[i]
+        w = (bucket - lo) / (hi - lo)
+        c = (1 - w) * np.asarray(self.coefficients[lo]) + w * np.asarray(self.coefficients[hi])
+        return np.maximum(c, 0.0)
+
+    def noise_ratio(self, u: float) -> float:
+        """The measured/predicted ratio at quantile ``u`` in [0, 1] (1 without noise)."""
+        if not self.noise:
+            return 1.0
+        x = u * (len(self.noise) - 1)
+        i = min(int(x), len(self.noise) - 2)
+        return self.noise[i] + (x - i) * (self.noise[i + 1] - self.noise[i])
+
+    # ---- fitting ----
+    @classmethod
+    def fit(cls, shapes: list[StepShape], buckets: list[int], seconds: list[float], **kwargs) -> "CostProfile":
+        """Fit per-bucket coefficients to measured steps (``buckets``: each step's token bucket)."""
+        if not shapes:
+            raise ValueError("no steps to fit a profile to")
+        x = np.asarray([s.features() for s in shapes], float)
+        y = np.asarray(seconds, float)
+        b = np.asarray(buckets)
+        coefficients = {int(k): nonnegative_lstsq(x[b == k], y[b == k]).tolist() for k in np.unique(b)}
+        profile = cls(coefficients, **kwargs)
+        predicted = np.asarray([profile.step_seconds(s, k) for s, k in zip(shapes, buckets)])
+        ratio = y / np.maximum(predicted, 1e-9)
+        profile.noise = np.quantile(ratio, np.linspace(0, 1, NOISE_QUANTILES)).tolist()
+        profile.fit_error = FitError.of(y, predicted)
+        return profile
+
+    @classmethod
+    def from_trace(cls, records, token_buckets: list[int], request_buckets: list[int], *, num_gpu_blocks: int,
+                   skip: int = 1, **kwargs) -> "CostProfile":
+        """Fit to a recorded step trace (``StepTrace`` records or their dicts; ``read_trace`` reads a
+        file). ``token_buckets``, ``request_buckets``: the engine's (``runner.buckets``); the first
+        ``skip`` steps are left out (they may carry compilation). Records need ``max_context_len``."""
+        shapes, buckets, seconds = _trace_points(records, token_buckets, request_buckets, skip)
+        return cls.fit(shapes, buckets, seconds, num_gpu_blocks=num_gpu_blocks, **kwargs)
+
+    def adjusted_to_trace(self, records, token_buckets: list[int], request_buckets: list[int],
+                          skip: int = 1) -> "CostProfile":
+        """This profile scaled to the steps of a recorded trace: the calibration grid gives how a
+        step's time changes with its shape, the trace (a server under its real load: output
+        streaming, clients on the same cores) gives the level. Every coefficient is multiplied by
+        the median of measured / predicted over the trace, and the spread becomes the trace's."""
+        shapes, buckets, seconds = _trace_points(records, token_buckets, request_buckets, skip)
+        predicted = np.asarray([self.step_seconds(s, b) for s, b in zip(shapes, buckets)])
+        ratio = np.asarray(seconds) / np.maximum(predicted, 1e-9)
+        factor = float(np.median(ratio))
+        profile = dataclasses.replace(self, coefficients={b: [c * factor for c in v] for b, v in self.coefficients.items()},
+                                      noise=np.quantile(ratio / factor, np.linspace(0, 1, NOISE_QUANTILES)).tolist(),
+                                      source={**self.source, "adjusted_to_trace": {"factor": factor,
+                                                                                   "num_steps": len(seconds)}})
+        profile.fit_error = FitError.of(np.asarray(seconds), predicted * factor)
+        return profile
+
+    # ---- files ----
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["coefficients"] = {str(k): v for k, v in self.coefficients.items()}
+        d["features"] = list(FEATURES)
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostProfile":
+        d = {k: v for k, v in d.items() if k != "command"}      # a calibrate result file is a profile too
+        if d.get("kind") == "roofline":
+            raise ValueError("a roofline profile: load it with load_profile")
+        features = d.pop("features", list(FEATURES))
+        if list(features) != list(FEATURES):
+            raise ValueError(f"features: this version reads {list(FEATURES)}, the file has {features}")
+        return cls(**d)
+
+
+def _trace_points(records, token_buckets: list[int], request_buckets: list[int], skip: int):
+    """(shapes, token buckets, seconds) of a trace's non-empty steps, less the first ``skip``."""
+    from jaxengine.runner.buckets import pick_bucket
+
+    shapes, buckets, seconds = [], [], []
+    for record in list(records)[skip:]:
+        shape = StepShape.of_trace(record)
+        step_s = record["step_s"] if isinstance(record, dict) else record.step_s
+        if shape.num_tokens == 0 or step_s <= 0:
+            continue
+        if shape.max_context == 0:
+            raise ValueError("trace records lack max_context_len: record the trace with this engine version")
+        shapes.append(shape.padded(request_buckets))
+        buckets.append(pick_bucket(shape.num_tokens, token_buckets))
+        seconds.append(step_s)
+    if not seconds:
+        raise ValueError("the trace has no steps with tokens to fit")
+    return shapes, buckets, seconds
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: the best fit over subsets of the features
+    (exact for the few features here), so no cost ever goes down as a step grows."""
+    n = x.shape[1]
+    best, best_err = np.zeros(n), math.inf
+    if len(y) == 0:
+        return best
+    for k in range(1, n + 1):
+        for subset in itertools.combinations(range(n), k):
+            cols = list(subset)
+            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
+            if err < best_err - 1e-18:
+                best, best_err = np.zeros(n), err
+                best[cols] = coef
+    return best
+
+
+def constant_profile(step_s: float, *, num_gpu_blocks: int = 1024, **kwargs) -> CostProfile:
+    """Every step takes ``step_s`` seconds (tests, hand-computed timelines)."""
+    return CostProfile({1: [step_s, 0.0, 0.0, 0.0, 0.0]}, num_gpu_blocks=num_gpu_blocks, kind="constant", **kwargs)
+
+
+def machine_description() -> dict:
+    """Where a profile was measured."""
+    import os
+
+    return {"machine": platform.node(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+
+
+# ---------------------------------------------------------------- roofline (what-if)
+@dataclass(frozen=True)
+class Hardware:
+    """Datasheet figures of an accelerator."""
+
+    name: str
+    memory_bytes: float
+    bandwidth_bytes_s: float
+    flops: float                       # dense bf16 FLOP/s
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a transformer's step costs by: parameters and the KV cache's width."""
+
+    name: str
+    num_params: float
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int = 8192
+
+
+HARDWARE = {
+    "h200": Hardware("NVIDIA H200 SXM (datasheet)", 141e9, 4.8e12, 989e12),
+    "h100": Hardware("NVIDIA H100 SXM (datasheet)", 80e9, 3.35e12, 989e12),
+}
+MODELS = {
+    "llama-3-8b": ModelShape("Llama-3-8B", 8.03e9, 32, 32, 8, 128),
+    "llama-3-70b": ModelShape("Llama-3-70B", 70.6e9, 80, 64, 8, 128),
+    "smollm2-135m": ModelShape("SmolLM2-135M", 0.135e9, 30, 9, 3, 64, 2048),
+}
+
+
+@dataclass
+class RooflineProfile:
+    """A step's time from datasheet figures: the larger of (weights + KV read) / bandwidth and
+    FLOPs / peak, each at an assumed efficiency, plus a fixed per-step overhead. A model, not a
+    measurement: every figure it gives is labelled so."""
+
+    hardware: Hardware
+    model: ModelShape
+    bytes_per_param: float = 2.0                 # bf16
+    bandwidth_efficiency: float = 0.75           # assumed share of datasheet bandwidth a step reaches
+    flops_efficiency: float = 0.5                # assumed share of datasheet FLOP/s
+    step_overhead_s: float = 0.004               # assumed host + launch time per step
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    num_cpu_blocks: int = 0
+    request_overhead_s: float = 0.0
+    noise: list[float] = field(default_factory=list)
+    kind: str = "roofline"
+    note: str = "a roofline model from datasheet figures and assumed efficiencies, not a measurement"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hardware, dict):
+            self.hardware = Hardware(**self.hardware)
+        if isinstance(self.model, dict):
+            self.model = ModelShape(**self.model)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        m = self.model
+        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.bytes_per_param
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        free = self.hardware.memory_bytes * self.gpu_memory_utilization - self.model.num_params * self.bytes_per_param
+        return max(int(free // (self.kv_bytes_per_token * self.block_size)), 2)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    def step_seconds(self, shape: StepShape, token_bucket: int) -> float:
+        m, hw = self.model, self.hardware
+        read = m.num_params * self.bytes_per_param + shape.sum_context * self.kv_bytes_per_token
+        flops = 2 * m.num_params * token_bucket + 4 * m.num_layers * m.num_heads * m.head_dim * shape.attention_work
+        return self.step_overhead_s + max(read / (hw.bandwidth_bytes_s * self.bandwidth_efficiency),
+                                          flops / (hw.flops * self.flops_efficiency))
+
+    def noise_ratio(self, u: float) -> float:
+        return 1.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+
+def roofline_profile(hardware: str = "h200", model: str = "llama-3-8b", **assumptions) -> RooflineProfile:
+    """A what-if profile of a named accelerator and model (see ``HARDWARE``, ``MODELS``)."""
+    for name, table, what in ((hardware, HARDWARE, "hardware"), (model, MODELS, "model")):
+        if name not in table:
+            raise ValueError(f"{what}: unknown {name!r}; known: {', '.join(table)}")
+    return RooflineProfile(HARDWARE[hardware], MODELS[model], **assumptions)
+
+
+def load_profile(path: str | Path) -> CostProfile | RooflineProfile:
+    """A profile JSON written by ``calibrate`` (or ``save``)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"profile: cannot read {path}: {e}") from None
+    if d.get("kind") == "roofline":
+        return RooflineProfile(**{k: v for k, v in d.items() if k != "command"})
+    return CostProfile.from_dict(d)

@@ -1,0 +1,118 @@
+"""The scheduler lab against measurement: for each engine configuration and request rate, serve the
+workload for real (``python -m jaxengine.bench serve --launch``) and simulate it on a cost profile
+(``python -m jaxengine.lab calibrate``), then put predicted and measured TTFT / ITL medians and
+p99s side by side, with their latency CDFs in one figure per configuration.
+
+    python scripts/lab_validate.py --profile lab_results/profile.json --out docs/bench/lab
+
+Both sides get the same requests: the bench tool's prompts of random token ids (fixed length,
+``ignore_eos``) and its arrival times (same rate, seed and gaps).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from jaxengine.bench.report import print_table, write_result
+from jaxengine.lab.profile import load_profile
+from jaxengine.lab.simulate import simulate
+from jaxengine.lab.workload import Workload
+
+CONFIGS = {
+    "budget 256, chunked": {"max_num_batched_tokens": 256},
+    "budget 1024, delay factor 1": {"max_num_batched_tokens": 1024, "scheduler_delay_factor": 1.0},
+    "budget 1024, whole prefills": {"max_num_batched_tokens": 1024, "enable_chunked_prefill": False},
+}
+
+
+def flags(options: dict) -> list[str]:
+    from jaxengine.engine_args import EngineArgs
+
+    return EngineArgs(**options).to_cli_args()
+
+
+def measure(options: dict, rate: float, args, path: Path) -> dict:
+    if not path.exists() or args.remeasure:
+        cmd = [sys.executable, "-m", "jaxengine.bench", "serve", "--launch", "--num-prompts", str(args.num_prompts),
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--token-ids", "100", "40000",
+               "--ignore-eos", "--request-rate", str(rate), "--seed", str(args.seed), "--no-progress",
+               "--result-file", str(path), *flags(options)]
+        print("$", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
+    return json.loads(path.read_text())
+
+
+def predict(options: dict, rate: float, profile, args) -> dict:
+    workload = Workload(num_requests=args.num_prompts, request_rate=rate, input_len=str(args.input_len),
+                        output_len=str(args.output_len), seed=args.seed)
+    return simulate(workload, profile, seed=args.seed, **options).to_dict()
+
+
+def row(name: str, rate: float, measured: dict, predicted: dict) -> dict:
+    r = {"config": name, "rate": rate}
+    for key in ("ttft_ms", "itl_ms"):
+        for stat in ("median", "p99"):
+            m, p = measured[key][stat], predicted[key][stat]
+            r[f"{key[:-3]} {stat} meas"] = m
+            r[f"{key[:-3]} {stat} sim"] = p
+            r[f"{key[:-3]} {stat} err%"] = (p - m) / m * 100
+    return r
+
+
+def plot(name: str, runs: list[tuple[float, dict, dict]], path: Path) -> Path:
+    from jaxengine.bench.plots import _figure, _save, latency_samples
+
+    fig, axes = _figure(rows=2)
+    for ax, key, label in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "itl_ms", "ITL (ms)")):
+        for rate, measured, predicted in runs:
+            for result, style, kind in ((measured, "-", "measured"), (predicted, "--", "simulated")):
+                values = np.sort(latency_samples(result)[key])
+                ax.plot(values, np.arange(1, len(values) + 1) / len(values), style,
+                        label=f"{rate:g} req/s {kind}")
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests" if key == "ttft_ms" else "fraction of gaps")
+        ax.legend(fontsize=7)
+    axes[0].set_title(f"{name}: measured (solid) and simulated (dashed)")
+    return _save(fig, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True)
+    p.add_argument("--out", default="docs/bench/lab")
+    p.add_argument("--rates", default="0.25,0.5")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
+                   help="indices into CONFIGS")
+    p.add_argument("--remeasure", action="store_true", help="serve again even where a measured result exists")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = load_profile(args.profile)
+    rows = []
+    names = list(CONFIGS)
+    for i in map(int, args.configs.split(",")):
+        name, options = names[i], CONFIGS[names[i]]
+        runs = []
+        for rate in map(float, args.rates.split(",")):
+            measured = measure(options, rate, args, out / f"measured-{i}-{rate:g}.json")
+            predicted = predict(options, rate, profile, args)
+            write_result(predicted, out / f"simulated-{i}-{rate:g}.json")
+            runs.append((rate, measured, predicted))
+            rows.append(row(name, rate, measured, predicted))
+        print("figure:", plot(name, runs, out / f"validation-{i}.png"))
+    print_table(rows, title="simulated against measured (ms)")
+    write_result({"profile": args.profile, "rows": rows}, out / "validation.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Cost profiles: the fit recovers known costs, interpolates between buckets, reads traces and
+files; the roofline profile's arithmetic."""
+import json
+
+import numpy as np
+import pytest
+
+from jaxengine.lab.profile import (CostProfile, StepShape, load_profile, nonnegative_lstsq, roofline_profile)
+from jaxengine.trace import StepTrace
+
+TRUE = {16: [0.002, 0.003, 0.0001, 1e-6, 0.0], 64: [0.004, 0.0, 0.0001, 4e-6, 0.0]}
+
+
+def shapes_for(bucket, rng):
+    return [StepShape(int(t), int(r), int(m), int(m) * int(r), num_prefill_tokens=int(t) * int(p))
+            for t, r, m, p in zip(rng.integers(1, bucket + 1, 40), rng.integers(1, 16, 40), rng.integers(16, 1024, 40),
+                                  rng.integers(0, 2, 40))]
+
+
+def true_seconds(shape, bucket):
+    return float(np.dot(TRUE[bucket], shape.features()))
+
+
+def test_fit_recovers_the_coefficients_of_each_bucket():
+    rng = np.random.default_rng(0)
+    shapes, buckets = [], []
+    for b in TRUE:
+        s = shapes_for(b, rng)
+        shapes += s
+        buckets += [b] * len(s)
+    seconds = [true_seconds(s, b) for s, b in zip(shapes, buckets)]
+    profile = CostProfile.fit(shapes, buckets, seconds, num_gpu_blocks=100)
+    for b, coef in TRUE.items():
+        np.testing.assert_allclose(profile.coefficients[b], coef, rtol=1e-6, atol=1e-12)
+    assert profile.fit_error.num_steps == 80
+    assert profile.fit_error.max_abs_pct < 1e-6
+    assert profile.noise[0] == pytest.approx(1.0) and profile.noise[-1] == pytest.approx(1.0)
+
+
+def test_an_unmeasured_bucket_interpolates_linearly_in_its_size():
+    profile = CostProfile({16: [0.002, 0, 0, 0, 0], 64: [0.008, 0, 0, 0, 0]}, num_gpu_blocks=10)
+    shape = StepShape(20, 1, 10, 10)
+    assert profile.step_seconds(shape, 32) == pytest.approx(0.002 + (32 - 16) / 48 * 0.006)
+    assert profile.step_seconds(shape, 128) == pytest.approx(0.008 + 64 / 48 * 0.006)   # extrapolated
+
+
+def test_nonnegative_lstsq_never_returns_a_negative_cost():
+    x = np.array([[1, 1.0], [1, 2.0], [1, 3.0]])
+    y = np.array([3.0, 2.0, 1.0])                      # falls with the feature: best fit has a negative slope
+    coef = nonnegative_lstsq(x, y)
+    assert (coef >= 0).all()
+    np.testing.assert_allclose(coef, [2.0, 0.0])
+
+
+def test_noise_ratio_interpolates_the_quantiles():
+    profile = CostProfile({16: [0.01, 0, 0, 0, 0]}, num_gpu_blocks=10, noise=[0.5, 1.0, 2.0])
+    assert profile.noise_ratio(0.0) == 0.5
+    assert profile.noise_ratio(0.25) == pytest.approx(0.75)
+    assert profile.noise_ratio(1.0) == 2.0
+
+
+ROWS = list(range(1, 9))          # every row count its own bucket
+
+
+def trace(step, prefill, decode, rows, max_ctx, sum_ctx, step_s):
+    return StepTrace(step, 0.0, rows, decode, prefill, 0, 0, 0, 0, 0.0, 0, 0, rows, 0, step_s, step_s, 0.0,
+                     max_ctx, sum_ctx)
+
+
+def test_from_trace_fits_the_recorded_steps_and_skips_the_first():
+    records = [trace(0, 16, 0, 1, 16, 16, 9.0)]          # a compile: left out
+    records += [trace(i, 10, r, r + 1, 100 + i, 200, 0.001 * (r + 1) + 0.01) for i, r in enumerate(range(1, 6), 1)]
+    profile = CostProfile.from_trace(records, [16, 32], ROWS, num_gpu_blocks=50)
+    assert profile.fit_error.num_steps == 5
+    assert profile.step_seconds(StepShape(14, 4, 103, 200), 16) == pytest.approx(0.014)
+    padded = StepShape(14, 3, 103, 200).padded([2, 4, 8])
+    assert padded.row_bucket == 4 and padded.features() == (1.0, 0.0, 4, 103, 200)
+    dicts = [vars(r) for r in records]
+    assert CostProfile.from_trace(dicts, [16, 32], ROWS, num_gpu_blocks=50).coefficients == profile.coefficients
+
+
+def test_a_trace_without_context_fields_is_refused():
+    old = {**vars(trace(1, 4, 0, 1, 0, 0, 0.01))}
+    del old["max_context_len"], old["num_context_tokens"]
+    with pytest.raises(ValueError, match="max_context_len"):
+        CostProfile.from_trace([old, old], [16], ROWS, num_gpu_blocks=50)
+
+
+def test_save_and_load_give_the_same_predictions(tmp_path):
+    profile = CostProfile({16: [0.002, 0, 0.0001, 1e-6, 0], 32: [0.003, 0, 0.0001, 2e-6, 0]}, num_gpu_blocks=77,
+                          block_size=8, noise=[0.9, 1.0, 1.2], source={"model": "m"})
+    path = profile.save(tmp_path / "p.json")
+    loaded = load_profile(path)
+    shape = StepShape(20, 3, 300, 600)
+    assert loaded.step_seconds(shape, 32) == profile.step_seconds(shape, 32)
+    assert (loaded.num_gpu_blocks, loaded.block_size, loaded.noise, loaded.source) == (77, 8, [0.9, 1.0, 1.2],
+                                                                                      {"model": "m"})
+    bad = json.loads(path.read_text())
+    bad["features"] = ["const"]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="features"):
+        load_profile(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_roofline_profile_of_llama_3_8b_on_h200():
+    p = roofline_profile("h200", "llama-3-8b")
+    kv_per_token = 2 * 32 * 8 * 128 * 2                 # K and V, layers, KV heads, head size, bf16
+    assert p.kv_bytes_per_token == kv_per_token
+    assert p.num_gpu_blocks == int((141e9 * 0.9 - 8.03e9 * 2) // (kv_per_token * 16))
+    decode = StepShape(64, 64, 1024, 64 * 1024, attention_work=64 * 1024)
+    memory_bound = (8.03e9 * 2 + 64 * 1024 * kv_per_token) / (4.8e12 * 0.75)
+    assert p.step_seconds(decode, 64) == pytest.approx(0.004 + memory_bound)
+    prefill = StepShape(8192, 1, 8192, 8192, attention_work=8192 * 4096)
+    compute_bound = (2 * 8.03e9 * 8192 + 4 * 32 * 32 * 128 * 8192 * 4096) / (989e12 * 0.5)
+    assert p.step_seconds(prefill, 8192) == pytest.approx(0.004 + compute_bound)
+    assert "not a measurement" in p.note
+    with pytest.raises(ValueError, match="hardware: unknown 'tpu'"):
+        roofline_profile("tpu")
