@@ -16,6 +16,7 @@ def test_the_example_notebook_runs(chat_checkpoint, tmp_path):
         "GRID = dict(contexts=(16, 96), rows=(1, 4))",
         "WORKLOAD = dict(num_requests=40, request_rate=20.0, input_len='40', output_len='10', vocab_size=258)",
         "SLOS = {'ttft_ms': 500, 'itl_ms': 100}",
+        "WHATIF_REQUESTS = 50",
     ])
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", ()))

@@ -251,7 +251,7 @@ def test_the_page_follows_the_load_in_a_browser(chromium, dash):
         idle_steps = number(page, "steps")
         assert page.text_content("#model") == "tiny"
         assert page.locator("#settings > div").count() == len(dataclasses.asdict(dash.llm.engine_args))
-        assert page.locator("#resolved > div").count() == 10
+        assert page.locator("#resolved > div").count() == 11
         with Load(dash.url):
             page.wait_for_function("Number(document.getElementById('running').textContent) > 0", timeout=15_000)
             first = number(page, "steps")
