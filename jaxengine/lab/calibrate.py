@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass
 from tqdm.auto import tqdm
 
 from jaxengine.engine import Engine
-from jaxengine.lab.profile import CostProfile, machine_description
-from jaxengine.runner.buckets import pick_bucket
+from jaxengine.lab.profile import CostProfile, machine_description, trace_points
 from jaxengine.sampling_params import SamplingParams
 
 UNIQUE_TAIL = 16            # prompt tokens of each decode row of a scenario that are its own
@@ -64,7 +63,7 @@ def calibrate_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = 
     for _ in range(grid.repeats):
         for context, rows in tqdm(scenarios, desc="calibrating", disable=not progress):
             _scenario(engine, context, rows, buckets, grid.decode_steps, vocab, rng)
-    shapes, step_buckets, seconds = _points(engine.traces, buckets, list(runner.request_buckets))
+    shapes, step_buckets, seconds = trace_points(engine.traces, buckets, list(runner.request_buckets))
     cc, sc = config.cache, config.scheduler
     source = {**machine_description(), "num_steps": len(seconds), "grid": asdict(grid)}
     return CostProfile.fit(shapes, step_buckets, seconds, num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
@@ -119,16 +118,3 @@ def _prefill_sizes(buckets: list[int], rows: int) -> list[int]:
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(n)]
-
-
-def _points(traces, buckets: list[int], request_buckets: list[int]):
-    from jaxengine.lab.profile import StepShape
-
-    shapes, step_buckets, seconds = [], [], []
-    for t in traces:
-        shape = StepShape.of_trace(t)
-        if shape.num_tokens:
-            shapes.append(shape.padded(request_buckets))
-            step_buckets.append(pick_bucket(shape.num_tokens, buckets))
-            seconds.append(t.step_s)
-    return shapes, step_buckets, seconds

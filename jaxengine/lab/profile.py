@@ -178,7 +178,7 @@ class CostProfile:
         """Fit to a recorded step trace (``StepTrace`` records or their dicts; ``read_trace`` reads a
         file). ``token_buckets``, ``request_buckets``: the engine's (``runner.buckets``); the first
         ``skip`` steps are left out (they may carry compilation). Records need ``max_context_len``."""
-        shapes, buckets, seconds = _trace_points(records, token_buckets, request_buckets, skip)
+        shapes, buckets, seconds = trace_points(records, token_buckets, request_buckets, skip)
         return cls.fit(shapes, buckets, seconds, num_gpu_blocks=num_gpu_blocks, **kwargs)
 
     def adjusted_to_trace(self, records, token_buckets: list[int], request_buckets: list[int],
@@ -187,7 +187,7 @@ class CostProfile:
         step's time changes with its shape, the trace (a server under its real load: output
         streaming, clients on the same cores) gives the level. Every coefficient is multiplied by
         the median of measured / predicted over the trace, and the spread becomes the trace's."""
-        shapes, buckets, seconds = _trace_points(records, token_buckets, request_buckets, skip)
+        shapes, buckets, seconds = trace_points(records, token_buckets, request_buckets, skip)
         predicted = np.asarray([self.step_seconds(s, b) for s, b in zip(shapes, buckets)])
         ratio = np.asarray(seconds) / np.maximum(predicted, 1e-9)
         factor = float(np.median(ratio))
@@ -206,10 +206,7 @@ class CostProfile:
         return d
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
+        return _write_json(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
@@ -222,8 +219,16 @@ class CostProfile:
         return cls(**d)
 
 
-def _trace_points(records, token_buckets: list[int], request_buckets: list[int], skip: int):
-    """(shapes, token buckets, seconds) of a trace's non-empty steps, less the first ``skip``."""
+def _write_json(d: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(d, indent=1) + "\n")
+    return path
+
+
+def trace_points(records, token_buckets: list[int], request_buckets: list[int], skip: int = 0):
+    """(shapes padded to their row buckets, token buckets, seconds) of a trace's steps with
+    tokens, less the first ``skip``: what a profile is fitted to."""
     from jaxengine.runner.buckets import pick_bucket
 
     shapes, buckets, seconds = [], [], []
@@ -364,10 +369,7 @@ class RooflineProfile:
         return asdict(self)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
+        return _write_json(self.to_dict(), path)
 
 
 def roofline_profile(hardware: str = "h200", model: str = "llama-3-8b", **assumptions) -> RooflineProfile:
