@@ -6,7 +6,10 @@ p99s side by side, with their latency CDFs in one figure per configuration.
     python scripts/lab_validate.py --profile lab_results/profile.json --out docs/bench/lab
 
 Both sides get the same requests: the bench tool's prompts of random token ids (fixed length,
-``ignore_eos``) and its arrival times (same rate, seed and gaps).
+``ignore_eos``) and its arrival times (same rate, seed and gaps). Right before each served run the
+profile is rescaled to the machine's speed at that moment (``calibrate --profile``, a minute of
+measured steps; ``--no-rescale`` simulates on the profile as given): a shared machine's speed
+drifts by tens of percent within the half hour the runs take.
 """
 from __future__ import annotations
 
@@ -36,6 +39,20 @@ def flags(options: dict) -> list[str]:
     return EngineArgs(**options).to_cli_args()
 
 
+def profile_for_run(args, path: Path, serving_now: bool):
+    """The profile rescaled to this machine's speed right before the run (kept at ``path``; a run
+    not served again keeps the one measured before it), or as given with ``--no-rescale``."""
+    if not args.rescale:
+        return load_profile(args.profile)
+    if path.exists() and not serving_now:
+        return load_profile(path)
+    cmd = [sys.executable, "-m", "jaxengine.lab", "calibrate", "--profile", args.profile, "--no-progress",
+           "--result-file", str(path)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True)
+    return load_profile(path)
+
+
 def measure(options: dict, rate: float, args, path: Path) -> dict:
     if not path.exists() or args.remeasure:
         cmd = [sys.executable, "-m", "jaxengine.bench", "serve", "--launch", "--num-prompts", str(args.num_prompts),
@@ -53,8 +70,8 @@ def predict(options: dict, rate: float, profile, args) -> dict:
     return simulate(workload, profile, seed=args.seed, **options).to_dict()
 
 
-def row(name: str, rate: float, measured: dict, predicted: dict) -> dict:
-    r = {"config": name, "rate": rate}
+def row(name: str, rate: float, measured: dict, predicted: dict, profile) -> dict:
+    r = {"config": name, "rate": rate, "speed": profile.source.get("rescaled", {}).get("factor", 1.0)}
     for key in ("ttft_ms", "itl_ms"):
         for stat in ("median", "p99"):
             m, p = measured[key][stat], predicted[key][stat]
@@ -94,21 +111,24 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
                    help="indices into CONFIGS")
     p.add_argument("--remeasure", action="store_true", help="serve again even where a measured result exists")
+    p.add_argument("--rescale", action=argparse.BooleanOptionalAction, default=True,
+                   help="rescale the profile to the machine's speed right before each served run")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile = load_profile(args.profile)
     rows = []
     names = list(CONFIGS)
     for i in map(int, args.configs.split(",")):
         name, options = names[i], CONFIGS[names[i]]
         runs = []
         for rate in map(float, args.rates.split(",")):
-            measured = measure(options, rate, args, out / f"measured-{i}-{rate:g}.json")
+            measured_path, profile_path = out / f"measured-{i}-{rate:g}.json", out / f"profile-{i}-{rate:g}.json"
+            profile = profile_for_run(args, profile_path, serving_now=args.remeasure or not measured_path.exists())
+            measured = measure(options, rate, args, measured_path)
             predicted = predict(options, rate, profile, args)
             write_result(predicted, out / f"simulated-{i}-{rate:g}.json")
             runs.append((rate, measured, predicted))
-            rows.append(row(name, rate, measured, predicted))
+            rows.append(row(name, rate, measured, predicted, profile))
         print("figure:", plot(name, runs, out / f"validation-{i}.png"))
     print_table(rows, title="simulated against measured (ms)")
     write_result({"profile": args.profile, "rows": rows}, out / "validation.json")

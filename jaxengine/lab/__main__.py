@@ -55,14 +55,18 @@ COMMAND_HELP = {
 
 # ---- arguments ----
 def _calibrate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--contexts", type=comma_separated(int), default=[32, 256, 1024], help="context lengths measured")
-    p.add_argument("--rows", type=comma_separated(int), default=[1, 4, 16, 48], help="decode rows measured")
-    p.add_argument("--decode-steps", type=int, default=4, help="plain decode steps per (context, rows)")
-    p.add_argument("--repeats", type=int, default=1, help="passes over the grid")
+    p.add_argument("--contexts", type=comma_separated(int), help="context lengths measured (default: 32,256,1024; "
+                   "with --profile alone: 256)")
+    p.add_argument("--rows", type=comma_separated(int), help="decode rows measured (default: 1,4,16,48; with "
+                   "--profile alone: 1,4,16)")
+    p.add_argument("--decode-steps", type=int, help="plain decode steps per (context, rows) (default: 4; with "
+                   "--profile alone: 8)")
+    p.add_argument("--repeats", type=int, help="passes over the grid (default: 1)")
     p.add_argument("--from-trace", metavar="TRACE", help="fit to a recorded step trace (--trace-file of serve) "
                    "instead of measuring; give the engine's --max-num-batched-tokens and --num-kv-blocks")
-    p.add_argument("--profile", help="with --from-trace: scale this measured profile to the trace's steps (the "
-                   "grid's shape, the trace's level and spread) instead of fitting a new one")
+    p.add_argument("--profile", help="scale this measured profile instead of fitting a new one: alone, to this "
+                   "machine's speed now (a small grid measured, a minute; engine options default to the profile's); "
+                   "with --from-trace, to the trace's steps (the grid's shape, the trace's level and spread)")
     EngineArgs.add_cli_args(p)
 
 
@@ -147,14 +151,12 @@ def _options(args: argparse.Namespace) -> dict:
 
 
 def run_calibrate(args: argparse.Namespace) -> dict:
-    from jaxengine.lab.calibrate import CalibrationGrid, calibrate
+    from jaxengine.lab.calibrate import SPEED_CHECK_GRID, CalibrationGrid, calibrate, rescale
     from jaxengine.lab.profile import CostProfile, load_profile, machine_description
     from jaxengine.runner.buckets import step_row_buckets, token_buckets
     from jaxengine.trace import read_trace
 
     engine_args = EngineArgs.from_cli_args(args)
-    if args.profile and not args.from_trace:
-        raise ValueError("--profile: scales a profile to a trace; give --from-trace too")
     if args.from_trace and args.profile:
         buckets = engine_args.token_buckets or token_buckets(engine_args.max_num_batched_tokens)
         rows = engine_args.request_buckets or step_row_buckets(engine_args.max_num_seqs)
@@ -169,14 +171,30 @@ def run_calibrate(args: argparse.Namespace) -> dict:
                                          block_size=engine_args.block_size,
                                          source={**machine_description(), "trace": args.from_trace})
     else:
-        grid = CalibrationGrid(tuple(args.contexts), tuple(args.rows), args.decode_steps, args.repeats)
         options = {k: v for k, v in dataclasses.asdict(engine_args).items()
                    if k != "model" and v != EngineArgs.__dataclass_fields__[k].default}
-        profile = calibrate(engine_args.model, grid=grid, progress=args.progress, **options)
+        if args.profile:
+            base = load_profile(args.profile)
+            if not isinstance(base, CostProfile):
+                raise ValueError("--profile: a measured profile (a roofline model has no machine to measure)")
+            profile = rescale(base, engine_args.model, grid=_grid(args, SPEED_CHECK_GRID), progress=args.progress,
+                              **options)
+            profile.source["rescaled"]["profile"] = args.profile
+            print(f"rescaled by {profile.source['rescaled']['factor']:.3f} (measured / predicted, median)")
+        else:
+            profile = calibrate(engine_args.model, grid=_grid(args, CalibrationGrid()), progress=args.progress,
+                                **options)
     e = profile.fit_error
     print_table([{"steps": e.num_steps, "mean_err_%": e.mean_abs_pct, "p50_err_%": e.p50_abs_pct,
                   "p90_err_%": e.p90_abs_pct, "max_err_%": e.max_abs_pct}], title="profile fit")
     return {"command": "calibrate", **profile.to_dict()}
+
+
+def _grid(args: argparse.Namespace, default):
+    """The calibration grid: ``default`` with the grid flags given."""
+    given = {"contexts": args.contexts and tuple(args.contexts), "rows": args.rows and tuple(args.rows),
+             "decode_steps": args.decode_steps, "repeats": args.repeats}
+    return dataclasses.replace(default, **{k: v for k, v in given.items() if v is not None})
 
 
 def run_simulate(args: argparse.Namespace) -> dict:

@@ -32,27 +32,55 @@ class CalibrationGrid:
     repeats: int = 1
 
 
+SPEED_CHECK_GRID = CalibrationGrid(contexts=(256,), rows=(1, 4, 16), decode_steps=8)
+
+
 def calibrate(model=None, *, grid: CalibrationGrid | None = None, progress: bool = True, seed: int = 0,
               **engine_options) -> CostProfile:
     """Load ``model`` (a checkpoint path, None for the default model; ``engine_options`` as for
     ``LLM``), measure its steps over ``grid`` and return the fitted profile. Calibrate with the
     largest ``max_num_batched_tokens`` you will simulate: larger buckets are extrapolated."""
-    from jaxengine.llm import LLM
-
-    llm = LLM(model, progress=progress, **engine_options)
-    if not isinstance(llm.engine, Engine):
-        raise ValueError("calibrate: one engine replica (data_parallel_size=1)")
+    llm = _load(model, progress, engine_options)
     profile = calibrate_engine(llm.engine, grid or CalibrationGrid(), progress=progress, seed=seed)
     profile.source.update(model=str(model) if model is not None else "default (SmolLM2-135M-Instruct)",
                           dtype=llm.dtype.name, engine_options={k: v for k, v in engine_options.items()})
     return profile
 
 
+def rescale(profile: CostProfile, model=None, *, grid: CalibrationGrid = SPEED_CHECK_GRID, progress: bool = True,
+            seed: int = 0, **engine_options) -> CostProfile:
+    """``profile`` restated at this machine's speed now: measure the few steps of ``grid`` (a
+    minute, against the full grid's minutes) and scale every coefficient by the median of
+    measured / predicted. A shared machine's speed drifts by tens of percent over an hour; the
+    grid's shape holds, its level does not. The engine options default to the profile's own."""
+    llm = _load(model, progress, {**profile.source.get("engine_options", {}), **engine_options})
+    shapes, buckets, seconds = measure_engine(llm.engine, grid, progress=progress, seed=seed)
+    return profile.scaled_to(shapes, buckets, seconds, "rescaled")
+
+
+def _load(model, progress: bool, engine_options: dict):
+    from jaxengine.llm import LLM
+
+    llm = LLM(model, progress=progress, **engine_options)
+    if not isinstance(llm.engine, Engine):
+        raise ValueError("calibrate: one engine replica (data_parallel_size=1)")
+    return llm
+
+
 def calibrate_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = True, seed: int = 0) -> CostProfile:
     """Measure ``engine``'s steps over ``grid`` (the engine must be idle) and fit a profile."""
+    shapes, step_buckets, seconds = measure_engine(engine, grid, progress=progress, seed=seed)
+    cc, sc = engine.config.cache, engine.config.scheduler
+    source = {**machine_description(), "num_steps": len(seconds), "grid": asdict(grid)}
+    return CostProfile.fit(shapes, step_buckets, seconds, num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
+                           num_cpu_blocks=cc.num_cpu_blocks, max_model_len=sc.max_model_len, source=source)
+
+
+def measure_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = True, seed: int = 0):
+    """Run ``grid``'s scenarios on ``engine`` (idle) -> (shapes, token buckets, seconds) of its steps."""
     if engine.has_unfinished_requests():
         raise ValueError("calibrate: the engine has unfinished requests")
-    runner, config = engine.runner, engine.config
+    runner = engine.runner
     buckets = list(runner.token_buckets)
     vocab = getattr(getattr(runner, "batch", None), "vocab_size", None) or 1000
     rng = random.Random(seed)
@@ -63,11 +91,7 @@ def calibrate_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = 
     for _ in range(grid.repeats):
         for context, rows in tqdm(scenarios, desc="calibrating", disable=not progress):
             _scenario(engine, context, rows, buckets, grid.decode_steps, vocab, rng)
-    shapes, step_buckets, seconds = trace_points(engine.traces, buckets, list(runner.request_buckets))
-    cc, sc = config.cache, config.scheduler
-    source = {**machine_description(), "num_steps": len(seconds), "grid": asdict(grid)}
-    return CostProfile.fit(shapes, step_buckets, seconds, num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
-                           num_cpu_blocks=cc.num_cpu_blocks, max_model_len=sc.max_model_len, source=source)
+    return trace_points(engine.traces, buckets, list(runner.request_buckets))
 
 
 def _fits(engine: Engine, context: int, rows: int, grid: CalibrationGrid) -> bool:

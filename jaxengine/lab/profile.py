@@ -185,16 +185,28 @@ class CostProfile:
                           skip: int = 1) -> "CostProfile":
         """This profile scaled to the steps of a recorded trace: the calibration grid gives how a
         step's time changes with its shape, the trace (a server under its real load: output
-        streaming, clients on the same cores) gives the level. Every coefficient is multiplied by
-        the median of measured / predicted over the trace, and the spread becomes the trace's."""
+        streaming, clients on the same cores) gives the level and the spread."""
         shapes, buckets, seconds = trace_points(records, token_buckets, request_buckets, skip)
+        return self.scaled_to(shapes, buckets, seconds, "adjusted_to_trace", spread=True)
+
+    def scaled_to(self, shapes: list[StepShape], buckets: list[int], seconds: list[float], note: str,
+                  spread: bool = False) -> "CostProfile":
+        """Every coefficient multiplied by the median of measured / predicted over these steps
+        (recorded in ``source[note]``); with ``spread`` the noise becomes theirs too. A machine's
+        speed drifts (other tenants, clocks): a few steps measured now restate a grid measured
+        earlier at today's level."""
         predicted = np.asarray([self.step_seconds(s, b) for s, b in zip(shapes, buckets)])
+        if not len(predicted):
+            raise ValueError("no steps to scale the profile to")
         ratio = np.asarray(seconds) / np.maximum(predicted, 1e-9)
         factor = float(np.median(ratio))
+        prefill = np.asarray([s.num_prefill_tokens > 0 for s in shapes], bool)
+        by_kind = {kind: float(np.median(ratio[mask])) for kind, mask in (("prefill", prefill), ("decode", ~prefill))
+                   if mask.any()}
+        noise = np.quantile(ratio / factor, np.linspace(0, 1, NOISE_QUANTILES)).tolist() if spread else self.noise
         profile = dataclasses.replace(self, coefficients={b: [c * factor for c in v] for b, v in self.coefficients.items()},
-                                      noise=np.quantile(ratio / factor, np.linspace(0, 1, NOISE_QUANTILES)).tolist(),
-                                      source={**self.source, "adjusted_to_trace": {"factor": factor,
-                                                                                   "num_steps": len(seconds)}})
+                                      noise=noise, source={**self.source, note: {"factor": factor, "num_steps": len(seconds),
+                                                                                 "median_ratio": by_kind}})
         profile.fit_error = FitError.of(np.asarray(seconds), predicted * factor)
         return profile
 

@@ -1,10 +1,13 @@
 """Calibration on a tiny model: every bucket measured, a fit that predicts its own steps, and a
 profile the simulator runs on."""
+import dataclasses
 import math
 
 import pytest
 
+from jaxengine.lab.__main__ import main
 from jaxengine.lab.calibrate import CalibrationGrid, _prefill_sizes, calibrate
+from jaxengine.lab.profile import load_profile
 from jaxengine.lab.simulate import simulate
 from jaxengine.lab.workload import Workload
 
@@ -38,3 +41,18 @@ def test_the_simulator_runs_on_a_calibrated_profile(profile):
                       profile, max_num_batched_tokens=64, max_num_seqs=8)
     assert result.metrics["completed"] == 50 and result.metrics["total_output_tokens"] == 500
     assert 0 < result.metrics["ttft_ms"]["median"] < 10_000
+
+
+def test_rescale_restates_a_profile_at_this_machines_speed_now(profile, chat_checkpoint, tmp_path):
+    """A profile ten times too slow comes back near this machine's level, measured on a small grid
+    with the profile's own engine options."""
+    slow = dataclasses.replace(profile, coefficients={b: [10 * c for c in v] for b, v in profile.coefficients.items()})
+    main(["calibrate", "--profile", str(slow.save(tmp_path / "slow.json")), "--model", str(chat_checkpoint),
+          "--contexts", "16", "--rows", "1,4", "--decode-steps", "2", "--no-progress",
+          "--result-file", str(tmp_path / "now.json")])
+    now = load_profile(tmp_path / "now.json")
+    rescaled = now.source["rescaled"]
+    assert rescaled["profile"] == str(tmp_path / "slow.json") and rescaled["num_steps"] >= 10
+    assert 0.02 < rescaled["factor"] < 0.5                    # host noise of a tiny model: about 0.1
+    assert now.coefficients[64] == pytest.approx([rescaled["factor"] * c for c in slow.coefficients[64]])
+    assert (now.num_gpu_blocks, now.max_model_len) == (128, 256)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from jaxengine.lab.__main__ import main
-from jaxengine.lab.profile import CostProfile
+from jaxengine.lab.profile import CostProfile, roofline_profile
 
 PROFILE = CostProfile({16: [0.01, 0, 1e-4, 1e-6, 0], 256: [0.02, 0, 1e-4, 2e-6, 0], 512: [0.2, 0, 0, 0, 0]},
                       num_gpu_blocks=2000)
@@ -99,5 +99,6 @@ def test_calibrate_scales_a_profile_to_a_servers_trace(tmp_path, profile_file):
     assert adjusted.source["adjusted_to_trace"]["factor"] == pytest.approx(1.5)
     assert adjusted.coefficients[256] == pytest.approx([1.5 * c for c in PROFILE.coefficients[256]])
     assert adjusted.noise[0] == pytest.approx(1.0) and adjusted.noise[-1] == pytest.approx(1.0)
-    with pytest.raises(SystemExit, match="give --from-trace"):
-        main(["calibrate", "--profile", profile_file])
+    roofline = roofline_profile("h200").save(tmp_path / "roofline.json")
+    with pytest.raises(SystemExit, match="a measured profile"):
+        main(["calibrate", "--profile", str(roofline)])

@@ -37,6 +37,22 @@ def test_fit_recovers_the_coefficients_of_each_bucket():
     assert profile.noise[0] == pytest.approx(1.0) and profile.noise[-1] == pytest.approx(1.0)
 
 
+def test_scaled_to_restates_the_level_and_keeps_the_spread():
+    profile = CostProfile(TRUE, num_gpu_blocks=100, noise=[0.8, 1.0, 1.3])
+    decode, prefill = StepShape(4, 4, 300, 1200), StepShape(60, 4, 300, 1200, num_prefill_tokens=56)
+    shapes, buckets = [decode, decode, prefill], [16, 16, 64]
+    seconds = [0.5 * true_seconds(decode, 16), 0.6 * true_seconds(decode, 16), 0.9 * true_seconds(prefill, 64)]
+    scaled = profile.scaled_to(shapes, buckets, seconds, "rescaled")
+    assert scaled.source["rescaled"] == {"factor": pytest.approx(0.6), "num_steps": 3,
+                                         "median_ratio": {"prefill": pytest.approx(0.9), "decode": pytest.approx(0.55)}}
+    assert scaled.coefficients[64] == pytest.approx([0.6 * c for c in TRUE[64]])
+    assert scaled.noise == [0.8, 1.0, 1.3] and profile.source == {}
+    assert scaled.fit_error.max_abs_pct == pytest.approx(100 / 3)     # |0.6 - 0.9| / 0.9
+    assert profile.scaled_to(shapes, buckets, seconds, "x", spread=True).noise[0] == pytest.approx(0.5 / 0.6)
+    with pytest.raises(ValueError, match="no steps"):
+        profile.scaled_to([], [], [], "rescaled")
+
+
 def test_an_unmeasured_bucket_interpolates_linearly_in_its_size():
     profile = CostProfile({16: [0.002, 0, 0, 0, 0], 64: [0.008, 0, 0, 0, 0]}, num_gpu_blocks=10)
     shape = StepShape(20, 1, 10, 10)
