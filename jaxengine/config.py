@@ -79,6 +79,8 @@ class SchedulerConfig:
                  f"must be >= 0, got {self.long_prefill_token_threshold}")
         _require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
                  f"must be >= 1, got {self.max_num_partial_prefills}")
+        # Checked here, made by each Scheduler: the config keeps the spec (printable, picklable to
+        # other processes) and every scheduler owns its policy's state.
         resolve_policy(self.policy, field="policy")
         _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
                  f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")

@@ -1,6 +1,7 @@
 """The engine: ``step()`` = schedule -> dispatch -> (host work while the device runs) -> update."""
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -308,7 +309,6 @@ class Engine:
 
     def _trace(self, launched: _Launch, step_s: float, host_s: float) -> StepTrace:
         s, out = self.scheduler, launched.out
-        contexts = [c + n for c, n in zip(out.num_computed_tokens, out.num_scheduled_tokens)]
         return StepTrace(
             step=self.num_steps, time=round_seconds(self._cycle_start - self._started), num_rows=len(out.seq_ids),
             num_decode_tokens=out.num_decode_tokens, num_prefill_tokens=out.num_prefill_tokens,
@@ -317,7 +317,8 @@ class Engine:
             kv_usage=s.kv.usage, num_prefix_hit_tokens=out.num_prefix_hit_tokens, num_waiting=len(s.waiting),
             num_running=len(s.running), num_swapped=len(s.swapped), step_s=round_seconds(step_s),
             host_s=round_seconds(host_s), device_idle_s=round_seconds(launched.device_idle_s),
-            max_context_len=max(contexts, default=0), num_context_tokens=sum(contexts))
+            max_context_len=max(map(operator.add, out.num_computed_tokens, out.num_scheduled_tokens), default=0),
+            num_context_tokens=sum(out.num_computed_tokens) + sum(out.num_scheduled_tokens))
 
     def _write_trace(self) -> None:
         if self._unwritten is not None:

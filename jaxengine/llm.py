@@ -226,9 +226,11 @@ class LLM:
                              use_tqdm=use_tqdm)
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams | BeamSearchParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> Request:
-        """Queue one request on the engine (``check_request`` it first); the caller steps the engine."""
-        request = self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt)
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+        """Queue one request on the engine (``check_request`` it first); the caller steps the engine.
+        ``arrival_time`` (the engine's clock, default now): when the request came in."""
+        request = self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
+                                          arrival_time=arrival_time)
         if request.beam is not None:
             request.beam.stop_check = beam_stop_check(self.tokenizer, request.sampling_params)
         return request

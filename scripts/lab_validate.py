@@ -82,9 +82,9 @@ def row(name: str, rate: float, measured: dict, predicted: dict, profile) -> dic
 
 
 def plot(name: str, runs: list[tuple[float, dict, dict]], path: Path) -> Path:
-    from jaxengine.bench.plots import _figure, _save, latency_samples
+    from jaxengine.bench.plots import latency_samples, new_figure, save_figure
 
-    fig, axes = _figure(rows=2)
+    fig, axes = new_figure(rows=2)
     for ax, key, label in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "itl_ms", "ITL (ms)")):
         for rate, measured, predicted in runs:
             for result, style, kind in ((measured, "-", "measured"), (predicted, "--", "simulated")):
@@ -96,7 +96,7 @@ def plot(name: str, runs: list[tuple[float, dict, dict]], path: Path) -> Path:
         ax.set_ylabel("fraction of requests" if key == "ttft_ms" else "fraction of gaps")
         ax.legend(fontsize=7)
     axes[0].set_title(f"{name}: measured (solid) and simulated (dashed)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def main() -> None:

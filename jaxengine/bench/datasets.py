@@ -86,7 +86,7 @@ def random_requests(num: int, vocab_size: int, input_len: LengthSpec, output_len
     for _ in range(num):
         n_in = input_len.sample(rng, max_model_len - 1)
         n_out = output_len.sample(rng, max(max_model_len - n_in, 1))
-        requests.append(BenchRequest(_random_ids(rng, n_in, vocab_size), n_out))
+        requests.append(BenchRequest(random_token_ids(rng, n_in, vocab_size), n_out))
     return requests
 
 
@@ -95,12 +95,12 @@ def shared_prefix_requests(num: int, vocab_size: int, prefix_len: int, suffix_le
                            max_model_len: int = 1 << 30) -> list[BenchRequest]:
     """``num`` prompts: the same ``prefix_len`` random tokens, then a random suffix each."""
     rng = random.Random(seed)
-    prefix = _random_ids(rng, prefix_len, vocab_size)
+    prefix = random_token_ids(rng, prefix_len, vocab_size)
     requests = []
     for _ in range(num):
         n_suffix = suffix_len.sample(rng, max(max_model_len - 1 - prefix_len, 1))
         n_out = output_len.sample(rng, max(max_model_len - prefix_len - n_suffix, 1))
-        requests.append(BenchRequest(prefix + _random_ids(rng, n_suffix, vocab_size), n_out))
+        requests.append(BenchRequest(prefix + random_token_ids(rng, n_suffix, vocab_size), n_out))
     return requests
 
 
@@ -143,8 +143,9 @@ def prompt_file_requests(path: str | Path, encode: Encode, num: int | None = Non
     return _enough(requests, num, path, "prompts")
 
 
-def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(vocab_size) for _ in range(n)]
+def random_token_ids(rng: random.Random, n: int, vocab_size: int, low: int = 0) -> list[int]:
+    """``n`` token ids drawn uniformly from [low, vocab_size)."""
+    return [rng.randrange(low, vocab_size) for _ in range(n)]
 
 
 def _read_records(path: str | Path) -> list[dict]:

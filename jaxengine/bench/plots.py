@@ -46,7 +46,8 @@ def _folder(out_dir) -> Path:
     return out
 
 
-def _figure(rows: int = 1, height: float = 3.2):
+def new_figure(rows: int = 1, height: float = 3.2):
+    """A figure of ``rows`` stacked axes, drawn without a display (pyplot is never imported)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -55,7 +56,8 @@ def _figure(rows: int = 1, height: float = 3.2):
     return fig, fig.subplots(rows, 1, squeeze=False)[:, 0]
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Write ``fig`` as a PNG at the resolution of every figure here."""
     fig.savefig(path, dpi=100)
     return path
 
@@ -84,7 +86,7 @@ def plot_latency_cdfs(samples: dict[str, list[float]], path: Path) -> Path:
     """One empirical CDF per latency, each on its own axis (their scales differ by orders)."""
     import numpy as np
 
-    fig, axes = _figure(len(samples), height=2.6)
+    fig, axes = new_figure(len(samples), height=2.6)
     for ax, (name, values) in zip(axes, samples.items()):
         v = np.sort(np.asarray(values, dtype=float))
         ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post")
@@ -92,16 +94,16 @@ def plot_latency_cdfs(samples: dict[str, list[float]], path: Path) -> Path:
         ax.set_ylabel("fraction")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_throughput_over_time(series: dict, path: Path) -> Path:
-    fig, (ax,) = _figure()
+    fig, (ax,) = new_figure()
     ax.bar(series["t_s"], series["output_tokens"], width=1.0, align="edge")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("output tokens per second")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ---- sweep ----
@@ -112,7 +114,7 @@ def plot_frontier(result: dict, path: Path) -> list[Path]:
     panels = [(key, label) for key, label in FRONTIER_Y if any(_p99(p, key) is not None for p in points)]
     if not panels:
         return []
-    fig, axes = _figure(len(panels))
+    fig, axes = new_figure(len(panels))
     for ax, (key, label) in zip(axes, panels):
         xy = sorted((_throughput(p), _p99(p, key), _label(p)) for p in points if _p99(p, key) is not None)
         ax.plot([x for x, _, _ in xy], [y for _, y, _ in xy], marker="o")
@@ -121,7 +123,7 @@ def plot_frontier(result: dict, path: Path) -> list[Path]:
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    return [_save(fig, path)]
+    return [save_figure(fig, path)]
 
 
 def plot_sweep_percentiles(result: dict, path: Path) -> list[Path]:
@@ -141,7 +143,7 @@ def plot_sweep_percentiles(result: dict, path: Path) -> list[Path]:
     for point in points:
         line = ", ".join(f"{k}={v}" for k, v in point["params"].items() if k != x_name)
         series.setdefault(line, []).append(point)
-    fig, axes = _figure(len(panels))
+    fig, axes = new_figure(len(panels))
     for ax, (key, label) in zip(axes, panels):
         for i, (line, members) in enumerate(series.items()):
             xs = [p["params"][x_name] for p in members]
@@ -154,7 +156,7 @@ def plot_sweep_percentiles(result: dict, path: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    return [_save(fig, path)]
+    return [save_figure(fig, path)]
 
 
 def _percentiles(point: dict, key: str) -> dict | None:
@@ -229,7 +231,7 @@ def plot_token_budget(records: list[dict], x: list[float], xlabel: str, path: Pa
     tokens were not computed, so they are not part of the budget."""
     import numpy as np
 
-    fig, (ax,) = _figure()
+    fig, (ax,) = new_figure()
     decode = np.asarray(_column(records, "num_decode_tokens"), dtype=float)
     prefill = np.asarray(_column(records, "num_prefill_tokens"), dtype=float)
     ax.fill_between(x, 0, decode, step="post", label="decode", alpha=0.8)
@@ -238,11 +240,11 @@ def plot_token_budget(records: list[dict], x: list[float], xlabel: str, path: Pa
         ax.step(x, _column(records, "num_prefix_hit_tokens"), where="post", color="black", linestyle="--",
                 label="prefix-cache hits")
     _finish(ax, xlabel, "tokens per step")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_kv_and_queues(records: list[dict], x: list[float], xlabel: str, path: Path) -> Path:
-    fig, (kv, queues) = _figure(2)
+    fig, (kv, queues) = new_figure(2)
     kv.step(x, _column(records, "kv_usage"), where="post", label="KV usage")
     kv.set_ylim(0, 1.02)
     _finish(kv, xlabel, "fraction of KV blocks")
@@ -250,16 +252,16 @@ def plot_kv_and_queues(records: list[dict], x: list[float], xlabel: str, path: P
         if name in records[0]:
             queues.step(x, _column(records, name), where="post", label=name[len("num_"):])
     _finish(queues, xlabel, "requests")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_fields(records: list[dict], x: list[float], xlabel: str, fields: list[str], ylabel: str,
                 path: Path) -> Path:
-    fig, (ax,) = _figure()
+    fig, (ax,) = new_figure()
     for name in fields:
         ax.step(x, _column(records, name), where="post", label=name.removeprefix("num_"))
     _finish(ax, xlabel, ylabel)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _finish(ax, xlabel: str, ylabel: str) -> None:

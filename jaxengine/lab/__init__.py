@@ -8,7 +8,7 @@ tune the scheduling options for SLOs, and ask what-if questions of machines that
     tuned = tune(Workload(request_rate=2), profile, {"ttft_ms": 2000, "itl_ms": 100})
     tuned.command                                           # the serve flags to use
 """
-from jaxengine.lab.calibrate import CalibrationGrid, calibrate, calibrate_engine
+from jaxengine.lab.calibrate import CalibrationGrid, calibrate, calibrate_engine, rescale
 from jaxengine.lab.capacity import Capacity, capacity
 from jaxengine.lab.profile import (CostProfile, RooflineProfile, StepShape, constant_profile, load_profile,
                                    roofline_profile)
@@ -18,5 +18,5 @@ from jaxengine.lab.workload import SimRequest, Workload, from_bench_result, from
 
 __all__ = ["CalibrationGrid", "Capacity", "CostProfile", "RooflineProfile", "SEARCH_SPACE", "SimRequest",
            "SimResult", "StepShape", "TuneResult", "Workload", "calibrate", "calibrate_engine", "capacity",
-           "constant_profile", "from_bench_result", "from_jsonl", "load_profile", "roofline_profile", "simulate",
+           "constant_profile", "from_bench_result", "from_jsonl", "load_profile", "rescale", "roofline_profile", "simulate",
            "tune"]

@@ -61,9 +61,9 @@ class TuneResult:
 
     def plot_frontier(self, path: str | Path) -> Path:
         """Goodput against p99 TTFT for every trial: the frontier joined, the defaults and the best marked."""
-        from jaxengine.bench.plots import _figure, _save
+        from jaxengine.bench.plots import new_figure, save_figure
 
-        fig, (ax,) = _figure()
+        fig, (ax,) = new_figure()
         ok = [t for t in self.trials if t.error is None and t.summary["ttft_p99_ms"] is not None]
         ax.scatter([t.summary["ttft_p99_ms"] for t in ok], [t.goodput for t in ok], s=12, color="0.6",
                    label="trials (simulated)")
@@ -80,7 +80,7 @@ class TuneResult:
         ax.legend(fontsize=8)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        return _save(fig, path)
+        return save_figure(fig, path)
 
 
 def pareto_front(trials: list[Trial]) -> list[Trial]:

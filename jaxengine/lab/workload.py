@@ -17,7 +17,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from jaxengine.bench.datasets import LengthSpec
+from jaxengine.bench.datasets import LengthSpec, random_token_ids
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Workload:
 
 
 def _ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(1, vocab_size) for _ in range(n)]
+    return random_token_ids(rng, n, vocab_size, low=1)
 
 
 def from_bench_result(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list[SimRequest]:

@@ -66,6 +66,11 @@ class DataParallelEngine:
         self._failed: Engine | None = None         # the replica whose launch or completion raised
         self._started = time.perf_counter()
 
+    @property
+    def clock(self):
+        """The replicas' clock (arrival times are read on it)."""
+        return self.replicas[0].clock
+
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,

@@ -183,7 +183,10 @@ class AsyncEngine:
         loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
             self._num_queued += 1
-        self._commands.put(("add", request_id, prompt_token_ids, params, priority,
+        # Stamped now, not when the engine thread takes it in after its current step: the wait
+        # behind a long step is queueing, and the delay factor and fcfs must count it.
+        arrival = self.engine.clock()
+        self._commands.put(("add", request_id, prompt_token_ids, params, priority, arrival,
                             lambda d: _deliver(loop, deltas, d)))
         return self._deltas(request_id, deltas)
 
@@ -294,11 +297,12 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _do_add(self, request_id: str, ids: list[int], params: SamplingParams, priority: int, deliver) -> None:
+    def _do_add(self, request_id: str, ids: list[int], params: SamplingParams, priority: int, arrival: float,
+                deliver) -> None:
         with self._lock:
             self._num_queued -= 1
         try:
-            request = self.llm.add_request(request_id, ids, params, priority=priority)
+            request = self.llm.add_request(request_id, ids, params, priority=priority, arrival_time=arrival)
         except Exception as error:                      # noqa: BLE001 - reported to that request only
             deliver(RequestDelta(request_id, [], finished=True, error=str(error), error_status=400))
             return

@@ -13,10 +13,12 @@ from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
 H = 16
 
 
-def make_batch(rng, rows, page_size, kv_heads, group, num_tokens, num_rows, head_size=H):
-    """rows: (context before the step, new tokens). Returns q, caches, metadata, per-row K/V."""
+def make_batch(rng, rows, page_size, kv_heads, group, num_tokens, num_rows, head_size=H, num_pages=0, max_blocks=0):
+    """rows: (context before the step, new tokens). Returns q, caches, metadata, per-row K/V.
+    ``num_pages`` / ``max_blocks``: at least this many cache pages / block-table columns (fixed
+    shapes compile once)."""
     H = head_size
-    n_pages = sum(-(-(c + n) // page_size) for c, n in rows) + 1
+    n_pages = max(sum(-(-(c + n) // page_size) for c, n in rows) + 1, num_pages)
     k_cache = np.zeros((n_pages + 1, page_size, kv_heads, H), np.float32)
     v_cache = np.zeros_like(k_cache)
     perm = rng.permutation(np.arange(1, n_pages + 1))            # scattered pages
@@ -32,7 +34,7 @@ def make_batch(rng, rows, page_size, kv_heads, group, num_tokens, num_rows, head
             v_cache[tables[-1][p // page_size], p % page_size] = v[p]
         full.append((k, v))
     md = AttentionMetadata.build([(c, n, t) for (c, n), t in zip(rows, tables)], page_size, num_tokens,
-                                 max_blocks=max(len(t) for t in tables) + 1, num_rows=num_rows)
+                                 max_blocks=max(max(len(t) for t in tables) + 1, max_blocks), num_rows=num_rows)
     new_k = np.concatenate([k[c:] for (c, n), (k, v) in zip(rows, full)] + [np.zeros((num_tokens - sum(n for _, n in rows), kv_heads, H), np.float32)])
     new_v = np.concatenate([v[c:] for (c, n), (k, v) in zip(rows, full)] + [np.zeros((num_tokens - sum(n for _, n in rows), kv_heads, H), np.float32)])
     q = rng.standard_normal((num_tokens, kv_heads * group, H)).astype(np.float32)
@@ -69,8 +71,11 @@ def test_reference_matches_dense_and_tiled_matches_reference(rows, kind, group, 
         rows = [(c, 1) for c, _ in rows]
     elif kind == "prefill":
         rows = [(0, n + 1) for _, n in rows]
-    num_tokens = 16 * -(-(sum(n for _, n in rows) + 3) // 16)           # padding tokens and rows too
-    q, kc, vc, md, full = make_batch(np.random.default_rng(seed), rows, page_size, 2, group, num_tokens, len(rows) + 2)
+    # One padded shape for every draw (padding tokens and rows too), so each (group, page size,
+    # extras) compiles once: 6 rows of up to 41 + 20 tokens.
+    pages_per_row = -(-61 // page_size)
+    q, kc, vc, md, full = make_batch(np.random.default_rng(seed), rows, page_size, 2, group, 144, 8,
+                                     num_pages=6 * pages_per_row + 1, max_blocks=pages_per_row + 1)
     scale = H ** -0.5
     ref = np.asarray(paged_attention(q, kc, vc, md, scale=scale, **extras))
     tiled = np.asarray(jax.jit(lambda *a: paged_attention_tiled(*a, scale=scale, **extras))(q, kc, vc, md))

@@ -163,3 +163,23 @@ def test_output_processing_skips_requests_still_queued(monkeypatch):
     engine._emit_all()
     assert looked_at == ["r0", "r1", "r2", "r3"]
     assert len(engine.engine.scheduler.waiting) == 252
+
+
+def test_a_request_arrives_when_the_client_sent_it_not_when_the_engine_thread_takes_it():
+    """A request that comes in during a long step waits behind it: that wait is queueing, which
+    the delay factor, fcfs and the queue-time metric must count."""
+    import asyncio
+
+    from tests.serve.test_faults import _fake_async_engine, _params
+
+    engine, now = _fake_async_engine(), [100.0]
+    engine.engine.clock = lambda: now[0]
+
+    async def send():
+        return engine.generate("late", [1, 2, 3], _params())
+
+    asyncio.run(send())
+    now[0] = 102.5                          # the engine thread's step ends 2.5 s later
+    assert engine._drain_commands(block=False)
+    request = engine._tracked["late"].request
+    assert request.arrival_time == 100.0 and request.times.queued == 100.0
