@@ -9,7 +9,11 @@ Both sides get the same requests: the bench tool's prompts of random token ids (
 ``ignore_eos``) and its arrival times (same rate, seed and gaps). Right before each served run the
 profile is rescaled to the machine's speed at that moment (``calibrate --profile``, a minute of
 measured steps; ``--no-rescale`` simulates on the profile as given): a shared machine's speed
-drifts by tens of percent within the half hour the runs take.
+drifts by tens of percent within the half hour the runs take. Each served run also records its
+step trace, and every point is predicted a second time with the profile's level taken from that
+run's own steps (``CostProfile.scaled_to``): the machine's speed during the run known, what is
+left is the simulator's. A prediction is the median over ``--sim-seeds`` draws of the profile's
+step-time spread (the p99 of a few dozen requests is nearly their maximum: one draw is noisy).
 """
 from __future__ import annotations
 
@@ -22,10 +26,12 @@ from pathlib import Path
 import numpy as np
 
 from jaxengine.bench.report import print_table, write_result
-from jaxengine.lab.profile import load_profile
+from jaxengine.lab.profile import load_profile, trace_points
 from jaxengine.lab.simulate import simulate
 from jaxengine.lab.workload import Workload
+from jaxengine.trace import read_trace
 
+KEYS, STATS = ("ttft_ms", "itl_ms"), ("median", "p99")
 CONFIGS = {
     "budget 256, chunked": {"max_num_batched_tokens": 256},
     "budget 1024, delay factor 1": {"max_num_batched_tokens": 1024, "scheduler_delay_factor": 1.0},
@@ -58,26 +64,49 @@ def measure(options: dict, rate: float, args, path: Path) -> dict:
         cmd = [sys.executable, "-m", "jaxengine.bench", "serve", "--launch", "--num-prompts", str(args.num_prompts),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--token-ids", "100", "40000",
                "--ignore-eos", "--request-rate", str(rate), "--seed", str(args.seed), "--no-progress",
-               "--result-file", str(path), *flags(options)]
+               "--result-file", str(path), "--trace-file", str(trace_path(path)), *flags(options)]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True)
     return json.loads(path.read_text())
 
 
-def predict(options: dict, rate: float, profile, args) -> dict:
+def trace_path(measured_path: Path) -> Path:
+    return measured_path.with_name(measured_path.name.replace("measured", "trace")).with_suffix(".jsonl")
+
+
+def at_run_level(profile, options: dict, measured_path: Path):
+    """``profile`` scaled to the steps the served run recorded (its first step compiles: skipped)."""
+    from jaxengine.engine_args import EngineArgs
+    from jaxengine.runner.buckets import step_row_buckets, token_buckets
+
+    engine_args = EngineArgs(**options)
+    buckets = engine_args.token_buckets or token_buckets(engine_args.max_num_batched_tokens)
+    rows = engine_args.request_buckets or step_row_buckets(engine_args.max_num_seqs)
+    points = trace_points(read_trace(trace_path(measured_path)), buckets, rows, skip=1)
+    return profile.scaled_to(*points, "run_level")
+
+
+def predict(options: dict, rate: float, profile, args) -> tuple[dict, dict]:
+    """The simulated run of the first seed (for the figures) and each statistic's median over
+    ``args.sim_seeds`` seeds."""
     workload = Workload(num_requests=args.num_prompts, request_rate=rate, input_len=str(args.input_len),
                         output_len=str(args.output_len), seed=args.seed)
-    return simulate(workload, profile, seed=args.seed, **options).to_dict()
+    runs = [simulate(workload, profile, seed=seed, **options).to_dict() for seed in range(args.sim_seeds)]
+    return runs[0], {key: {stat: float(np.median([r[key][stat] for r in runs])) for stat in STATS} for key in KEYS}
 
 
-def row(name: str, rate: float, measured: dict, predicted: dict, profile) -> dict:
-    r = {"config": name, "rate": rate, "speed": profile.source.get("rescaled", {}).get("factor", 1.0)}
-    for key in ("ttft_ms", "itl_ms"):
-        for stat in ("median", "p99"):
-            m, p = measured[key][stat], predicted[key][stat]
+def row(name: str, rate: float, measured: dict, predictions: dict[str, tuple]) -> dict:
+    """Measured statistics and, per prediction, its speed factor and its errors (%)."""
+    r = {"config": name, "rate": rate}
+    for label, (profile, _, stats) in predictions.items():
+        r[f"speed {label}"] = profile.source.get(label, {}).get("factor", 1.0)
+    for key in KEYS:
+        for stat in STATS:
+            m = measured[key][stat]
             r[f"{key[:-3]} {stat} meas"] = m
-            r[f"{key[:-3]} {stat} sim"] = p
-            r[f"{key[:-3]} {stat} err%"] = (p - m) / m * 100
+            for label, (_, _, stats) in predictions.items():
+                r[f"{key[:-3]} {stat} {label}"] = stats[key][stat]
+                r[f"{key[:-3]} {stat} {label} err%"] = (stats[key][stat] - m) / m * 100
     return r
 
 
@@ -113,6 +142,7 @@ def main() -> None:
     p.add_argument("--remeasure", action="store_true", help="serve again even where a measured result exists")
     p.add_argument("--rescale", action=argparse.BooleanOptionalAction, default=True,
                    help="rescale the profile to the machine's speed right before each served run")
+    p.add_argument("--sim-seeds", type=int, default=5, help="simulations per point (noise draws)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,10 +155,13 @@ def main() -> None:
             measured_path, profile_path = out / f"measured-{i}-{rate:g}.json", out / f"profile-{i}-{rate:g}.json"
             profile = profile_for_run(args, profile_path, serving_now=args.remeasure or not measured_path.exists())
             measured = measure(options, rate, args, measured_path)
-            predicted = predict(options, rate, profile, args)
-            write_result(predicted, out / f"simulated-{i}-{rate:g}.json")
-            runs.append((rate, measured, predicted))
-            rows.append(row(name, rate, measured, predicted, profile))
+            predictions = {}
+            for label, p in (("rescaled", profile), ("run_level", at_run_level(profile, options, measured_path))):
+                first, stats = predict(options, rate, p, args)
+                write_result({**first, "over_seeds": stats}, out / f"simulated-{label}-{i}-{rate:g}.json")
+                predictions[label] = (p, first, stats)
+            runs.append((rate, measured, predictions["rescaled"][1]))
+            rows.append(row(name, rate, measured, predictions))
         print("figure:", plot(name, runs, out / f"validation-{i}.png"))
     print_table(rows, title="simulated against measured (ms)")
     write_result({"profile": args.profile, "rows": rows}, out / "validation.json")

@@ -2,10 +2,10 @@
 
 For each (context length, decode rows) of the grid the engine runs the real model: it prefills
 ``rows`` prompts of ``context`` tokens (sharing a prefix, so that the prefix cache keeps this
-short), then, with those rows decoding, fills each token bucket (to its top and to just past the
-bucket below) for one step with one prompt and again with several, then runs a few plain decode
-steps. Every step is a measured point (its shape from the step trace, its time the trace's
-``step_s``); the profile is fitted on them all.
+short), then, with those rows decoding, adds one prompt that fills each token bucket (to its top
+and to just past the bucket below) for one step, then runs a few plain decode steps. Every step
+is a measured point (its shape from the step trace, its time the trace's ``step_s``); the
+profile is fitted on them all.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from jaxengine.lab.profile import CostProfile, machine_description, trace_points
 from jaxengine.sampling_params import SamplingParams
 
 UNIQUE_TAIL = 16            # prompt tokens of each decode row of a scenario that are its own
-MIN_SPLIT_TOKENS = 16       # the smallest prompt a prefill size is split into
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,6 @@ class CalibrationGrid:
     rows: tuple[int, ...] = (1, 4, 16, 48)
     decode_steps: int = 4
     repeats: int = 1
-    split_prompts: int = 4      # each prefill size also as this many prompts at once (1: never)
 
 
 SPEED_CHECK_GRID = CalibrationGrid(contexts=(256,), rows=(1, 4, 16), decode_steps=8)
@@ -107,8 +105,8 @@ def _fits(engine: Engine, context: int, rows: int, grid: CalibrationGrid) -> boo
 def _scenario(engine: Engine, context: int, rows: int, buckets: list[int], grid: CalibrationGrid, vocab: int,
               rng: random.Random) -> None:
     """Prefill ``rows`` prompts of ``context`` tokens, then one step per prefill size beside
-    their decodes (and one per split of it), then plain decodes; everything is aborted at the end."""
-    max_len, max_seqs = engine.config.scheduler.max_model_len, engine.config.scheduler.max_num_seqs
+    their decodes, then plain decodes; everything is aborted at the end."""
+    max_len = engine.config.scheduler.max_model_len
     params = SamplingParams(max_tokens=max_len - context, ignore_eos=True, temperature=0.0)
     ids = [f"calibrate-{rng.random()}" for _ in range(rows)]
     # The rows share all but their last block's worth of prompt: with prefix caching only the first
@@ -119,18 +117,11 @@ def _scenario(engine: Engine, context: int, rows: int, buckets: list[int], grid:
     while any(len(s.token_ids) - s.num_computed_tokens > 1 for r in engine.scheduler.running for s in r.seqs) \
             or len(engine.scheduler.waiting):
         engine.step()
-    # A prompt filling a bucket alone attends to all of it; the same tokens as several prompts
-    # attend to a quarter: both are measured, so that the fit can tell the step's size from its
-    # longest context.
-    split = grid.split_prompts if rows + grid.split_prompts < max_seqs else 1
     for size in _prefill_sizes(buckets, rows):
-        for parts in _splits(size, split):
-            prefills = [f"calibrate-prefill-{rng.random()}" for _ in parts]
-            for rid, n in zip(prefills, parts):
-                engine.add_request(rid, _prompt(rng, n, vocab), SamplingParams(max_tokens=1, ignore_eos=True))
-            engine.step()
-            for rid in prefills:
-                engine.abort(rid)
+        rid = f"calibrate-prefill-{rng.random()}"
+        engine.add_request(rid, _prompt(rng, size, vocab), SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.step()
+        engine.abort(rid)
     for _ in range(grid.decode_steps):
         engine.step()
     for rid in ids:
@@ -147,14 +138,6 @@ def _prefill_sizes(buckets: list[int], rows: int) -> list[int]:
             if total - rows >= 1 and total - rows not in sizes:
                 sizes.append(total - rows)
     return sizes
-
-
-def _splits(size: int, parts: int) -> list[list[int]]:
-    """``size`` as one prompt, and as ``parts`` prompts of near-equal length where each keeps
-    ``MIN_SPLIT_TOKENS``."""
-    if parts <= 1 or size < parts * MIN_SPLIT_TOKENS:
-        return [[size]]
-    return [[size], [size // parts + (i < size % parts) for i in range(parts)]]
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:

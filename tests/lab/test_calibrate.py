@@ -6,7 +6,7 @@ import math
 import pytest
 
 from jaxengine.lab.__main__ import main
-from jaxengine.lab.calibrate import CalibrationGrid, _prefill_sizes, _splits, calibrate
+from jaxengine.lab.calibrate import CalibrationGrid, _prefill_sizes, calibrate
 from jaxengine.lab.profile import load_profile
 from jaxengine.lab.simulate import simulate
 from jaxengine.lab.workload import Workload
@@ -17,11 +17,6 @@ ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, num_
 def test_prefill_sizes_fill_each_bucket_to_its_top_and_just_past_the_one_below():
     assert _prefill_sizes([16, 32, 64], rows=4) == [12, 28, 13, 60, 29]    # totals 16; 32, 17; 64, 33
     assert _prefill_sizes([16, 32], rows=16) == [16, 1]        # the decodes alone fill bucket 16
-
-
-def test_each_prefill_size_is_also_split_into_prompts_of_at_least_16_tokens():
-    assert _splits(66, 4) == [[66], [17, 17, 16, 16]]
-    assert _splits(63, 4) == [[63]] and _splits(500, 1) == [[500]]
 
 
 @pytest.fixture(scope="module")
