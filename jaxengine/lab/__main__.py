@@ -1,6 +1,7 @@
 """python -m jaxengine.lab COMMAND [options]: the scheduler lab.
 
-    calibrate   measure this machine's step times (model options as in serve) -> a cost profile
+    calibrate   measure this machine's step times (model options as in serve) -> a cost profile;
+                with --profile, restate a profile at this machine's speed now
     simulate    a workload through the real scheduler on a profile's clock -> the bench figures
     tune        the engine options with the most goodput under SLOs -> the serve flags to use
     whatif      the request rate a machine sustains within SLOs (with --hardware: a roofline
