@@ -181,6 +181,13 @@ class EngineArgs:
         num_cpu_blocks = int(self.swap_space * GiB) // (per_block * self.tensor_parallel_size)
         return self.engine_config(num_gpu_blocks, num_cpu_blocks, self.max_model_len or min(mc.max_position_embeddings, 2048))
 
+    def step_buckets(self) -> tuple[list[int], list[int]]:
+        """The token and row buckets the runner compiles: those given, else its defaults."""
+        from jaxengine.runner.buckets import step_row_buckets, token_buckets
+
+        return (self.token_buckets or token_buckets(self.max_num_batched_tokens),
+                self.request_buckets or step_row_buckets(self.max_num_seqs))
+
     def engine_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> EngineConfig:
         """The frozen configs of these options, given the pool sizes and the model length (what the
         model decides; the scheduler lab passes a profiled machine's)."""

@@ -77,12 +77,8 @@ def trace_path(measured_path: Path) -> Path:
 def at_run_level(profile, options: dict, measured_path: Path):
     """``profile`` scaled to the steps the served run recorded (its first step compiles: skipped)."""
     from jaxengine.engine_args import EngineArgs
-    from jaxengine.runner.buckets import step_row_buckets, token_buckets
 
-    engine_args = EngineArgs(**options)
-    buckets = engine_args.token_buckets or token_buckets(engine_args.max_num_batched_tokens)
-    rows = engine_args.request_buckets or step_row_buckets(engine_args.max_num_seqs)
-    points = trace_points(read_trace(trace_path(measured_path)), buckets, rows, skip=1)
+    points = trace_points(read_trace(trace_path(measured_path)), *EngineArgs(**options).step_buckets(), skip=1)
     return profile.scaled_to(*points, "run_level")
 
 

@@ -154,20 +154,17 @@ def _options(args: argparse.Namespace) -> dict:
 def run_calibrate(args: argparse.Namespace) -> dict:
     from jaxengine.lab.calibrate import SPEED_CHECK_GRID, CalibrationGrid, calibrate, rescale
     from jaxengine.lab.profile import CostProfile, load_profile, machine_description
-    from jaxengine.runner.buckets import step_row_buckets, token_buckets
     from jaxengine.trace import read_trace
 
     engine_args = EngineArgs.from_cli_args(args)
     if args.from_trace and args.profile:
-        buckets = engine_args.token_buckets or token_buckets(engine_args.max_num_batched_tokens)
-        rows = engine_args.request_buckets or step_row_buckets(engine_args.max_num_seqs)
+        buckets, rows = engine_args.step_buckets()
         profile = load_profile(args.profile).adjusted_to_trace(read_trace(args.from_trace), buckets, rows)
         profile.source["adjusted_to_trace"]["trace"] = args.from_trace
     elif args.from_trace:
         if not engine_args.num_kv_blocks:
             raise ValueError("--from-trace: give --num-kv-blocks, the KV pool of the engine that recorded it")
-        buckets = engine_args.token_buckets or token_buckets(engine_args.max_num_batched_tokens)
-        rows = engine_args.request_buckets or step_row_buckets(engine_args.max_num_seqs)
+        buckets, rows = engine_args.step_buckets()
         profile = CostProfile.from_trace(read_trace(args.from_trace), buckets, rows, num_gpu_blocks=engine_args.num_kv_blocks,
                                          block_size=engine_args.block_size,
                                          source={**machine_description(), "trace": args.from_trace})

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
+from jaxengine.bench.datasets import random_token_ids
 from jaxengine.engine import Engine
 from jaxengine.lab.profile import CostProfile, machine_description, trace_points
 from jaxengine.sampling_params import SamplingParams
@@ -43,7 +44,7 @@ def calibrate(model=None, *, grid: CalibrationGrid | None = None, progress: bool
     llm = _load(model, progress, engine_options)
     profile = calibrate_engine(llm.engine, grid or CalibrationGrid(), progress=progress, seed=seed)
     profile.source.update(model=str(model) if model is not None else "default (SmolLM2-135M-Instruct)",
-                          dtype=llm.dtype.name, engine_options={k: v for k, v in engine_options.items()})
+                          dtype=llm.dtype.name, engine_options=dict(engine_options))
     return profile
 
 
@@ -90,7 +91,7 @@ def measure_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = Tr
         raise ValueError("calibrate: no (context, rows) of the grid fits this engine's limits")
     for _ in range(grid.repeats):
         for context, rows in tqdm(scenarios, desc="calibrating", disable=not progress):
-            _scenario(engine, context, rows, buckets, grid, vocab, rng)
+            _scenario(engine, context, rows, buckets, grid.decode_steps, vocab, rng)
     return trace_points(engine.traces, buckets, list(runner.request_buckets))
 
 
@@ -102,7 +103,7 @@ def _fits(engine: Engine, context: int, rows: int, grid: CalibrationGrid) -> boo
             and blocks <= cc.num_gpu_blocks - 1 - int(cc.watermark * cc.num_gpu_blocks))
 
 
-def _scenario(engine: Engine, context: int, rows: int, buckets: list[int], grid: CalibrationGrid, vocab: int,
+def _scenario(engine: Engine, context: int, rows: int, buckets: list[int], decode_steps: int, vocab: int,
               rng: random.Random) -> None:
     """Prefill ``rows`` prompts of ``context`` tokens, then one step per prefill size beside
     their decodes, then plain decodes; everything is aborted at the end."""
@@ -122,7 +123,7 @@ def _scenario(engine: Engine, context: int, rows: int, buckets: list[int], grid:
         engine.add_request(rid, _prompt(rng, size, vocab), SamplingParams(max_tokens=1, ignore_eos=True))
         engine.step()
         engine.abort(rid)
-    for _ in range(grid.decode_steps):
+    for _ in range(decode_steps):
         engine.step()
     for rid in ids:
         engine.abort(rid)
@@ -141,4 +142,4 @@ def _prefill_sizes(buckets: list[int], rows: int) -> list[int]:
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(1, vocab) for _ in range(n)]
+    return random_token_ids(rng, n, vocab, low=1)

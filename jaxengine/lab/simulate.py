@@ -20,7 +20,7 @@ from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lab.profile import CostProfile, RooflineProfile, StepShape
 from jaxengine.lab.workload import SimRequest, Workload
-from jaxengine.runner.buckets import pick_bucket, step_row_buckets, token_buckets
+from jaxengine.runner.buckets import pick_bucket
 from jaxengine.sampling_params import SamplingParams
 
 TOKEN = 1                   # what every row samples (never an end of sequence: the engine has none)
@@ -138,9 +138,7 @@ def simulate(workload: Workload | list[SimRequest], profile: Profile, *, slos: d
     config = engine_config(profile, args)
     requests = workload.requests(config.scheduler.max_model_len) if isinstance(workload, Workload) else workload
     clock = SimClock()
-    sc = config.scheduler
-    runner = SimRunner(profile, args.token_buckets or token_buckets(sc.max_num_batched_tokens),
-                       args.request_buckets or step_row_buckets(sc.max_num_seqs), clock, noise=noise, seed=seed)
+    runner = SimRunner(profile, *args.step_buckets(), clock, noise=noise, seed=seed)
     runner.record = record_outputs
     engine = Engine(config, runner, clock=clock, timer=clock, trace=True)
     timelines = _run(engine, clock, requests, getattr(profile, "request_overhead_s", 0.0), max_steps)
