@@ -7,9 +7,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
-
-SCHEDULING_POLICIES = tuple(POLICIES)      # the built-ins' names; "module:Class" names a user's
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
@@ -55,8 +52,10 @@ class SchedulerConfig:
     (0: no cap). ``max_num_partial_prefills`` bounds how many requests may be part-way through
     their prefill at once. ``delay_factor`` holds a new prompt back until the oldest waiting
     request has waited ``delay_factor`` x the latency of the last step that ran prompts.
-    ``policy`` orders the waiting queue: a built-in's name (``SCHEDULING_POLICIES``),
-    ``"module:Class"``, a ``SchedulingPolicy`` subclass or an instance (``core/policy.py``).
+    ``policy`` orders the waiting queue: a built-in's name, ``"module:Class"``, a
+    ``SchedulingPolicy`` subclass or an instance. The config only carries the spec (printable,
+    picklable to other processes): ``core/policy.py`` names the built-ins and resolves a spec,
+    and each ``Scheduler`` makes its own policy from it, so no two share state.
     """
 
     max_num_batched_tokens: int = 2048
@@ -65,7 +64,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
-    policy: str | type[SchedulingPolicy] | SchedulingPolicy = "fcfs"
+    policy: object = "fcfs"
     preemption_mode: str = "auto"
     delay_factor: float = 0.0
 
@@ -79,9 +78,6 @@ class SchedulerConfig:
                  f"must be >= 0, got {self.long_prefill_token_threshold}")
         _require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
                  f"must be >= 1, got {self.max_num_partial_prefills}")
-        # Checked here, made by each Scheduler: the config keeps the spec (printable, picklable to
-        # other processes) and every scheduler owns its policy's state.
-        resolve_policy(self.policy, field="policy")
         _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
                  f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _require(self.delay_factor >= 0.0, "delay_factor", f"must be >= 0, got {self.delay_factor}")

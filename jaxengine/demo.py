@@ -12,7 +12,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from jaxengine.config import SCHEDULING_POLICIES, EngineConfig
+from jaxengine.config import EngineConfig
+from jaxengine.core.policy import POLICIES
 from jaxengine.engine import Engine
 from jaxengine.runner.fake_runner import HashRunner
 from jaxengine.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto")
-    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    p.add_argument("--scheduling-policy", choices=list(POLICIES), default="fcfs")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

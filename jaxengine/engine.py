@@ -4,7 +4,6 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -14,12 +13,21 @@ from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
+from jaxengine.structured_output import StructuredOutputManager
 from jaxengine.trace import StepTrace, TraceWriter, round_seconds
-
-GRAMMAR_WAIT_S = 0.05       # an idle engine waits this long at most for a grammar to compile
 
 
 class Runner(Protocol):
+    """What the engine asks of a model runner. ``execute`` is all a runner must have; the rest
+    is optional (the fake runners have none of it) and looked up once, when the engine is made:
+
+    - ``dispatch(out) -> handle``: launch the step without waiting; ``handle.result()`` waits
+      for its ``ModelRunnerOutput`` (async scheduling needs it).
+    - ``abandon_uncollected()``: after a failed step, forget the launched steps not collected.
+    - ``idle_s`` / ``device_wait_s``: seconds the device sat idle before launches / the host
+      blocked on the device's results, for the step traces.
+    """
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
@@ -70,9 +78,10 @@ class Engine:
                  grammar_compiler=None, timer: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.timer = timer                            # step times in traces (a simulator passes its clock)
-        self.grammar_compiler = grammar_compiler      # structured output (``structured_output``); None: refused
-        self._awaiting_grammar: dict[str, Request] = {}   # WAITING_FOR_GRAMMAR, not yet in the scheduler
+        self.structured = StructuredOutputManager(grammar_compiler)     # None: structured output refused
         self.runner = runner
+        self._dispatch = getattr(runner, "dispatch", None)             # the optional part of ``Runner``
+        self._abandon = getattr(runner, "abandon_uncollected", None)
         self.eos_token_id = eos_token_id
         self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock)
         self.clock = clock
@@ -93,36 +102,32 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    stop_check=None) -> Request:
+        """Queue a request (``stop_check``: a beam search's stop strings, see ``Request``)."""
         request = Request(request_id, prompt_token_ids, sampling_params or SamplingParams(),
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
-                          priority=priority, eos_token_id=self.eos_token_id, cache_salt=cache_salt)
-        constraint = request.sampling_params.structured_outputs
-        if constraint is None:
+                          priority=priority, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
+                          stop_check=stop_check)
+        if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
             self.scheduler.add_request(request)
             return request
-        if self.grammar_compiler is None:
-            raise ValueError(f"{constraint.field}: structured output needs the model's tokenizer "
-                             f"(this engine runs without one)")
         if self.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        request.status = RequestStatus.WAITING_FOR_GRAMMAR          # compiled on a worker thread
-        request.grammar_future = self.grammar_compiler.submit(constraint)
-        self._awaiting_grammar[request_id] = request
+        self.structured.submit(request)                # the scheduler takes it once its grammar is ready
         return request
 
     def abort(self, request_id: str) -> bool:
-        if (request := self._awaiting_grammar.pop(request_id, None)) is not None:
+        if (request := self.structured.awaiting.pop(request_id, None)) is not None:
             self.scheduler.add_request(request)          # finished through the scheduler, like any
-            return self.scheduler.abort(request_id)
         return self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
+        return self.scheduler.has_unfinished_requests() or bool(self.structured.awaiting)
 
     def has_request(self, request_id: str) -> bool:
         """``request_id`` is unfinished here."""
-        return request_id in self.scheduler.requests or request_id in self._awaiting_grammar
+        return request_id in self.scheduler.requests or request_id in self.structured.awaiting
 
     def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Finish one running sequence from outside (a stop string found by output processing)."""
@@ -134,12 +139,12 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
+        return len(self.scheduler.waiting) + len(self.structured.awaiting)
 
     @property
     def num_unfinished(self) -> int:
         """Requests not finished: waiting (for a grammar too), running or swapped out."""
-        return len(self.scheduler.requests) + len(self._awaiting_grammar)
+        return len(self.scheduler.requests) + len(self.structured.awaiting)
 
     def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Leading blocks of this prompt in the prefix cache now (a query: nothing changes)."""
@@ -214,63 +219,35 @@ class Engine:
         engine cannot go on: the scheduler failed while building a step, or the runner's device
         state is lost."""
         s = self.scheduler
-        if s._out is not None:                       # schedule() stopped half-way
+        if s.is_scheduling:                          # schedule() stopped half-way
             raise RuntimeError("the scheduler failed while building a step; its state is unknown")
         steps, self._unapplied, self._in_flight, self._launched = self._unapplied, [], None, None
         seq_ids = {seq_id for out in steps for seq_id in (*out.seq_ids, *out.preempted_seq_ids)}
         seq_ids.update(new.seq_id for out in steps for new in out.new_seqs)
         # The runner may never have seen these steps: tell it again which sequences to forget.
-        s._finished_seq_ids.extend(seq_id for out in steps for seq_id in out.finished_seq_ids)
-        abandon = getattr(self.runner, "abandon_uncollected", None)
-        if abandon is not None:
-            abandon()
+        s.resend_finished(seq_id for out in steps for seq_id in out.finished_seq_ids)
+        if self._abandon is not None:
+            self._abandon()
         return [rid for rid, r in s.requests.items() if any(seq.seq_id in seq_ids for seq in r.seqs)]
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready join the scheduler (one whose constraint is invalid
-        finishes there at once, ignored, with the compiler's message). When nothing else could
-        run, wait for the first grammar rather than spin."""
-        if not self.scheduler.has_unfinished_requests():
-            futures.wait([r.grammar_future for r in self._awaiting_grammar.values()],
-                         timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
-        for request_id, request in list(self._awaiting_grammar.items()):
-            if not request.grammar_future.done():
-                continue
-            del self._awaiting_grammar[request_id]
-            request.status = RequestStatus.WAITING
-            error = request.grammar_future.exception()
-            if error is None:
-                request.seqs[0].grammar = request.grammar_future.result().matcher()
+        finishes there at once, ignored, with the compiler's message)."""
+        for request, error in self.structured.take_ready(idle=not self.scheduler.has_unfinished_requests()):
             self.scheduler.add_request(request)
             if error is not None:
-                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_IGNORED, str(error))
-
-    def _fill_token_bitmask(self, out: SchedulerOutput) -> None:
-        """Each sampling row with a grammar writes its allowed tokens into the step's bitmask."""
-        import numpy as np
-
-        from jaxengine.structured_output import ALL_ALLOWED, bitmask_words
-
-        bitmask = None
-        for i, (seq, k) in enumerate(zip(out.scheduled_seqs, out.num_samples)):
-            if k and seq.grammar is not None:
-                if bitmask is None:
-                    words = bitmask_words(self.grammar_compiler.vocab_size)
-                    bitmask = np.full((len(out.scheduled_seqs), words), ALL_ALLOWED, np.int32)
-                seq.grammar.fill(bitmask[i])
-        out.token_bitmask = bitmask
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_IGNORED, error)
 
     def _launch(self) -> _Launch:
         """Schedule a step and launch it on the runner."""
-        if self._awaiting_grammar:
+        if self.structured.awaiting:
             self._admit_compiled()
         out = self.last_output = self.scheduler.schedule()
         if self.scheduler.num_structured:
-            self._fill_token_bitmask(out)
+            self.structured.fill_bitmask(out)
         self._unapplied.append(out)
-        dispatch = getattr(self.runner, "dispatch", None)
         idle = self._runner_counter("idle_s")
-        pending = dispatch(out) if dispatch else _Done(self.runner.execute(out))
+        pending = self._dispatch(out) if self._dispatch else _Done(self.runner.execute(out))
         return _Launch(out, pending, self._runner_counter("idle_s") - idle)
 
     def _launch_ahead(self, out: SchedulerOutput) -> _Launch | None:

@@ -15,8 +15,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from jaxengine.config import PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
-from jaxengine.core.policy import SchedulingPolicy, resolve_policy
+from jaxengine.config import PREEMPTION_MODES, CacheConfig, EngineConfig, SchedulerConfig
+from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 
 GiB = 1 << 30
@@ -58,7 +58,7 @@ class EngineArgs:
         "auto", "under memory pressure: recompute (drop KV) or swap to host memory; auto swaps "
                 "multi-sequence groups", choices=PREEMPTION_MODES)
     scheduling_policy: str | type[SchedulingPolicy] | SchedulingPolicy = _option(
-        "fcfs", f"order of the waiting queue: a built-in ({', '.join(SCHEDULING_POLICIES)}; priority: lower "
+        "fcfs", f"order of the waiting queue: a built-in ({', '.join(POLICIES)}; priority: lower "
                 "value first, may preempt running requests), or module:Class, which imports module and uses "
                 "its class Class, a user's SchedulingPolicy subclass (from jaxengine import SchedulingPolicy)",
         cli_type=str)

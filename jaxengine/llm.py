@@ -229,11 +229,11 @@ class LLM:
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
         """Queue one request on the engine (``check_request`` it first); the caller steps the engine.
         ``arrival_time`` (the engine's clock, default now): when the request came in."""
-        request = self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
-                                          arrival_time=arrival_time)
-        if request.beam is not None:
-            request.beam.stop_check = beam_stop_check(self.tokenizer, request.sampling_params)
-        return request
+        stop_check = None
+        if isinstance(params, BeamSearchParams):   # a beam's stop strings are checked as the search decides
+            stop_check = beam_stop_check(self.tokenizer, params.sampling_params())
+        return self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
+                                       arrival_time=arrival_time, stop_check=stop_check)
 
     # ---- internals ----
     def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:

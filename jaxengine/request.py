@@ -128,13 +128,16 @@ class Request:
     Until its prompt is computed the group holds a single leader sequence; the step that
     completes the prompt samples ``n`` tokens and the group forks, the siblings sharing the
     leader's blocks by reference count. A beam search (``BeamSearchParams``) is a group of
-    ``beam_width`` beams that fork, extend and drop as the search decides (``beam``); when it
-    ends, ``seqs`` holds its finished hypotheses, best first.
+    ``beam_width`` beams that fork, extend and drop as the search decides (``beam``, made by
+    the scheduler that takes the request); when it ends, ``seqs`` holds its finished
+    hypotheses, best first. ``stop_check`` finds stop strings in a beam's output (beam search
+    decides stops on the host, where the door that has the tokenizer gives it).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | BeamSearchParams, *, arrival_time: float | None = None,
-                 priority: int = 0, eos_token_id: int | None = None, cache_salt: str | None = None) -> None:
+                 priority: int = 0, eos_token_id: int | None = None, cache_salt: str | None = None,
+                 stop_check=None) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: must not be empty")
         if not all(isinstance(t, int) and t >= 0 for t in prompt_token_ids):
@@ -149,7 +152,9 @@ class Request:
         self.priority = priority
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
-        self.status = RequestStatus.WAITING
+        # Until the scheduler takes it: a request with a constraint first waits for its grammar.
+        self.status = (RequestStatus.WAITING if sampling_params.structured_outputs is None
+                       else RequestStatus.WAITING_FOR_GRAMMAR)
         self.status_reason: str | None = None
         self.seqs: list[Sequence] = [Sequence(self, list(prompt_token_ids), 0)]
         self.forked = sampling_params.n == 1
@@ -166,15 +171,13 @@ class Request:
         p = sampling_params
         self.needs_history = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         self.grammar_future = None            # structured output: its grammar, compiling
-        self.beam = None
-        if beam_params is not None:
-            from jaxengine.core.beam_search import BeamSearch     # it imports this module
-
-            self.beam = BeamSearch(beam_params, self.max_output_tokens, self.stop_token_set)
+        self.beam_params = beam_params
+        self.stop_check = stop_check
+        self.beam = None                      # the search's state (``core.beam_search.BeamSearch``)
         # Its rows get no placeholder under async scheduling, so they sit out the step run ahead
         # (the others run on): a beam's next token is the search's choice, a grammar's mask
         # needs the previous token.
-        self.waits_for_tokens = self.beam is not None or p.structured_outputs is not None
+        self.waits_for_tokens = beam_params is not None or p.structured_outputs is not None
         # Fixed here so a preempted and resumed request continues the same random stream.
         self.seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
 

@@ -1,6 +1,7 @@
 """Constrained decoding with llguidance: a grammar per distinct constraint, compiled once (cached)
 on a worker thread, and a matcher per sequence that fills its row of the step's token bitmask
-and advances with each accepted token.
+and advances with each accepted token. ``StructuredOutputManager`` is the one owner of all of
+it inside an engine: the requests whose grammar compiles, the matchers, the bitmask.
 
 llguidance was chosen over xgrammar and outlines-core: it needs no torch (xgrammar imports
 it), covers JSON schema, regex, choice, Lark and GBNF grammars (outlines-core has no grammars
@@ -14,11 +15,20 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from jaxengine.request import RequestStatus
 from jaxengine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from jaxengine.core.scheduler_output import SchedulerOutput
+    from jaxengine.request import Request, Sequence
+
+GRAMMAR_WAIT_S = 0.05       # an idle engine waits this long at most for a grammar to compile
 
 ALL_ALLOWED = -1            # a bitmask word with every bit set
 # JSON as json.dumps writes it: fixed separators and no free whitespace, so a model cannot wander
@@ -65,6 +75,7 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> "Grammar":
         """The grammar for ``params`` now, in this thread (ValueError naming the field if invalid)."""
+        import numpy as np
         from llguidance import LLMatcher
 
         text = _grammar_text(params)
@@ -153,3 +164,93 @@ class Matcher:
 
     def copy(self) -> "Matcher":
         return Matcher(self._m.deep_copy())
+
+
+class StructuredOutputManager:
+    """Structured output's one owner in an engine. A request with a constraint waits here
+    (``WAITING_FOR_GRAMMAR``) while its grammar compiles on the compiler's worker thread; once
+    it is ready the request leaves with its matcher (``take_ready``) for the scheduler. Each
+    step, the manager fills the token bitmask of the rows that sample under a grammar
+    (``fill_bitmask``), and after it advances their matchers by the sampled tokens
+    (``advance``), saying which sequences that ends. ``compiler`` None: refused (no tokenizer).
+
+    Writers of ``Sequence.grammar``: this manager (at admission, and a copy for each sibling at
+    a fork); beam search gives a forked beam a copy of its parent's and advances a beam by the
+    token the search chose (its rows are skipped here)."""
+
+    def __init__(self, compiler: GrammarCompiler | None) -> None:
+        self.compiler = compiler
+        self.awaiting: dict[str, Request] = {}     # grammar compiling, not yet in the scheduler
+
+    def submit(self, request: Request) -> None:
+        constraint = request.sampling_params.structured_outputs
+        if self.compiler is None:
+            raise ValueError(f"{constraint.field}: structured output needs the model's tokenizer "
+                             f"(this engine runs without one)")
+        request.grammar_future = self.compiler.submit(constraint)
+        self.awaiting[request.request_id] = request
+
+    def take_ready(self, idle: bool) -> list[tuple[Request, str | None]]:
+        """The requests whose grammar is ready, each with its leader's matcher set, or with the
+        compiler's error (an invalid constraint). ``idle``: nothing else could run, so wait a
+        little for the first grammar rather than spin."""
+        if idle:
+            futures.wait([r.grammar_future for r in self.awaiting.values()],
+                         timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
+        ready = []
+        for request_id, request in list(self.awaiting.items()):
+            if not request.grammar_future.done():
+                continue
+            del self.awaiting[request_id]
+            error = request.grammar_future.exception()
+            if error is None:
+                request.seqs[0].grammar = request.grammar_future.result().matcher()
+            ready.append((request, None if error is None else str(error)))
+        return ready
+
+    def fill_bitmask(self, out: SchedulerOutput) -> None:
+        """Each sampling row with a grammar writes its allowed tokens into the step's bitmask
+        (``out.token_bitmask``; None when no row has a grammar)."""
+        import numpy as np
+
+        bitmask = None
+        for i, (seq, k) in enumerate(zip(out.scheduled_seqs, out.num_samples)):
+            if k and seq.grammar is not None:
+                if bitmask is None:
+                    words = bitmask_words(self.compiler.vocab_size)
+                    bitmask = np.full((len(out.scheduled_seqs), words), ALL_ALLOWED, np.int32)
+                seq.grammar.fill(bitmask[i])
+        out.token_bitmask = bitmask
+
+    @staticmethod
+    def advance(out: SchedulerOutput, sampled: list) -> list[tuple[Sequence, RequestStatus, str | None]]:
+        """Each running sequence with a grammar takes in the token it got (the scheduler calls
+        this after its stop checks: a token that stopped a sequence is not fed). Returns the
+        sequences this ends: the grammar complete (stopped), or a token it refuses, which the
+        mask makes impossible (an error). At a fork the siblings start from copies of the
+        leader's matcher."""
+        ended = []
+        for seq, tokens in zip(out.scheduled_seqs, sampled):
+            if not tokens or seq.grammar is None or seq.status is not RequestStatus.RUNNING \
+                    or seq.request.beam is not None:
+                continue
+            group = seq.request
+            if len(tokens) > 1:                         # a fork: the siblings are new
+                for sibling in group.seqs:
+                    if sibling.grammar is None:
+                        sibling.grammar = seq.grammar.copy()
+                pairs = [(s, s.token_ids[-1]) for s in group.seqs]
+            else:
+                pairs = [(seq, tokens[0])]
+            for s, token in pairs:
+                if s.is_finished:
+                    continue
+                if not s.grammar.accept(token):
+                    ended.append((s, RequestStatus.FINISHED_ERROR, f"structured output: token {token} is not allowed here"))
+                elif s.grammar.is_done:
+                    ended.append((s, RequestStatus.FINISHED_STOPPED, None))
+        return ended
+
+    def shutdown(self) -> None:
+        if self.compiler is not None:
+            self.compiler.shutdown()

@@ -1,6 +1,7 @@
 import pytest
 
 from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxengine.core.scheduler import Scheduler
 from jaxengine.request import Request, RequestStatus, check_stop
 from jaxengine.sampling_params import SamplingParams
 
@@ -94,7 +95,7 @@ def test_finish_request_from_outside_needs_a_finished_status():
 
 @pytest.mark.parametrize("make, message", [
     (lambda: SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens: must be >= max_num_seqs"),
-    (lambda: SchedulerConfig(policy="lifo"), "policy: must be one of"),
+    (lambda: Scheduler(SchedulerConfig(policy="lifo"), CacheConfig()), "policy: must be one of"),  # made there
     (lambda: SchedulerConfig(preemption_mode="drop"), "preemption_mode: must be one of"),
     (lambda: CacheConfig(num_gpu_blocks=1), "num_gpu_blocks: must be >= 2"),
     (lambda: CacheConfig(watermark=1.0), "watermark: must be in"),

@@ -1,5 +1,7 @@
-"""Beam search's decisions, one step at a time, for one sequence group (no KV blocks here: the
-scheduler applies the decisions to the group's sequences by forking, extending and freeing).
+"""Beam search for one sequence group: the search's decisions, one step at a time
+(``BeamSearch``), and their application to the group's sequences (``take_candidates``,
+``decide``, ``apply_step``, ``hypothesis_seqs``). No KV blocks here: the scheduler gives a
+forked beam its blocks and frees the dropped ones.
 
 Each step every live beam brings its top ``2 x beam_width`` candidates (token, log-probability)
 from the sampler. Over all beams the ``2 x beam_width`` best by cumulative log-probability are
@@ -16,9 +18,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from jaxengine.request import RequestStatus
+# numpy is imported inside the functions that use it: importing jaxengine stays light.
+from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import BeamSearchParams
 
 # (token id, log-probability): one beam's candidates for its next token, most likely first.
@@ -94,6 +96,7 @@ class BeamSearch:
     def end_running(self, beams: list[tuple[list[int], list, float]]) -> None:
         """The search is cut short (the group outgrew the KV pool): its running beams finish by
         length, as they would at max_tokens, and compete with the finished hypotheses."""
+        import numpy as np
         for output, logprobs, cumulative in beams:
             score = _f32(cumulative / np.float32(len(output) ** self.params.length_penalty))
             self._keep(Hypothesis(list(output), list(logprobs), cumulative, score, RequestStatus.FINISHED_LENGTH))
@@ -101,6 +104,7 @@ class BeamSearch:
     def _rank(self, beams, candidates: list[Candidates]) -> list[Continuation]:
         """The 2 x width best continuations over all beams by cumulative logprob (ties: earlier
         beam, then the beam's own order)."""
+        import numpy as np
         scored = []
         for b, ((_, _, cumulative), cands) in enumerate(zip(beams, candidates)):
             top = dict(cands)
@@ -121,6 +125,7 @@ class BeamSearch:
         return None
 
     def _add_hypothesis(self, beam, c: Continuation, stop) -> None:
+        import numpy as np
         output, logprobs, _ = beam
         score = _f32(c.cumulative_logprob / np.float32((self.num_generated + 1) ** self.params.length_penalty))
         self._keep(Hypothesis([*output, c.token], [*logprobs, (c.logprob, c.top)], c.cumulative_logprob, score, *stop))
@@ -135,6 +140,7 @@ class BeamSearch:
 
     def _best_running_score(self, best: Continuation) -> float:
         """The best running beam's score at the length transformers' heuristic assumes."""
+        import numpy as np
         p = self.params
         length = self.max_tokens if p.early_stopping == "never" and p.length_penalty > 0 else self.num_generated
         return _f32(best.cumulative_logprob / np.float32(length ** p.length_penalty))
@@ -145,4 +151,68 @@ class BeamSearch:
 
 def _f32(x) -> float:
     """Scores in float32, as transformers keeps them: the same near-ties break the same way."""
+    import numpy as np
     return float(np.float32(x))
+
+
+# ---------------------------------------------------------------- applied to a group's sequences
+def take_candidates(out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+    """Each running beam row that sampled leaves its candidates (the sampler's top-k) with its
+    group's search; returns the groups all of whose live beams now have theirs."""
+    groups = {}
+    logprobs = result.logprobs or [None] * len(result.sampled_token_ids)
+    for seq, tokens, row in zip(out.scheduled_seqs, result.sampled_token_ids, logprobs):
+        group = seq.request
+        if group.beam is not None and tokens and seq.status is RequestStatus.RUNNING:
+            group.beam.candidates[seq.seq_id] = list(row[0][1].items())
+            groups[group.request_id] = group
+    return [g for g in groups.values() if g.status is RequestStatus.RUNNING
+            and all(s.seq_id in g.beam.candidates for s in g.live_seqs)]
+
+
+def decide(group: Request) -> BeamStep:
+    """One step of the group's search over its live beams, taking their candidates."""
+    search, beams = group.beam, group.live_seqs
+    return search.step([(s.output_token_ids, s.logprobs, s.cumulative_logprob) for s in beams],
+                       [search.candidates.pop(s.seq_id) for s in beams])
+
+
+def apply_step(group: Request, step: BeamStep, fork_seq: Callable[[Sequence, int], Sequence]) -> list[Sequence]:
+    """The step applied to the group's sequences: a beam continued once extends in place, one
+    continued several ways forks (``fork_seq(parent, sample_index)`` makes a child sharing its
+    blocks, the partial last one copied on write). Returns the beams not continued, for the
+    caller to free."""
+    beams = group.live_seqs
+    parents_taken: set[int] = set()
+    next_beams = []
+    for c in step.continuations:            # forks first: a child copies its parent as it is
+        parent = beams[c.beam]
+        if c.beam in parents_taken:
+            child = fork_seq(parent, len(group.seqs) + len(next_beams))
+            child.logprobs = list(parent.logprobs)
+            child.grammar = parent.grammar.copy() if parent.grammar is not None else None
+            next_beams.append((child, c))
+        else:
+            parents_taken.add(c.beam)
+            next_beams.append((parent, c))
+    dropped = [seq for b, seq in enumerate(beams) if b not in parents_taken]
+    for seq, c in next_beams:
+        if seq.grammar is not None:
+            seq.grammar.accept(c.token)    # the candidates came through its mask
+        seq.token_ids.append(c.token)
+        seq.logprobs.append((c.logprob, c.top))
+        seq.cumulative_logprob = c.cumulative_logprob
+        seq.is_new = True                  # the runner learns the chosen token with the sequence
+    group.seqs = [seq for seq, _ in next_beams]
+    return dropped
+
+
+def hypothesis_seqs(group: Request) -> list[Sequence]:
+    """The search's hypotheses as the group's (finished, blockless) sequences, best first."""
+    seqs = []
+    for rank, h in enumerate(group.beam.finished):
+        seq = Sequence(group, [*group.prompt_token_ids, *h.token_ids], rank)
+        seq.status, seq.stop_reason = h.status, h.stop_reason
+        seq.logprobs, seq.cumulative_logprob = h.logprobs, h.cumulative_logprob
+        seqs.append(seq)
+    return seqs

@@ -3,6 +3,11 @@
 Invariants (checked by the property tests): every block's ref count equals the number of
 block tables holding it; a block is in the free queue iff its ref count is 0; free + used
 blocks = the pool; a failed allocation changes nothing.
+
+Ownership: this manager is the only writer of a sequence's ``block_table``, ``block_hashes``
+and ``num_cached_blocks`` and of the copy-on-write list; a sequence's progress
+(``num_computed_tokens``) is the scheduler's alone, so a prefix hit or a fork attaches blocks
+here and the scheduler counts their tokens.
 """
 from __future__ import annotations
 
@@ -135,7 +140,8 @@ class KVCacheManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: ComputedBlocks = NO_HIT) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (and after a
-        prefix hit, which is taken first so no new allocation can evict it). All or nothing."""
+        prefix hit, which is taken first so no new allocation can evict it; its tokens are the
+        caller's to count as computed). All or nothing."""
         num_new = self._num_new_blocks(seq, hit, num_new_tokens)
         cow = self._needs_copy_on_write(seq)
         if num_new + cow + hit.num_evictable > len(self.pool.free_queue):
@@ -152,16 +158,16 @@ class KVCacheManager:
         num_tokens = seq.num_computed_tokens + len(hit.blocks) * bs + num_new_tokens
         return max(0, cdiv(num_tokens, bs) - len(seq.block_table) - len(hit.blocks))
 
-    def take_hit(self, seq: Sequence, hit: ComputedBlocks) -> None:
-        """Hold a prefix hit's blocks and count their tokens as computed."""
+    def take_hit(self, seq: Sequence, hit: ComputedBlocks) -> int:
+        """Hold a prefix hit's blocks; returns their tokens (for the caller to count as computed)."""
         if not hit.blocks:
-            return
+            return 0
         self.pool.touch(hit.blocks)
         seq.block_table.extend(hit.blocks)
         num_hit_tokens = len(hit.blocks) * self.block_size
-        seq.num_computed_tokens += num_hit_tokens
         seq.num_cached_blocks = len(seq.block_table)
         seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, num_hit_tokens)
+        return num_hit_tokens
 
     def record_prefix_query(self, seq: Sequence, num_hit_tokens: int) -> None:
         if self.enable_caching:
@@ -187,7 +193,6 @@ class KVCacheManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
-        child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks, tail first: the tail is the least likely to be reused, so
@@ -195,6 +200,30 @@ class KVCacheManager:
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """Return a swapped-out sequence's host blocks."""
+        self.host_pool.free(reversed(seq.block_table))
+        seq.block_table = []
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies (src, dst) made since the last call, for the step to apply."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def cancel_copies_into(self, request: Request) -> dict[int, int]:
+        """Copies into the group's blocks are void (it is preempted before they run); returns
+        {dst: src} of those cancelled, as a swap-out of the group must read from their source."""
+        blocks = self._unique_blocks(request)
+        redirect = {d: s for s, d in self.pending_copies if d in blocks}
+        if redirect:
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in redirect]
+        return redirect
+
+    @property
+    def can_swap(self) -> bool:
+        """There is a host pool to swap to."""
+        return self.host_pool.num_blocks > 0
 
     # ---- swapping (multi-sequence groups under memory pressure) ----
     def _unique_blocks(self, request: Request) -> set[int]:

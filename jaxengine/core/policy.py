@@ -12,9 +12,10 @@ subclass of ``SchedulingPolicy``, given to the engine as the class, an instance,
         def key(self, request, kv):
             return (request.sampling_params.n,)
 
-Only the waiting queue's order is the policy's: running groups decode first whatever it says,
-and a preempted request resumes before any keyed one. ``ranks`` switches on the priority
-policy's preemption rules, which compare ``Request.priority`` (not the key).
+Only the waiting queue's order and the choice of a preemption victim are the policy's: running
+groups decode first whatever it says, and a preempted request resumes before any keyed one.
+``ranks`` switches on the priority policy's preemption rules, which compare
+``Request.priority`` (not the key).
 """
 from __future__ import annotations
 
@@ -67,6 +68,19 @@ class SchedulingPolicy:
     def make_queue(self, kv: KVCacheManager):
         """A new, empty waiting queue for one scheduler (default: a ``KeyedQueue`` on ``key``)."""
         return KeyedQueue(self, kv)
+
+    def rank(self, group: Request) -> tuple:
+        """With ``ranks``: the one order of running, swapped and waiting groups (lower first)."""
+        return group.priority, group.arrival_time
+
+    def victim(self, running: list[Request]) -> Request:
+        """The running group to preempt when blocks run out (``running`` in admission order).
+        Not ranking: the last admitted. Ranking: the worst ``rank``, then the last admitted. A
+        strict total order, so the best running group is never a victim and always progresses
+        (equal groups cannot keep preempting each other)."""
+        if not self.ranks:
+            return running[-1]
+        return running[max(range(len(running)), key=lambda i: (*self.rank(running[i]), i))]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

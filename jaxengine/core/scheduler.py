@@ -9,24 +9,43 @@ order, so a group preempted for a request comes back only after it. A step that 
 admits nothing.
 The scheduler knows no prefill/decode phases: a sequence simply advances
 ``num_computed_tokens`` towards ``num_tokens``.
+
+What one ``schedule()`` call has handed out so far is one declared object (``StepState``),
+passed explicitly to each stage of the step. The scheduler is the only writer of a sequence's
+progress (``num_computed_tokens``, placeholders) and of request and sequence status; the KV
+manager owns block tables (ask it, never reach into its pools).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from jaxengine.config import CacheConfig, SchedulerConfig
+from jaxengine.core import beam_search
+from jaxengine.core.beam_search import BeamSearch
 from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
 from jaxengine.core.policy import resolve_policy
 from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
+from jaxengine.structured_output import StructuredOutputManager
 
 RUNNING = RequestStatus.RUNNING
 
 
-def _rank(group: Request) -> tuple[int, float]:
-    """The priority policy's order: lower priority value first, then earlier arrival."""
-    return group.priority, group.arrival_time
+@dataclass(slots=True)
+class StepState:
+    """What one ``schedule()`` call has handed out so far."""
+
+    out: SchedulerOutput                  # the step being built
+    now: float
+    budget: int                           # tokens left to hand out
+    num_seqs: int = 0                     # sequences running in this step (against max_num_seqs)
+    num_partial: int = 0                  # groups part-way through their prefill
+    preempted: bool = False               # a step that preempted admits nothing
+    new_seqs: list[Sequence] = field(default_factory=list)        # the runner has not seen them
+    changed_seqs: list[Sequence] = field(default_factory=list)    # seen, their block table changed
 
 
 class Scheduler:
@@ -43,7 +62,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}          # unfinished, by id
         self._finished: list[Request] = []              # finished outside update_from_output
         self._finished_seq_ids: list[int] = []          # for the runner to forget
-        self._out: SchedulerOutput | None = None         # the step being built, inside schedule()
+        self._step: StepState | None = None              # inside schedule(): the step being built
         self._num_beam_searches = 0                      # unfinished beam-search groups
         self.num_structured = 0                          # unfinished requests with a grammar
         self._max_prefill_chunk = (config.long_prefill_token_threshold if config.enable_chunked_prefill
@@ -61,8 +80,10 @@ class Scheduler:
         # prompt + output <= max_model_len: the same rule the API checks max_tokens against
         request.max_output_tokens = min(request.max_output_tokens,
                                         self.config.max_model_len - request.num_prompt_tokens)
-        if request.beam is not None:
-            request.beam.max_tokens = request.max_output_tokens
+        if request.beam_params is not None:        # a beam search's state lives with its group
+            request.beam = BeamSearch(request.beam_params, request.max_output_tokens, request.stop_token_set,
+                                      request.stop_check)
+        request.status = RequestStatus.WAITING     # (it may have waited for its grammar)
         self.requests[request.request_id] = request
         self._num_beam_searches += request.beam is not None
         self.num_structured += request.sampling_params.structured_outputs is not None
@@ -127,33 +148,33 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        """The next step. Guarantees: at most ``max_num_batched_tokens`` tokens and
+        ``max_num_seqs`` sequences; running groups are served before swapped ones and swapped
+        ones (fcfs) before any admission; a step that preempted admits nothing; every row's
+        blocks are allocated for its tokens."""
         now = self.clock()
-        out = SchedulerOutput()
-        self._out = out
-        self._budget = self.config.max_num_batched_tokens
-        self._preempted = False
-        self._step_new: list[Sequence] = []     # sequences the runner has not seen
-        self._step_changed: list[Sequence] = []
+        step = self._step = StepState(SchedulerOutput(), now, self.config.max_num_batched_tokens)
         passed_delay = self._passed_delay(now)
         if self.policy.ranks and len(self.waiting):
-            self._preempt_for_priority()
-        self._schedule_running()
-        if not self._preempted:                    # a step that preempted admits nothing
+            self._preempt_for_priority(step)
+        self._schedule_running(step)
+        if not step.preempted:                     # a step that preempted admits nothing
             if self.policy.ranks:
-                self._schedule_by_rank(now, passed_delay)
+                self._schedule_by_rank(step, passed_delay)
             else:
-                self._schedule_in_arrival_order(now, passed_delay)
-        self._finalize(out)
+                self._schedule_in_arrival_order(step, passed_delay)
+        out = self._finalize(step)
+        self._step = None
         return out
 
-    def _schedule_running(self) -> None:
+    @property
+    def is_scheduling(self) -> bool:
+        """Inside ``schedule()`` (after a failure there: the scheduler's state is unknown)."""
+        return self._step is not None
+
+    def _schedule_running(self, step: StepState) -> None:
         """Decodes of all running groups, then their partial prefills with the budget left."""
-        out, bs, kv = self._out, self.block_size, self.kv
-        seq_ids, num_tokens, num_samples, rows = (out.seq_ids, out.num_scheduled_tokens,
-                                                  out.num_samples, out.scheduled_seqs)
-        computed, previous = out.num_computed_tokens, out.previous_sample_rows
-        budget = self._budget
-        num_seqs = 0
+        kv, bs = self.kv, self.block_size
         prefilling = []
         for group in self.running[:]:
             if group.status is not RUNNING:
@@ -161,80 +182,73 @@ class Scheduler:
             seqs = group.seqs
             if len(seqs) == 1 and group.forked:    # hot path: one sequence
                 seq = seqs[0]
-                nc = seq.num_computed_tokens
-                if len(seq.token_ids) - nc != 1:
+                if len(seq.token_ids) - seq.num_computed_tokens != 1:
                     prefilling.append(group)
                     continue
                 if seq.num_pending and self._finishes_by_length(seq):
-                    num_seqs += 1                  # its token in flight is its last: no row, but
+                    step.num_seqs += 1             # its token in flight is its last: no row, but
                     continue                       # it holds its place until update_from_output
-                if nc >= len(seq.block_table) * bs:
-                    self._budget = budget
-                    if not self._make_room(group, lambda: kv.allocate_slots(seq, 1)):
-                        budget = self._budget
-                        continue
-                    budget = self._budget
-                    if not seq.is_new:
-                        self._step_changed.append(seq)
-                if seq.is_new:
-                    self._step_new.append(seq)
-                seq.num_computed_tokens = nc + 1
-                budget -= 1
-                num_seqs += 1
-                seq_ids.append(seq.seq_id)
-                num_tokens.append(1)
-                num_samples.append(1)
-                rows.append(seq)
-                computed.append(nc)
-                # A decode with a placeholder: its input is the previous step's sample.
-                previous.append(seq.pending_sample_row if seq.num_pending else -1)
-            elif any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs):
+                if seq.num_computed_tokens < len(seq.block_table) * bs:
+                    self._add_row(step, seq, 1, table_changed=False)    # inside its last block
+                elif self._make_room(step, group, lambda: kv.allocate_slots(seq, 1)):
+                    self._add_row(step, seq, 1, table_changed=True)
+                else:
+                    continue
+                step.num_seqs += 1
+            elif self._leaves_partial(group.live_seqs):
                 prefilling.append(group)
-            else:
-                self._budget = budget
-                if self._make_room(group, lambda: kv.can_append_slots(group)):
-                    self._schedule_seqs(group)
-                    num_seqs += group.max_num_running_seqs
-                budget = self._budget
-        self._budget = budget
-        self._num_partial = 0
+            elif self._make_room(step, group, lambda: kv.can_append_slots(group)):
+                self._schedule_seqs(step, group)
+                step.num_seqs += group.max_num_running_seqs
         for group in prefilling:
             if group.status is RUNNING:
-                self._schedule_seqs(group)
+                self._schedule_seqs(step, group)
             if group.status is RUNNING:            # not preempted while making room
-                num_seqs += group.max_num_running_seqs
-                self._num_partial += self._is_partial(group)
-        self._num_seqs = num_seqs
+                step.num_seqs += group.max_num_running_seqs
+                step.num_partial += self._leaves_partial(group.live_seqs)
 
-    def _schedule_seqs(self, group: Request) -> None:
+    def _schedule_seqs(self, step: StepState, group: Request) -> None:
         """Give each live sequence of a running group its next tokens: 1 for a decode, a chunk
         of what is left of the budget for a prefill. Preempts others if blocks run out."""
         kv = self.kv
         for seq in group.live_seqs:
             if seq.num_pending and self._finishes_by_length(seq):
                 continue
-            n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, self._budget)
+            n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, step.budget)
             if n <= 0:
                 continue
-            if not self._make_room(group, lambda: kv.allocate_slots(seq, n)):
+            if not self._make_room(step, group, lambda: kv.allocate_slots(seq, n)):
                 return
-            self._add_row(group, seq, n, table_changed=True)
+            self._add_row(step, seq, n, table_changed=True)
 
-    def _add_row(self, group: Request, seq: Sequence, n: int, table_changed: bool) -> None:
-        out = self._out
+    @staticmethod
+    def _add_row(step: StepState, seq: Sequence, n: int, table_changed: bool) -> None:
+        """``n`` more tokens of ``seq`` (their blocks allocated) as the step's next row."""
+        out = step.out
         if seq.is_new:
-            self._step_new.append(seq)
+            step.new_seqs.append(seq)
         elif table_changed:
-            self._step_changed.append(seq)
-        out.num_computed_tokens.append(seq.num_computed_tokens)
-        out.previous_sample_rows.append(seq.pending_sample_row if seq.num_pending else -1)
-        seq.num_computed_tokens += n
-        self._budget -= n
-        done = seq.num_computed_tokens == len(seq.token_ids)
+            step.changed_seqs.append(seq)
+        computed = seq.num_computed_tokens
         out.seq_ids.append(seq.seq_id)
         out.num_scheduled_tokens.append(n)
-        out.num_samples.append(0 if not done else (1 if group.forked or group.beam else group.sampling_params.n))
+        out.num_computed_tokens.append(computed)
+        # With a placeholder, the row's last input is the previous step's sample, still on the device.
+        out.previous_sample_rows.append(seq.pending_sample_row if seq.num_pending else -1)
         out.scheduled_seqs.append(seq)
+        seq.num_computed_tokens = computed = computed + n
+        step.budget -= n
+        if computed < len(seq.token_ids):
+            out.num_samples.append(0)              # mid-prefill: nothing to sample
+        else:
+            group = seq.request                    # the prompt's end forks an unforked group
+            out.num_samples.append(1 if group.forked or group.beam is not None else group.sampling_params.n)
+
+    @staticmethod
+    def _leaves_partial(seqs: list[Sequence], num_new_tokens=itertools.repeat(0)) -> bool:
+        """Part-way through a prefill after ``num_new_tokens`` more tokens each (default: as
+        now): more than a decode's worth of known tokens left."""
+        return any(len(s.token_ids) - s.num_computed_tokens - n > 1 for s, n in zip(seqs, num_new_tokens))
 
     @staticmethod
     def _finishes_by_length(seq: Sequence) -> bool:
@@ -254,65 +268,60 @@ class Scheduler:
                 seq.pending_sample_row = sample_row
             sample_row += k
 
-    @staticmethod
-    def _is_partial(group: Request) -> bool:
-        """Part-way through a prefill: more than a decode's worth of known tokens left."""
-        return any(len(s.token_ids) - s.num_computed_tokens > 1 for s in group.live_seqs)
-
-    def _schedule_in_arrival_order(self, now: float, passed_delay: bool) -> None:
+    def _schedule_in_arrival_order(self, step: StepState, passed_delay: bool) -> None:
         """fcfs and every policy that does not rank: swapped groups in the order they were
         swapped out, then (only once none is left) waiting requests in the queue's order."""
         for group in list(self.swapped):
-            if not self._swap_in(group):
+            if not self._swap_in(step, group):
                 return
         if self.swapped or not passed_delay:
             return
-        while len(self.waiting) and self._budget > 0:
-            if not self._admit_head(now):
+        while len(self.waiting) and step.budget > 0:
+            if not self._admit_head(step):
                 return
 
-    def _schedule_by_rank(self, now: float, passed_delay: bool) -> None:
+    def _schedule_by_rank(self, step: StepState, passed_delay: bool) -> None:
         """priority: swapped groups and waiting requests in one (priority, arrival) order, so a
         group preempted for a better request cannot come back before that request runs. Stops
         at the first that cannot go now: nothing overtakes a better one."""
-        swapped = sorted(self.swapped, key=_rank)
+        rank = self.policy.rank
+        swapped = sorted(self.swapped, key=rank)
         i = 0
-        while not self._preempted:
+        while not step.preempted:
             head = self.waiting.peek() if len(self.waiting) else None
-            if i < len(swapped) and (head is None or _rank(swapped[i]) <= _rank(head)):
-                if not self._swap_in(swapped[i]):
+            if i < len(swapped) and (head is None or rank(swapped[i]) <= rank(head)):
+                if not self._swap_in(step, swapped[i]):
                     return
                 i += 1
-            elif head is None or not passed_delay or self._budget <= 0 or not self._admit_head(now):
+            elif head is None or not passed_delay or step.budget <= 0 or not self._admit_head(step):
                 return
 
-    def _swap_in(self, group: Request) -> bool:
+    def _swap_in(self, step: StepState, group: Request) -> bool:
         """Swap a group in and schedule it; False if it cannot come back now."""
-        cfg, kv = self.config, self.kv
-        if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+        cfg, kv, seqs = self.config, self.kv, group.live_seqs
+        if step.num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
             return False
-        if self._budget < len(group.live_seqs):
+        if step.budget < len(seqs):
             return False                           # every live sequence needs a token
-        chunks = self._plan_chunks(group.live_seqs, [0] * len(group.live_seqs))
-        partial = any(len(s.token_ids) - s.num_computed_tokens - n > 1
-                      for s, n in zip(group.live_seqs, chunks))
-        if partial and self._num_partial >= cfg.max_num_partial_prefills:
+        chunks = self._plan_chunks(step, seqs, [0] * len(seqs))
+        partial = self._leaves_partial(seqs, chunks)
+        if partial and step.num_partial >= cfg.max_num_partial_prefills:
             return False
         if not kv.can_swap_in(group, chunks, use_watermark=bool(self.running)):
             if self.running or kv.can_swap_in(group, chunks, use_watermark=False):
                 return False
             self._finish_unschedulable(group, self._outgrown_reason())
             return True                            # it alone would not fit the empty pool
-        self._out.blocks_to_swap_in.extend(kv.swap_in(group))
+        step.out.blocks_to_swap_in.extend(kv.swap_in(group))
         self.swapped.remove(group)
         self._set_status(group, RUNNING)
         self.running.append(group)
-        self._schedule_seqs(group)
-        self._num_seqs += group.max_num_running_seqs
-        self._num_partial += self._is_partial(group)
+        self._schedule_seqs(step, group)
+        step.num_seqs += group.max_num_running_seqs
+        step.num_partial += self._leaves_partial(group.live_seqs)
         return True
 
-    def _admit_head(self, now: float) -> bool:
+    def _admit_head(self, step: StepState) -> bool:
         """Admit the head of the waiting queue; False if it cannot start now."""
         cfg, kv = self.config, self.kv
         group = self.waiting.peek()
@@ -320,17 +329,16 @@ class Scheduler:
             self.waiting.pop()                     # grew past what can ever be scheduled
             self._finish_unschedulable(group, reason)
             return True
-        if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+        if step.num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
             return False
         seqs = group.live_seqs
         hits = [kv.get_computed_blocks(s) for s in seqs]
         hit_tokens = [len(h.blocks) * self.block_size for h in hits]
-        chunks = self._plan_chunks(seqs, hit_tokens)
+        chunks = self._plan_chunks(step, seqs, hit_tokens)
         if not chunks[0]:
             return False                           # without chunking: the prompt must fit whole
-        left = [s.num_tokens - s.num_computed_tokens - h - n for s, h, n in zip(seqs, hit_tokens, chunks)]
-        partial = any(x > 1 for x in left)
-        if partial and self._num_partial >= cfg.max_num_partial_prefills:
+        partial = self._leaves_partial(seqs, [h + n for h, n in zip(hit_tokens, chunks)])
+        if partial and step.num_partial >= cfg.max_num_partial_prefills:
             return False
         status = kv.can_allocate(group, list(zip(seqs, hits, chunks)), use_watermark=bool(self.running))
         if status is AllocStatus.LATER:
@@ -340,12 +348,12 @@ class Scheduler:
             self._finish_unschedulable(group, f"needs {kv.num_blocks_to_hold(group)} KV blocks, the pool "
                                               f"has {kv.num_usable_blocks}")
             return True
-        self._admit(group, seqs, hits, chunks, now)
-        self._num_partial += partial
+        self._admit(step, group, hits, chunks)
+        step.num_partial += partial
         return True
 
-    def _plan_chunks(self, seqs: list[Sequence], hit_tokens: list[int]) -> list[int]:
-        budget, chunks = self._budget, []
+    def _plan_chunks(self, step: StepState, seqs: list[Sequence], hit_tokens: list[int]) -> list[int]:
+        budget, chunks = step.budget, []
         for seq, hit in zip(seqs, hit_tokens):
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens - hit, budget)
             chunks.append(n)
@@ -358,24 +366,23 @@ class Scheduler:
         n = min(remaining, budget, self._max_prefill_chunk)
         return n if n == remaining or self.config.enable_chunked_prefill else 0
 
-    def _admit(self, group: Request, seqs: list[Sequence], hits: list[ComputedBlocks],
-               chunks: list[int], now: float) -> None:
-        kv = self.kv
+    def _admit(self, step: StepState, group: Request, hits: list[ComputedBlocks], chunks: list[int]) -> None:
+        kv, seqs = self.kv, group.live_seqs
         for seq, hit in zip(seqs, hits):       # every hit first: no allocation may evict one
-            num_hit_tokens = len(hit.blocks) * self.block_size
+            num_hit_tokens = kv.take_hit(seq, hit)
             kv.record_prefix_query(seq, num_hit_tokens)
-            kv.take_hit(seq, hit)
-            self._out.num_prefix_hit_tokens += num_hit_tokens
+            seq.num_computed_tokens += num_hit_tokens
+            step.out.num_prefix_hit_tokens += num_hit_tokens
         for seq, n in zip(seqs, chunks):
             allocated = kv.allocate_slots(seq, n)
             assert allocated, "can_allocate said OK"
             if n:
-                self._add_row(group, seq, n, table_changed=True)
+                self._add_row(step, seq, n, table_changed=True)
         self._set_status(group, RUNNING)
         self.running.append(group)
         if group.times.first_scheduled is None:
-            group.times.first_scheduled = now
-        self._num_seqs += group.max_num_running_seqs
+            group.times.first_scheduled = step.now
+        step.num_seqs += group.max_num_running_seqs
         self._prev_prompt = True
 
     def _passed_delay(self, now: float) -> bool:
@@ -390,18 +397,18 @@ class Scheduler:
         return now - earliest > self.config.delay_factor * self._last_prompt_latency or not self.running
 
     # ------------------------------------------------------------------ preemption
-    def _make_room(self, group: Request, fits: Callable[[], bool]) -> bool:
-        """Preempt victims until ``fits()`` holds. False if ``group`` itself had to go (it is
-        then preempted, or ends by length when it alone holds the whole pool)."""
+    def _make_room(self, step: StepState, group: Request, fits: Callable[[], bool]) -> bool:
+        """Preempt the policy's victims until ``fits()`` holds. False if ``group`` itself had to
+        go (it is then preempted, or ends by length when it alone holds the whole pool)."""
         while not fits():
-            victim = self._pick_victim()
+            victim = self.policy.victim(self.running)
             if victim is group:
                 if len(self.running) == 1:
                     self._end_outgrown(group)
                 else:
-                    self._preempt(group)
+                    self._preempt(step, group)
                 return False
-            self._preempt(victim)
+            self._preempt(step, victim)
         return True
 
     def _end_outgrown(self, group: Request) -> None:
@@ -425,30 +432,19 @@ class Scheduler:
         status = RequestStatus.FINISHED_LENGTH if generated else RequestStatus.FINISHED_IGNORED
         self._finish_request(group, status, reason)
 
-    def _pick_victim(self) -> Request:
-        """Not ranking: the last admitted; ranking (priority): the lowest priority (largest
-        value), then the latest arrival, then the last admitted. A strict total order: the best
-        running group is never a victim, so it always progresses (equal groups cannot keep
-        preempting each other)."""
-        running = self.running
-        if self.policy.ranks:
-            i = max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time, i))
-            return running[i]
-        return running[-1]
-
-    def _preempt_for_priority(self) -> None:
+    def _preempt_for_priority(self, step: StepState) -> None:
         """Preempt strictly lower-priority running groups while the best waiting one cannot fit."""
         head, cfg, kv = self.waiting.peek(), self.config, self.kv
         chunk_blocks = cdiv(min(head.num_tokens, cfg.max_num_batched_tokens), self.block_size)
         while self.running:
-            victim = self._pick_victim()
+            victim = self.policy.victim(self.running)
             if victim.priority <= head.priority:
                 return
             seqs_fit = self.num_running_seqs + head.max_num_running_seqs <= cfg.max_num_seqs
             blocks_fit = kv.num_free_blocks - chunk_blocks >= kv.watermark_blocks
             if seqs_fit and blocks_fit:
                 return
-            self._preempt(victim)
+            self._preempt(step, victim)
 
     def _preemption_mode(self, group: Request) -> str:
         mode = self.config.preemption_mode
@@ -456,56 +452,48 @@ class Scheduler:
             mode = "swap" if group.max_num_running_seqs > 1 else "recompute"
         return mode
 
-    def _preempt(self, group: Request) -> None:
+    def _preempt(self, step: StepState, group: Request) -> None:
         """Recompute: free the blocks, back to the front of waiting, outputs kept. Swap: move the
         blocks to the host pool (falls back to recompute when the host pool is full, counted in
         ``num_swap_fallbacks``; with no host pool at all swapping is off, nothing to count)."""
+        out, kv = step.out, self.kv
         self.running.remove(group)
-        self._unschedule(group)
-        redirect = self._drop_pending_copies(group)
+        self._unschedule(step, group)
+        redirect = kv.cancel_copies_into(group)    # a swap-out reads a cancelled copy's source
         live = group.live_seqs
         swap = self._preemption_mode(group) == "swap"
-        if swap and self.kv.can_swap_out(group):
-            mapping = self.kv.swap_out(group)
-            self._out.blocks_to_swap_out.extend((redirect.get(d, d), h) for d, h in mapping)
+        if swap and kv.can_swap_out(group):
+            out.blocks_to_swap_out.extend((redirect.get(d, d), h) for d, h in kv.swap_out(group))
             self._set_status(group, RequestStatus.SWAPPED)
             self.swapped.append(group)
         else:
-            if swap and self.kv.host_pool.num_blocks:
-                self._out.num_swap_fallbacks += 1  # the host pool is full: recompute instead
+            if swap and kv.can_swap:
+                out.num_swap_fallbacks += 1        # the host pool is full: recompute instead
             for seq in live:
-                self.kv.free(seq)
+                kv.free(seq)
                 seq.num_computed_tokens = 0
             self._set_status(group, RequestStatus.PREEMPTED)
             self.waiting.push_front(group)
         for seq in live:
             seq.is_new = True
-        self._out.preempted_seq_ids.extend(s.seq_id for s in live)
-        self._out.num_preemptions += 1
+        out.preempted_seq_ids.extend(s.seq_id for s in live)
+        out.num_preemptions += 1
         group.num_preemptions += 1
-        self._preempted = True
+        step.preempted = True
 
-    def _unschedule(self, group: Request) -> None:
+    def _unschedule(self, step: StepState, group: Request) -> None:
         """Take back the rows a group already got in this step (a victim chosen late)."""
-        out = self._out
+        out = step.out
         keep = [i for i, s in enumerate(out.scheduled_seqs) if s.request is not group]
         if len(keep) == len(out.scheduled_seqs):
             return
         for i, seq in enumerate(out.scheduled_seqs):
             if seq.request is group:
                 seq.num_computed_tokens -= out.num_scheduled_tokens[i]
-                self._budget += out.num_scheduled_tokens[i]
+                step.budget += out.num_scheduled_tokens[i]
         for values in (out.seq_ids, out.num_scheduled_tokens, out.num_samples, out.scheduled_seqs,
                        out.num_computed_tokens, out.previous_sample_rows):
-            values[:] = [values[i] for i in keep]   # in place: the running loop holds these lists
-
-    def _drop_pending_copies(self, group: Request) -> dict[int, int]:
-        """Copy-on-write copies into a victim's blocks are void; a swap-out reads their source."""
-        blocks = {b for s in group.live_seqs for b in s.block_table}
-        redirect = {d: s for s, d in self.kv.pending_copies if d in blocks}
-        if redirect:
-            self.kv.pending_copies = [(s, d) for s, d in self.kv.pending_copies if d not in redirect]
-        return redirect
+            values[:] = [values[i] for i in keep]   # in place: a caller may hold these lists
 
     # ------------------------------------------------------------------ finishing
     @staticmethod
@@ -518,8 +506,8 @@ class Scheduler:
     def _finish_request(self, group: Request, status: RequestStatus, reason: str | None) -> None:
         if group.status is RUNNING:
             self.running.remove(group)
-            if self._out is not None:
-                self._unschedule(group)
+            if self._step is not None:
+                self._unschedule(self._step, group)
         elif group.status is RequestStatus.SWAPPED:
             self.swapped.remove(group)
         elif group in self.waiting:
@@ -530,15 +518,14 @@ class Scheduler:
         for seq in group.live_seqs:
             self._free_seq(seq, status)
         if group.beam is not None and group.beam.finished:
-            group.seqs = self._hypothesis_seqs(group)
+            group.seqs = beam_search.hypothesis_seqs(group)
         self._mark_finished(group, status, reason)
         self._finished.append(group)
 
     def _free_seq(self, seq: Sequence, status: RequestStatus) -> None:
         seq.drop_pending()
         if seq.status is RequestStatus.SWAPPED:
-            self.kv.host_pool.free(reversed(seq.block_table))
-            seq.block_table = []
+            self.kv.free_swapped(seq)
         else:
             self.kv.free(seq)
         seq.status = status
@@ -552,23 +539,29 @@ class Scheduler:
         group.times.finished = self.clock()
         del self.requests[group.request_id]
 
-    def _finalize(self, out: SchedulerOutput) -> None:
+    def resend_finished(self, seq_ids) -> None:
+        """Tell the runner again, in the next step, to forget these sequences (steps that told
+        it first were abandoned before it saw them)."""
+        self._finished_seq_ids.extend(seq_ids)
+
+    def _finalize(self, step: StepState) -> SchedulerOutput:
+        out = step.out
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens)
         out.num_decode_tokens = out.num_scheduled_tokens.count(1)
         out.num_prefill_tokens = out.total_num_scheduled_tokens - out.num_decode_tokens
-        for seq in self._step_new:
+        for seq in step.new_seqs:
             if seq.status is RUNNING and seq.is_new:
                 seq.is_new = False
                 req = seq.request
                 out.new_seqs.append(NewSequenceData(
                     seq.seq_id, req.request_id, list(seq.token_ids), list(seq.block_table),
                     req.sampling_params, seq.sample_index, req.seed, seq.num_prompt_tokens))
-        for seq in self._step_changed:
+        for seq in step.changed_seqs:
             if seq.status is RUNNING and not seq.is_new:
                 out.block_tables[seq.seq_id] = list(seq.block_table)
-        out.blocks_to_copy, self.kv.pending_copies = self.kv.pending_copies, []
+        out.blocks_to_copy = self.kv.take_pending_copies()
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
-        self._out = None
+        return out
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -576,6 +569,7 @@ class Scheduler:
         requests that finished since the last call (including aborted and ignored ones)."""
         kv, bs, caching = self.kv, self.block_size, self.kv.enable_caching
         now = self.clock()
+        searching = self._num_beam_searches > 0
         any_finished = False
         if result.logprobs is not None:
             self._record_logprobs(out, result.logprobs)
@@ -583,22 +577,27 @@ class Scheduler:
             for seq, row in zip(out.scheduled_seqs, result.prompt_logprobs):
                 for position, entry in row or ():
                     seq.request.prompt_logprobs[position] = entry     # by position: recompute-safe
-        sampled, beams = result.sampled_token_ids, ()
-        if self._num_beam_searches:                        # the search picks a beam's tokens (below)
-            sampled, beams = self._take_beam_candidates(out, result)
-        for seq, tokens in zip(out.scheduled_seqs, sampled):
-            if seq.status is not RUNNING:
-                if tokens and seq.num_pending and not seq.is_finished:
-                    self._fill_preempted(seq, tokens[0])   # preempted while its step ran: keep the token
-                continue                                   # (finished ones: aborted while it ran)
-            # Cheap pre-filter (most steps fill no block); cache_full_blocks checks the known tokens.
-            if caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
-                kv.cache_full_blocks(seq)
-            if not tokens:
-                continue                                   # mid-prefill: nothing sampled
+        for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids):
+            if seq.status is RUNNING:
+                # Cheap pre-filter (most steps fill no block); cache_full_blocks checks the known tokens.
+                if caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                    kv.cache_full_blocks(seq)
+                if not tokens:
+                    continue                               # mid-prefill: nothing sampled
+            elif tokens and searching and seq.request.beam is not None:
+                if seq.status is RequestStatus.SWAPPED:    # swapped out while its step ran: it runs
+                    seq.num_computed_tokens -= 1           # that token again once back (same KV)
+                continue
+            elif not (tokens and seq.num_pending and not seq.is_finished):
+                continue                                   # finished ones: aborted while it ran
             request = seq.request
             if request.times.first_token is None:
                 request.times.first_token = now
+            if seq.status is not RUNNING:
+                self._fill_preempted(seq, tokens[0])       # keep the token it got
+                continue
+            if searching and request.beam is not None:
+                continue                                   # the search picks its tokens (below)
             if len(tokens) > 1:
                 self._fork(request, seq, tokens)
                 any_finished |= request.is_finished
@@ -618,9 +617,9 @@ class Scheduler:
                     self._finish_seq(request, seq, status)
                     any_finished |= request.is_finished
         if self.num_structured:
-            any_finished |= self._advance_grammars(out, sampled)
-        for group in beams:
-            if group.status is RUNNING and all(s.seq_id in group.beam.candidates for s in group.live_seqs):
+            any_finished |= self._end_by_grammar(StructuredOutputManager.advance(out, result.sampled_token_ids))
+        if searching:
+            for group in beam_search.take_candidates(out, result):
                 self._beam_step(group)
                 any_finished |= group.is_finished
         if any_finished:
@@ -629,115 +628,43 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------------ structured output
-    def _advance_grammars(self, out: SchedulerOutput, sampled: list) -> bool:
-        """Each sequence with a grammar takes in the token it got (after the stop checks: a token
-        that stopped it is not fed). The grammar complete, the sequence stops; a token the
-        grammar refuses (it cannot happen through the mask) ends it with an error. At a fork the
-        siblings start from copies of the leader's matcher. Returns whether a group finished."""
+    def _end_by_grammar(self, ended: list[tuple[Sequence, RequestStatus, str | None]]) -> bool:
+        """Finish the sequences their grammar ended (``StructuredOutputManager.advance``);
+        returns whether a group finished."""
         finished = False
-        for seq, tokens in zip(out.scheduled_seqs, sampled):
-            if not tokens or seq.grammar is None or seq.status is not RUNNING:
-                continue
+        for seq, status, reason in ended:
             group = seq.request
-            if len(tokens) > 1:                         # a fork: the siblings are new
-                for sibling in group.seqs:
-                    if sibling.grammar is None:
-                        sibling.grammar = seq.grammar.copy()
-                pairs = [(s, s.token_ids[-1]) for s in group.seqs]
-            else:
-                pairs = [(seq, tokens[0])]
-            for s, token in pairs:
-                if s.is_finished:
-                    continue
-                if not s.grammar.accept(token):
-                    group.status_reason = f"structured output: token {token} is not allowed here"
-                    self._finish_seq(group, s, RequestStatus.FINISHED_ERROR)
-                elif s.grammar.is_done:
-                    self._finish_seq(group, s, RequestStatus.FINISHED_STOPPED)
-                finished |= group.is_finished
+            if reason is not None:
+                group.status_reason = reason
+            self._finish_seq(group, seq, status)
+            finished |= group.is_finished
         return finished
 
     # ------------------------------------------------------------------ beam search
-    def _take_beam_candidates(self, out: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list, list[Request]]:
-        """Each beam row that sampled leaves its candidates with its group's search; returns the
-        sampled tokens with the beam rows' taken out, and the groups that got candidates. A beam
-        swapped out while its step ran (async scheduling) steps back one token instead, so it
-        runs that token again once back (its KV is rewritten the same)."""
-        sampled, groups = list(result.sampled_token_ids), {}
-        logprobs = result.logprobs or [None] * len(sampled)
-        for i, (seq, row) in enumerate(zip(out.scheduled_seqs, logprobs)):
-            group = seq.request
-            if group.beam is None or not sampled[i]:
-                continue
-            sampled[i] = []
-            if seq.status is RequestStatus.SWAPPED:
-                seq.num_computed_tokens -= 1
-            elif seq.status is RUNNING:
-                group.beam.candidates[seq.seq_id] = list(row[0][1].items())
-                groups[group.request_id] = group
-        return sampled, list(groups.values())
-
     def _beam_step(self, group: Request) -> None:
-        """One step of the group's search, applied to its sequences: a beam continued once
-        extends in place, one continued several ways forks (its blocks shared, the partial last
-        one copied on write), one not continued is freed. When the search ends the group
+        """One step of the group's search (``core/beam_search.py`` decides and extends the
+        beams); the beams it drops give their blocks back. When the search ends the group
         finishes with its hypotheses as its sequences."""
-        search, beams = group.beam, group.live_seqs
-        if group.times.first_token is None:
-            group.times.first_token = self.clock()
-        step = search.step([(s.output_token_ids, s.logprobs, s.cumulative_logprob) for s in beams],
-                           [search.candidates.pop(s.seq_id) for s in beams])
         group.forked = True
+        step = beam_search.decide(group)
         if step.done:
             self._finish_beam_search(group)
             return
-        parents_taken: set[int] = set()
-        next_beams = []
-        for c in step.continuations:            # forks first: a child copies its parent as it is
-            parent = beams[c.beam]
-            if c.beam in parents_taken:
-                child = Sequence(group, list(parent.token_ids), len(group.seqs) + len(next_beams))
-                self.kv.fork(parent, child)
-                child.status, child.logprobs = RUNNING, list(parent.logprobs)
-                child.grammar = parent.grammar.copy() if parent.grammar is not None else None
-                next_beams.append((child, c))
-            else:
-                parents_taken.add(c.beam)
-                next_beams.append((parent, c))
-        for b, seq in enumerate(beams):
-            if b not in parents_taken:         # not continued: its blocks go back
-                self.kv.free(seq)
-                seq.status = RequestStatus.FINISHED_ABORTED
-                self._finished_seq_ids.append(seq.seq_id)
-        for seq, c in next_beams:
-            if seq.grammar is not None:
-                seq.grammar.accept(c.token)    # the candidates came through its mask
-            seq.token_ids.append(c.token)
-            seq.logprobs.append((c.logprob, c.top))
-            seq.cumulative_logprob = c.cumulative_logprob
-            seq.is_new = True                  # the runner learns the chosen token with the sequence
-        group.seqs = [seq for seq, _ in next_beams]
+        for seq in beam_search.apply_step(group, step, self._fork_seq):
+            self.kv.free(seq)
+            seq.status = RequestStatus.FINISHED_ABORTED
+            self._finished_seq_ids.append(seq.seq_id)
 
     def _finish_beam_search(self, group: Request) -> None:
         for seq in group.live_seqs:
             self._free_seq(seq, RequestStatus.FINISHED_ABORTED)
-        group.seqs = self._hypothesis_seqs(group)
+        group.seqs = beam_search.hypothesis_seqs(group)
         status = group.seqs[0].status if group.seqs else RequestStatus.FINISHED_LENGTH
         self.running.remove(group)
         self._mark_finished(group, status, None)
         self._finished.append(group)
 
-    @staticmethod
-    def _hypothesis_seqs(group: Request) -> list[Sequence]:
-        """The search's hypotheses as the group's (finished, blockless) sequences, best first."""
-        seqs = []
-        for rank, h in enumerate(group.beam.finished):
-            seq = Sequence(group, [*group.prompt_token_ids, *h.token_ids], rank)
-            seq.status, seq.stop_reason = h.status, h.stop_reason
-            seq.logprobs, seq.cumulative_logprob = h.logprobs, h.cumulative_logprob
-            seqs.append(seq)
-        return seqs
-
+    # ------------------------------------------------------------------ tokens
     def _fill_preempted(self, seq: Sequence, token: int) -> None:
         """Async scheduling: a sequence swapped out or sent back to waiting by the step scheduled
         ahead still gets the token its previous step sampled (discarding it could livelock: a
@@ -745,8 +672,6 @@ class Scheduler:
         seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
         seq.num_pending -= 1
         request = seq.request
-        if request.times.first_token is None:
-            request.times.first_token = self.clock()
         status = check_stop(request, seq, token)
         if status is None:
             return
@@ -763,14 +688,18 @@ class Scheduler:
                 seq.logprobs.append(row[0])
                 seq.request.fork_logprobs = row[1:]
 
+    def _fork_seq(self, parent: Sequence, sample_index: int) -> Sequence:
+        """A new running sequence with the parent's tokens and progress, sharing its blocks."""
+        child = Sequence(parent.request, list(parent.token_ids), sample_index)
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RUNNING
+        return child
+
     def _fork(self, request: Request, leader: Sequence, tokens: list[int]) -> None:
         """The prompt is computed: the group becomes n sequences sharing the leader's blocks."""
         request.forked = True
-        for i in range(1, len(tokens)):
-            seq = Sequence(request, list(leader.token_ids), i)
-            self.kv.fork(leader, seq)
-            seq.status = RUNNING
-            request.seqs.append(seq)
+        request.seqs.extend(self._fork_seq(leader, i) for i in range(1, len(tokens)))
         for seq, lp in zip(request.seqs[1:], request.fork_logprobs):
             seq.logprobs = list(leader.logprobs[:-1]) + [lp]
         for seq, token in zip(request.seqs, tokens):

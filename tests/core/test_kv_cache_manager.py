@@ -17,8 +17,9 @@ def seq_of(tokens, salt=None, n=1):
 
 def compute(kv, seq, num_tokens):
     """Allocate and mark ``num_tokens`` as computed, as a step would, then cache full blocks."""
-    assert kv.allocate_slots(seq, num_tokens, kv.get_computed_blocks(seq))
-    seq.num_computed_tokens += num_tokens
+    hit = kv.get_computed_blocks(seq)
+    assert kv.allocate_slots(seq, num_tokens, hit)
+    seq.num_computed_tokens += len(hit.blocks) * kv.block_size + num_tokens     # the scheduler's count
     kv.cache_full_blocks(seq)
 
 

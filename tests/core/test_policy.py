@@ -4,11 +4,12 @@ Block size 4 (tests.helpers.SMALL); {request: tokens} per step."""
 import pytest
 
 from jaxengine import SchedulingPolicy
-from jaxengine.config import SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from jaxengine.config import CacheConfig, SchedulerConfig
 from jaxengine.core.kv_cache_manager import KVCacheManager
 from jaxengine.core.policy import (POLICIES, KeyedQueue, LongestCachedPrefixFirst, ShortestPromptFirst,
                                    resolve_policy)
 from jaxengine.core.request_queue import FCFSQueue, PriorityQueue
+from jaxengine.core.scheduler import Scheduler
 from jaxengine.request import Request, RequestStatus
 from jaxengine.sampling_params import SamplingParams
 
@@ -53,7 +54,7 @@ def add_scripted_queue(h: Harness) -> None:
 
 
 def test_the_built_ins_are_registered_by_name():
-    assert list(POLICIES) == BUILT_INS and SCHEDULING_POLICIES == tuple(BUILT_INS)
+    assert list(POLICIES) == BUILT_INS
     assert [resolve_policy(name).name for name in BUILT_INS] == BUILT_INS
     assert [resolve_policy(name).ranks for name in BUILT_INS] == [False, True, False, False]
     assert [resolve_policy(name).dynamic for name in BUILT_INS] == [False, False, False, True]
@@ -279,9 +280,11 @@ def test_a_bad_spec_is_a_value_error_naming_the_field(spec, message, user_module
     with pytest.raises(ValueError, match=f"^scheduling_policy: {message}"):
         resolve_policy(spec)
     with pytest.raises(ValueError, match=f"^policy: {message}"):
-        SchedulerConfig(policy=spec)
+        Scheduler(SchedulerConfig(policy=spec), CacheConfig())      # the config only carries the spec
 
 
-def test_a_valid_spec_passes_config_validation_unchanged():
+def test_a_valid_spec_is_carried_unchanged_and_made_by_the_scheduler():
     for spec in [*BUILT_INS, LatestFirst, LatestFirst(), "tests.core.test_policy:LatestFirst"]:
-        assert SchedulerConfig(policy=spec).policy is spec
+        config = SchedulerConfig(policy=spec)
+        assert config.policy is spec
+        assert isinstance(Scheduler(config, CacheConfig()).policy, SchedulingPolicy)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxengine.config import SCHEDULING_POLICIES
 from jaxengine.core.kv_cache_manager import cdiv
+from jaxengine.core.policy import POLICIES
 from jaxengine.request import Request, RequestStatus
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -90,7 +90,7 @@ def configs(draw, workload: list[Spec]):
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 1, 3, 8])),
         max_num_partial_prefills=draw(st.integers(1, 3)),
-        policy=draw(st.sampled_from(SCHEDULING_POLICIES)),     # every built-in
+        policy=draw(st.sampled_from(list(POLICIES))),     # every built-in
         preemption_mode=draw(st.sampled_from(["auto", "recompute", "swap"])),
         async_scheduling=draw(st.booleans()),
     )
