@@ -169,7 +169,7 @@ class EngineArgs:
         the dtype ``auto`` resolves to with no checkpoint to read) unless ``num_kv_blocks`` fixes it.
         Under tensor parallelism a block costs each device its share of the KV heads, and the
         budget is what the tightest of ``devices`` (default: the first device) has free."""
-        from jaxengine.parallel.mesh import kv_heads_per_device
+        from jaxengine.models.mesh import kv_heads_per_device
         from jaxengine.runner.kv_cache import bytes_per_block, num_blocks_for_budget
 
         mc = model_config

@@ -16,12 +16,12 @@ from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.mesh import (check_replica_devices, kv_head_repeats, kv_heads_per_device, make_mesh,
+                                   replica_devices)
+from jaxengine.output_processor import OutputProcessor, beam_stop_check
 from jaxengine.outputs import BeamSearchOutput, RequestOutput, make_beam_search_output, make_request_output
 from jaxengine.parallel import multihost
 from jaxengine.parallel.data_parallel import DataParallelEngine
-from jaxengine.parallel.mesh import (check_replica_devices, kv_head_repeats, kv_heads_per_device, make_mesh,
-                                     replica_devices)
-from jaxengine.output_processor import OutputProcessor, beam_stop_check
 from jaxengine.request import Request
 from jaxengine.runner.kernel_check import check_model_kernels
 from jaxengine.runner.kv_cache import bytes_per_block

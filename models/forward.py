@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.kernels.paged_attention import AttentionMetadata
+from jaxengine.models.mesh import kv_cache_sharding, replicated
 
 
 def _logits(model, hidden: jax.Array, logits_indices: jax.Array) -> jax.Array:
@@ -38,6 +39,4 @@ def make_forward(model: nnx.Module, head: Callable = _logits, mesh=None) -> tupl
 
     if mesh is None:
         return state, jax.jit(forward, donate_argnums=(1,))
-    from jaxengine.parallel.mesh import kv_cache_sharding, replicated
-
     return state, jax.jit(forward, donate_argnums=(1,), out_shardings=(kv_cache_sharding(mesh), replicated(mesh)))

@@ -132,3 +132,14 @@ class DecoderLayer(nnx.Module):
         attn, cache = self.self_attn(self.input_layernorm(x), cache, md, inv_freq)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+def attention_modules(model: nnx.Module) -> list[Attention]:
+    """Every attention layer of ``model``: where its attention kernel and KV write are chosen."""
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)]
+
+
+def kernel_name(fn: Callable) -> str:
+    """The name of an attention kernel or KV write, for logs and for comparing processes' choices."""
+    fn = getattr(fn, "func", fn)                       # a functools.partial
+    return getattr(fn, "__name__", type(fn).__name__)

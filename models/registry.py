@@ -1,6 +1,9 @@
-"""Hugging Face ``architectures`` name -> model class."""
+"""Hugging Face ``architectures`` name -> model class, and that model built with nothing allocated."""
 from __future__ import annotations
 
+from flax import nnx
+
+from jaxengine.models.config import ModelConfig
 from jaxengine.models.llama import LlamaForCausalLM
 
 ARCHITECTURES = {
@@ -17,3 +20,9 @@ def get_model_class(architecture: str) -> type:
     except KeyError:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}") from None
+
+
+def abstract_model(cfg: ModelConfig, dtype, model_kwargs: dict) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of the model for ``cfg`` with nothing allocated."""
+    model_cls = get_model_class(cfg.architecture)
+    return nnx.split(nnx.eval_shape(lambda: model_cls(cfg, dtype, rngs=nnx.Rngs(0), **model_kwargs)))

@@ -34,7 +34,7 @@ from jaxengine.engine import Engine  # noqa: E402
 from jaxengine.kernels.paged_attention.backend import select_attention  # noqa: E402
 from jaxengine.models.config import ModelConfig  # noqa: E402
 from jaxengine.models.llama import LlamaForCausalLM  # noqa: E402
-from jaxengine.parallel.mesh import make_mesh  # noqa: E402
+from jaxengine.models.mesh import make_mesh  # noqa: E402
 from jaxengine.runner.model_runner import ModelRunner  # noqa: E402
 
 SIZES = {   # (config, dtype, batch, prompt, output)

@@ -1,1 +1,2 @@
-"""Scale-out: tensor parallelism over a device mesh, data-parallel replicas, several hosts."""
+"""Scale-out: data-parallel replicas and several hosts. Tensor parallelism is layout, so its
+device mesh lives with the model (``jaxengine.models.mesh``)."""

@@ -182,9 +182,9 @@ def check_same_kernels(model) -> None:
 
     from jax.experimental import multihost_utils
 
-    from jaxengine.runner.kernel_check import _name, attention_modules
+    from jaxengine.models.layers import attention_modules, kernel_name
 
-    names = ",".join(f"{_name(a.attention_fn)}/{_name(a.kv_write_fn)}" for a in attention_modules(model))
+    names = ",".join(f"{kernel_name(a.attention_fn)}/{kernel_name(a.kv_write_fn)}" for a in attention_modules(model))
     digest = np.array([zlib.crc32(names.encode())], np.uint32)
     everyone = multihost_utils.process_allgather(digest)
     if len(set(everyone.ravel().tolist())) > 1:

@@ -9,7 +9,7 @@ import os
 
 import jax
 
-from jaxengine.models.weights import cache_dir
+from jaxengine.models.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention, paged_attention_tiled, write_kv
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.layers import attention_modules, kernel_name
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +50,14 @@ def check_model_kernels(model, model_config: ModelConfig, block_size: int, dtype
                                                       model_config, block_size, dtype)
         if not attention_problem and not kv_problem:
             logger.info("attention kernel %s and KV write %s match the plain-jnp path",
-                        _name(attention.attention_fn), _name(attention.kv_write_fn))
+                        kernel_name(attention.attention_fn), kernel_name(attention.kv_write_fn))
         if attention_problem:
             logger.warning("attention kernel %s %s; using the plain-jnp path instead",
-                           _name(attention.attention_fn), attention_problem)
+                           kernel_name(attention.attention_fn), attention_problem)
             attention.attention_fn = paged_attention_tiled
         if kv_problem:
-            logger.warning("KV write %s %s; using the XLA scatter instead", _name(attention.kv_write_fn), kv_problem)
+            logger.warning("KV write %s %s; using the XLA scatter instead", kernel_name(attention.kv_write_fn),
+                           kv_problem)
             attention.kv_write_fn = write_kv
 
 
@@ -135,16 +137,3 @@ def attention_error(got, want, dtype) -> tuple[float, float]:
 
 def _on_accelerator() -> bool:
     return jax.devices()[0].platform != "cpu"
-
-
-def attention_modules(model) -> list:
-    from flax import nnx
-
-    from jaxengine.models.layers import Attention
-
-    return [node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)]
-
-
-def _name(fn: Callable) -> str:
-    fn = getattr(fn, "func", fn)                       # a functools.partial
-    return getattr(fn, "__name__", type(fn).__name__)

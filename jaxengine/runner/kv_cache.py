@@ -83,7 +83,7 @@ class BlockMover:
     def _compile(self, kv_caches, size: int) -> tuple:
         replicated = kv = None
         if self.mesh is not None:
-            from jaxengine.parallel.mesh import kv_cache_sharding, replicated as replicated_on
+            from jaxengine.models.mesh import kv_cache_sharding, replicated as replicated_on
 
             replicated, kv = replicated_on(self.mesh), kv_cache_sharding(self.mesh)
         idx = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)

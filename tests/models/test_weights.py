@@ -10,9 +10,10 @@ from gguf import GGMLQuantizationType as Q
 from flax import nnx
 from gguf import quants
 
+from jaxengine.models.gguf import load_gguf, read_gguf, unpermute_rope_rows
 from jaxengine.models.registry import get_model_class
-from jaxengine.models.weights import (build_model, converted_cache_path, load_gguf, load_model, read_gguf,
-                                      read_safetensors_folder, unpermute_rope_rows)
+from jaxengine.models.weight_cache import converted_cache_path
+from jaxengine.models.weights import build_model, load_model, read_safetensors_folder
 
 from tests.conftest import make_checkpoint
 from tests.models.test_llama_vs_transformers import PROMPTS, oracle_logits, run_chunks
@@ -151,7 +152,7 @@ def test_converted_weights_cache_skips_dequantisation_on_the_second_load(tmp_pat
     model1, hit1 = load_gguf(tmp_path / "tiny.gguf")
     cached = converted_cache_path(tmp_path / "tiny.gguf")
     assert (cached / "config.json").exists() and (cached / "params").is_dir()
-    monkeypatch.setattr("jaxengine.models.weights.read_gguf", lambda path: pytest.fail("dequantised again"))
+    monkeypatch.setattr("jaxengine.models.gguf.read_gguf", lambda path: pytest.fail("dequantised again"))
     model2, hit2 = load_gguf(tmp_path / "tiny.gguf")
     assert (hit1, hit2) == (False, True) and model1.config == model2.config == cfg
     reference = nnx.state(build_model(cfg, tensors))
@@ -231,7 +232,7 @@ def test_a_bfloat16_checkpoint_loads_sharded_with_its_exact_values(tmp_path, lla
     """Most checkpoints are stored in bfloat16, which numpy cannot read by itself."""
     import torch
 
-    from jaxengine.parallel.mesh import make_mesh
+    from jaxengine.models.mesh import make_mesh
 
     _, hf_model = llama
     hf_model.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="100KB")

@@ -10,7 +10,7 @@ import pytest
 
 from jaxengine import EngineArgs, LLM, SamplingParams
 from jaxengine.models.config import ModelConfig
-from jaxengine.parallel.mesh import kv_heads_per_device, mesh_model_config
+from jaxengine.models.mesh import kv_heads_per_device, mesh_model_config
 from tests.e2e.test_generate_vs_transformers import reference
 
 RNG = np.random.default_rng(7)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.layers import MODEL_AXIS
+from jaxengine.models.layers import MODEL_AXIS, attention_modules
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,11 @@ _LAYER_CACHE = P(None, None, MODEL_AXIS, None)   # one layer's cache as the kern
 def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
     """A one-axis mesh (``model``) over ``devices``: tensor parallelism of ``len(devices)``."""
     return Mesh(np.asarray(devices), (MODEL_AXIS,))
+
+
+def mesh_or_first_device(mesh: Mesh | None) -> Mesh:
+    """``mesh``, or a one-device mesh on the first device when there is none."""
+    return mesh if mesh is not None else make_mesh(jax.devices()[:1])
 
 
 def replica_devices(tensor_parallel_size: int, replica: int = 0) -> list[jax.Device]:
@@ -120,6 +125,12 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     return jax.tree.map(sharding, specs, state, is_leaf=lambda x: isinstance(x, P))
 
 
+def flat_param_shardings(state: nnx.State, mesh: Mesh) -> list[NamedSharding]:
+    """``param_shardings`` as a list, in the order of ``nnx.to_flat_state(state)``."""
+    return [s.get_value() if hasattr(s, "get_value") else s
+            for _, s in nnx.to_flat_state(param_shardings(state, mesh))]
+
+
 def place_model(model: nnx.Module, mesh: Mesh) -> None:
     """Move a model's parameters to their shardings on ``mesh`` (for a model built in memory;
     checkpoints load straight into their shardings)."""
@@ -158,8 +169,6 @@ class ShardedKVWrite:
 
 def shard_kernels(model: nnx.Module, mesh: Mesh) -> None:
     """Have every attention layer of ``model`` run its kernels per shard of ``mesh``."""
-    from jaxengine.runner.kernel_check import attention_modules
-
     for attention in attention_modules(model):
         if not isinstance(attention.attention_fn, ShardedAttention):
             attention.attention_fn = ShardedAttention(attention.attention_fn, mesh)

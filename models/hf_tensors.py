@@ -1,0 +1,242 @@
+"""Hugging Face-named tensors -> our parameters.
+
+Every checkpoint reader gives tensors under Hugging Face names in Hugging Face layout ([out, in]),
+read a slice at a time through a ``TensorSource``. A layout per tensor turns those into the
+model's einsum layout, and a slice of one of our parameters reads only the part of each HF tensor
+it comes from, so a loader can place one device's slice at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from jaxengine.models.config import ModelConfig
+
+ParamPath = tuple
+Index = tuple[slice, ...]          # step-1 slices with bounds, one per dimension
+
+
+# ---------------------------------------------------------------- tensor sources
+@runtime_checkable
+class TensorSource(Protocol):
+    """HF-named tensors, read a slice at a time."""
+
+    def names(self) -> Iterable[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, index: Index) -> np.ndarray: ...
+
+
+class ArraySource:
+    """Tensors already in memory (a dequantised GGUF, a test's dict)."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> Iterable[str]:
+        return self.tensors.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(np.shape(self.tensors[name]))
+
+    def read(self, name: str, index: Index) -> np.ndarray:
+        return np.asarray(self.tensors[name])[index]
+
+
+# ---------------------------------------------------------------- layouts: HF [out, in] -> ours
+# Each layout maps a slice of our per-layer tensor to the part of the HF tensor it comes from
+# (``read`` gets that part through ``read_hf(hf_index)``), and our shape to HF's for the checks.
+class Same:
+    """Ours is HF's: embedding [V, D], norms."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return tuple(shape)
+
+    def read(self, read_hf: Callable[[Index], np.ndarray], index: Index) -> np.ndarray:
+        return read_hf(index)
+
+
+class Transposed:
+    """HF's [out, in] transposed: gate/up [D, F], down [F, D], lm_head [D, V]."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return tuple(reversed(shape))
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        return read_hf(index[::-1]).T
+
+
+def _head_rows(heads: slice, head_dim: int) -> slice:
+    return slice(heads.start * head_dim, heads.stop * head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsIn:
+    """q/k/v [D, n, H] from HF [n*H, D]: a range of heads is a block of HF rows."""
+    head_dim: int
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        d, n, h = shape
+        return (n * h, d)
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        d, heads, h = index
+        w = read_hf((_head_rows(heads, self.head_dim), d)).T
+        return w.reshape(w.shape[0], -1, self.head_dim)[:, :, h]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsOut:
+    """o_proj [N, H, D] from HF [D, N*H]: a range of heads is a block of HF columns."""
+    head_dim: int
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        n, h, d = shape
+        return (d, n * h)
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        heads, h, d = index
+        w = read_hf((d, _head_rows(heads, self.head_dim))).T
+        return w.reshape(-1, self.head_dim, w.shape[1])[:, h, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsBias:
+    """q/k/v biases [n, H] from HF [n*H]."""
+    head_dim: int
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        n, h = shape
+        return (n * h,)
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        heads, h = index
+        return read_hf((_head_rows(heads, self.head_dim),)).reshape(-1, self.head_dim)[:, h]
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatedHeads:
+    """KV heads repeated ``repeats`` times in a row (head j -> j*r .. j*r + r - 1) on ``axis``:
+    heads [a, b) of ours are copies of original heads a//r .. (b-1)//r, each read once."""
+    inner: object
+    axis: int
+    repeats: int
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        original = list(shape)
+        original[self.axis] //= self.repeats
+        return self.inner.hf_shape(tuple(original))
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        r, axis = self.repeats, self.axis
+        a, b = index[axis].start, index[axis].stop
+        first = a // r
+        original = (*index[:axis], slice(first, (b - 1) // r + 1), *index[axis + 1:])
+        w = np.repeat(self.inner.read(read_hf, original), r, axis=axis)
+        return w[(slice(None),) * axis + (slice(a - first * r, b - first * r),)]
+
+
+# Hugging Face name -> (our path, layout). The layer index is the pattern's first group.
+_LAYER = r"model\.layers\.(\d+)\."
+
+
+def _rules(cfg: ModelConfig) -> list[tuple[re.Pattern, Callable[[re.Match], ParamPath], object]]:
+    h = cfg.head_dim
+
+    def layer(*rest):
+        return lambda m: ("layers", int(m.group(1)), *rest)
+
+    return [
+        (re.compile(r"model\.embed_tokens\.weight"), lambda m: ("embed_tokens",), Same()),
+        (re.compile(r"model\.norm\.weight"), lambda m: ("norm", "weight"), Same()),
+        (re.compile(r"lm_head\.weight"), lambda m: ("lm_head",), Transposed()),
+        (re.compile(_LAYER + r"self_attn\.q_proj\.weight"), layer("self_attn", "q_proj"), HeadsIn(h)),
+        (re.compile(_LAYER + r"self_attn\.k_proj\.weight"), layer("self_attn", "k_proj"), HeadsIn(h)),
+        (re.compile(_LAYER + r"self_attn\.v_proj\.weight"), layer("self_attn", "v_proj"), HeadsIn(h)),
+        (re.compile(_LAYER + r"self_attn\.o_proj\.weight"), layer("self_attn", "o_proj"), HeadsOut(h)),
+        (re.compile(_LAYER + r"self_attn\.q_proj\.bias"), layer("self_attn", "q_bias"), HeadsBias(h)),
+        (re.compile(_LAYER + r"self_attn\.k_proj\.bias"), layer("self_attn", "k_bias"), HeadsBias(h)),
+        (re.compile(_LAYER + r"self_attn\.v_proj\.bias"), layer("self_attn", "v_bias"), HeadsBias(h)),
+        (re.compile(_LAYER + r"self_attn\.q_norm\.weight"), layer("self_attn", "q_norm", "weight"), Same()),
+        (re.compile(_LAYER + r"self_attn\.k_norm\.weight"), layer("self_attn", "k_norm", "weight"), Same()),
+        (re.compile(_LAYER + r"mlp\.gate_proj\.weight"), layer("mlp", "gate_proj"), Transposed()),
+        (re.compile(_LAYER + r"mlp\.up_proj\.weight"), layer("mlp", "up_proj"), Transposed()),
+        (re.compile(_LAYER + r"mlp\.down_proj\.weight"), layer("mlp", "down_proj"), Transposed()),
+        (re.compile(_LAYER + r"input_layernorm\.weight"), layer("input_layernorm", "weight"), Same()),
+        (re.compile(_LAYER + r"post_attention_layernorm\.weight"), layer("post_attention_layernorm", "weight"), Same()),
+    ]
+
+
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+KV_HEAD_AXIS = {"k_proj": 1, "v_proj": 1, "k_bias": 0, "v_bias": 0}      # in our per-layer layout
+
+Located = dict[ParamPath, tuple[str, object]]      # our per-layer path -> (HF name, layout)
+
+
+def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) -> tuple[Located, list[str]]:
+    """Where each of our per-layer parameters comes from, plus the HF names nothing maps."""
+    rules = _rules(cfg)
+    located, unexpected = {}, []
+    for name in source.names():
+        if _IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        for pattern, path, layout in rules:
+            if m := pattern.fullmatch(name):
+                p = path(m)
+                axis = KV_HEAD_AXIS.get(p[-1]) if p[0] == "layers" else None
+                if kv_repeats > 1 and axis is not None:
+                    layout = RepeatedHeads(layout, axis, kv_repeats)
+                located[p] = (name, layout)
+                break
+        else:
+            unexpected.append(name)
+    return located, unexpected
+
+
+def check_tensors(located: Located, unexpected: list[str], source: TensorSource, flat, cfg: ModelConfig) -> None:
+    """ValueError naming every missing, unexpected and misshapen tensor."""
+    expected = {q for p, _ in flat for q in _per_layer(p, cfg.num_layers)}
+    missing = [_path_name(p) for p in sorted(expected - located.keys(), key=str)]
+    unexpected = unexpected + [_path_name(p) for p in located.keys() - expected]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match {cfg.architecture}: missing tensors {sorted(missing)}; "
+                         f"unexpected tensors {sorted(unexpected)}")
+    for path, var in flat:
+        per_layer_shape = tuple(var.shape[1:]) if path[0] == "layers" else tuple(var.shape)
+        for p in _per_layer(path, cfg.num_layers):
+            name, layout = located[p]
+            if source.shape(name) != (want := layout.hf_shape(per_layer_shape)):
+                raise ValueError(f"tensor {_path_name(p)}: shape {source.shape(name)} in the checkpoint, "
+                                 f"{want} expected")
+
+
+def read_param(source: TensorSource, located: Located, path: ParamPath, index: Index, dtype) -> np.ndarray:
+    """The slice ``index`` of parameter ``path`` (our stacked layout, [L, ...] for layers), read
+    from its HF tensors as ``dtype``. Layers are written one at a time into the result, so the
+    host holds the slice plus one layer's part in flight."""
+    if path[0] != "layers":
+        name, layout = located[path]
+        return np.ascontiguousarray(layout.read(functools.partial(source.read, name), index), dtype)
+    layers = range(index[0].start, index[0].stop)
+    out = np.empty([len(layers)] + [s.stop - s.start for s in index[1:]], dtype)
+    for i, layer in enumerate(layers):
+        name, layout = located[("layers", layer, *path[1:])]
+        out[i] = layout.read(functools.partial(source.read, name), index[1:])
+    return out
+
+
+def _per_layer(path: ParamPath, num_layers: int) -> list[ParamPath]:
+    """A stacked layer parameter ('layers', ...) stands for ('layers', i, ...) of every layer."""
+    if path[0] != "layers":
+        return [path]
+    return [("layers", i, *path[1:]) for i in range(num_layers)]
+
+
+def _path_name(path: ParamPath) -> str:
+    return ".".join(str(p) for p in path)
