@@ -152,9 +152,9 @@ def run(args: argparse.Namespace, llm) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
-    from jaxengine.parallel import multihost
+    from jaxengine.multihost_worker import join_job
 
-    if (status := multihost.join_job(engine_args, "python -m jaxengine.generate")) is not None:
+    if (status := join_job(engine_args, "python -m jaxengine.generate")) is not None:
         return status
     if not args.input.exists():
         print(f"--input: {args.input} does not exist", file=sys.stderr)

@@ -22,6 +22,7 @@ from jaxengine.output_processor import OutputProcessor, beam_stop_check
 from jaxengine.outputs import BeamSearchOutput, RequestOutput, make_beam_search_output, make_request_output
 from jaxengine.parallel import multihost
 from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.parallel.step_channel import StepChannel
 from jaxengine.request import Request
 from jaxengine.runner.kernel_check import check_model_kernels
 from jaxengine.runner.kv_cache import bytes_per_block
@@ -57,7 +58,7 @@ class LLM:
     @classmethod
     def for_worker(cls, engine_args: EngineArgs, *, progress: bool = False) -> "LLM":
         """On a process other than 0 of a distributed job: the model's share and the compiled
-        steps only (no tokenizer, scheduler or engine), ready for ``multihost.Worker``."""
+        steps only (no tokenizer, scheduler or engine), ready for ``multihost_worker.Worker``."""
         self = cls.__new__(cls)
         self.distributed = multihost.initialize(engine_args)
         if self.distributed is None or not self.distributed.is_worker:
@@ -71,7 +72,7 @@ class LLM:
         if self.distributed is not None:
             if self.distributed.is_worker:
                 raise RuntimeError(f"LLM: process {self.distributed.process_id} of a distributed job runs process "
-                                   f"0's steps: call jaxengine.parallel.multihost.run_worker(engine_args) there "
+                                   f"0's steps: call jaxengine.multihost_worker.run_worker(engine_args) there "
                                    f"(python -m jaxengine.serve does it)")
             if module is not None:
                 raise ValueError("model: across processes the model loads from a checkpoint, not a module")
@@ -109,7 +110,7 @@ class LLM:
         self.runner = self._runner(self.model, self.mesh, progress)   # the first replica's under data parallelism
         self.channel = None
         if self.distributed is not None:
-            self.channel = multihost.StepChannel(self.runner, self.distributed)
+            self.channel = StepChannel(self.runner, self.distributed)
             self.channel.warm_up()
 
     def _log_kv_cache(self) -> None:

@@ -9,7 +9,7 @@ token (still on the device) is its input. The token buffer learns sampled tokens
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -22,10 +22,12 @@ from jaxengine.sampling_params import MAX_LOGIT_BIAS
 from jaxengine.structured_output import ALL_ALLOWED, bitmask_words
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class StepInputs:
     """One step's padded inputs as the compiled step takes them (T tokens, B rows, R sample
-    rows; R == B padded)."""
+    rows; R == B padded). A pytree whose leaves are the arrays, in field order; the host-side
+    count is static (it never reaches the device)."""
 
     input_ids: np.ndarray         # [T]
     prev_index: np.ndarray        # [T] i32: sample row of the previous step whose token this is, or -1
@@ -34,7 +36,7 @@ class StepInputs:
     sampling: SamplingMetadata
     prompt_lp_want: np.ndarray    # [T] bool: this token's logits score the next prompt token
     prompt_lp_target: np.ndarray  # [T] i32: that next prompt token
-    num_sample_rows: int = 0      # host-side: how many sample rows are real
+    num_sample_rows: int = field(default=0, metadata={"static": True})   # host-side: how many sample rows are real
 
     @property
     def bucket(self) -> tuple[int, int]:

@@ -132,7 +132,7 @@ class ModelRunner:
         self._last_ready: float | None = None
         self.forbid = False
         # Under several processes (process 0 only): sends each launch's moves and inputs to the
-        # others and watches for a peer that is gone (``parallel.multihost.StepChannel``).
+        # others and watches for a peer that is gone (``parallel.step_channel.StepChannel``).
         self.channel = None
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}   # (tokens, rows) -> step
         if warm_up:

@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)    # "no TPU found" is no news
     engine_args = EngineArgs.from_cli_args(args)
-    from jaxengine.parallel import multihost
+    from jaxengine.multihost_worker import join_job
 
-    if (status := multihost.join_job(engine_args, "python -m jaxengine.serve")) is not None:
+    if (status := join_job(engine_args, "python -m jaxengine.serve")) is not None:
         return status
     from jaxengine.llm import LLM
     from jaxengine.serve.api_server import build_app

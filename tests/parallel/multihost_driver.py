@@ -21,7 +21,9 @@ def main() -> int:
 
     args = EngineArgs(**config["options"])
     if multihost.initialize(args).is_worker:
-        return multihost.run_worker(args)
+        from jaxengine.multihost_worker import run_worker
+
+        return run_worker(args)
     from jaxengine.llm import LLM
     from jaxengine.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ import pytest
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine_args import EngineArgs
-from jaxengine.parallel import multihost
+from jaxengine.parallel import multihost, step_channel
 
 ROOT = Path(__file__).resolve().parents[2]
 RNG = np.random.default_rng(7)
@@ -204,8 +204,8 @@ def test_the_job_comes_from_flags_or_environment(monkeypatch):
 def test_inputs_pack_into_one_buffer_and_back():
     arrays = [np.arange(5, dtype=np.int32), np.array([True, False, True]), np.ones((2, 3), np.float32),
               np.array([[1, 2]], np.uint32)]
-    buffer = multihost._pack(arrays, [4, 16, 64])
+    buffer = step_channel._pack(arrays, [4, 16, 64])
     assert buffer.dtype == np.int32 and buffer.shape == (16,)
-    back = multihost._unpack(buffer, [(a.shape, a.dtype) for a in arrays])
+    back = step_channel._unpack(buffer, [(a.shape, a.dtype) for a in arrays])
     for a, b in zip(arrays, back):
         assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -3,6 +3,7 @@ async scheduling, which sample row of the previous step is its input token; the 
 InputBatch builds the attention and sampling metadata from that alone."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -71,6 +72,22 @@ def test_async_decodes_take_their_token_from_the_previous_step():
 
 def new_seq(seq_id: int, tokens: list[int], table: list[int], num_prompt: int, **params) -> NewSequenceData:
     return NewSequenceData(seq_id, f"r{seq_id}", tokens, table, SamplingParams(**params), 0, 7, num_prompt)
+
+
+def test_step_inputs_are_a_pytree_of_their_arrays():
+    """The channel to other processes sends the leaves and rebuilds from a template's treedef:
+    the leaves are every array in field order, the host-side count is static."""
+    batch = InputBatch(4, 32, 8, 4, [16], [8])
+    out = SchedulerOutput(seq_ids=[10], num_scheduled_tokens=[3], num_samples=[1], num_computed_tokens=[0],
+                          previous_sample_rows=[-1], new_seqs=[new_seq(10, [1, 2, 3], [3], 3)])
+    batch.update(out)
+    inputs, _ = batch.prepare(out)
+    leaves, treedef = jax.tree_util.tree_flatten(inputs)
+    assert leaves[0] is inputs.input_ids and leaves[1] is inputs.prev_index and leaves[-1] is inputs.prompt_lp_target
+    assert all(hasattr(leaf, "dtype") for leaf in leaves)
+    rebuilt = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch.padded(16, 8)), leaves)
+    assert rebuilt.bucket == inputs.bucket and rebuilt.num_sample_rows == 0 and rebuilt.input_ids is inputs.input_ids
+    assert jax.tree_util.tree_unflatten(treedef, leaves).num_sample_rows == inputs.num_sample_rows == 1
 
 
 def test_input_batch_builds_the_metadata_from_the_rows():
