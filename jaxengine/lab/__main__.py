@@ -112,7 +112,7 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
 
 
 def _whatif_args(p: argparse.ArgumentParser) -> None:
-    from jaxengine.lab.profile import HARDWARE, MODELS
+    from jaxengine.lab.roofline import HARDWARE, MODELS
 
     _profile_arg(p, required=False)
     p.add_argument("--hardware", choices=sorted(HARDWARE), help="a roofline model of this accelerator")
@@ -227,7 +227,8 @@ def run_tune(args: argparse.Namespace) -> dict:
 
 def run_whatif(args: argparse.Namespace) -> dict:
     from jaxengine.lab.capacity import capacity
-    from jaxengine.lab.profile import load_profile, roofline_profile
+    from jaxengine.lab.profile import load_profile
+    from jaxengine.lab.roofline import roofline_profile
 
     if not args.slo:
         raise ValueError("whatif: give at least one --slo")
