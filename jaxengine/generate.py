@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from jaxengine.engine_args import EngineArgs, HelpFormatter
+from jaxengine.logs import add_log_level_arg, configure_logging
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.tokenizer import apply_chat_template
 
@@ -40,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, type=Path, help="JSONL file of prompts")
     parser.add_argument("--output", required=True, type=Path, help="JSONL file of results (appended to)")
     parser.add_argument("--chunk-size", type=int, default=256, help="lines handed to the engine at a time")
+    add_log_level_arg(parser, default="warning")
     g = parser.add_argument_group("sampling (defaults for lines that don't set them)")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -151,6 +153,7 @@ def run(args: argparse.Namespace, llm) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_logging(args.log_level)
     engine_args = EngineArgs.from_cli_args(args)
     from jaxengine.multihost_worker import join_job
 

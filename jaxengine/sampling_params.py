@@ -53,6 +53,9 @@ class StructuredOutputsParams:
 @dataclass
 class SamplingParams:
     n: int = 1
+    # vLLM's name: draw best_of samples, return the n best. This engine returns every sample it
+    # draws, so best_of (None: n) must equal n; fewer than n could not fill the n answers.
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                       # 0 or -1: no top-k
@@ -89,6 +92,7 @@ class SamplingParams:
                 raise ValueError(f"{name}: {message}, got {getattr(self, name)!r}")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        self._check_best_of(check)
         check(self.temperature >= 0.0, "temperature", "must be >= 0")
         check(self.logprobs_temperature > 0.0, "logprobs_temperature", "must be > 0")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
@@ -114,6 +118,14 @@ class SamplingParams:
         bias = self.logit_bias or {}
         check(len(bias) <= MAX_LOGIT_BIAS and all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias",
               f"must map at most {MAX_LOGIT_BIAS} non-negative token ids to biases")
+
+    def _check_best_of(self, check) -> None:
+        if self.best_of is None:
+            return
+        check(isinstance(self.best_of, int) and not isinstance(self.best_of, bool) and self.best_of >= 1, "best_of",
+              "must be None or an integer >= 1")
+        check(self.best_of >= self.n, "best_of", f"must be >= n ({self.n})")
+        check(self.best_of <= self.n, "best_of", f"above n ({self.n}) is not supported: every sample is returned")
 
     @property
     def greedy(self) -> bool:

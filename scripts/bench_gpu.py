@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxengine.bench.roofline import step_floor_seconds
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled, write_kv
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, paged_attention_pallas
 from jaxengine.kernels.paged_attention.kv_write import write_kv_pallas
@@ -385,11 +386,11 @@ def record_steps(llm) -> list[dict]:
 
 
 def decode_floor_ms(cfg, num_params: int, batch: int, context: float, ceil: dict) -> float:
-    """max(bytes / copy bandwidth, FLOPs / matmul rate) for one decode step."""
-    kv_per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 2
-    bytes_moved = num_params * 2 + context * kv_per_token
-    flops = 2 * num_params * batch + 4 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return max(bytes_moved / (ceil["copy_bandwidth_gbs"] * 1e9), flops / (ceil["bf16_matmul_tflops"] * 1e12)) * 1e3
+    """The roofline of one bf16 decode step of ``batch`` rows attending to ``context`` tokens in
+    all, at the copy bandwidth and matmul rate measured in this run."""
+    return step_floor_seconds(cfg, num_params, batch, context, context, bytes_per_param=2,
+                              bandwidth_bytes_s=ceil["copy_bandwidth_gbs"] * 1e9,
+                              flops_per_s=ceil["bf16_matmul_tflops"] * 1e12) * 1e3
 
 
 # ---------------------------------------------------------------- summary

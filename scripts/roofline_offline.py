@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from bench_offline import workload
 from flax import nnx
 
-from jaxengine.bench.roofline import flops_per_token, matmul_gflops
+from jaxengine.bench.roofline import floor_seconds, flops_per_token, kv_bytes_per_token, matmul_gflops
 from jaxengine.default_model import default_model_path
 from jaxengine.models.weights import load_model
 
@@ -48,13 +48,13 @@ def main() -> None:
     peak, bandwidth = matmul_gflops() * 1e9, copy_gbs() * 1e9
     flops = flops_per_token(cfg)
     weight_bytes = 4 * sum(w.size for path, w in nnx.to_flat_state(nnx.state(model)) if path[0] != "embed_tokens")
-    kv_per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * args.kv_bytes
-    prefill_s = sum(len(x) for x in prompts) * flops / peak
+    kv_per_token = kv_bytes_per_token(cfg, args.kv_bytes)
+    prefill_s = floor_seconds(sum(len(x) for x in prompts) * flops, peak)
     decode_s = 0.0
     for step in range(max(outputs)):
         live = [(len(x), n) for x, n in zip(prompts, outputs) if step < n]
         context = sum(length + step for length, _ in live)
-        decode_s += max(len(live) * flops / peak, (weight_bytes + context * kv_per_token) / bandwidth)
+        decode_s += floor_seconds(len(live) * flops, peak, weight_bytes + context * kv_per_token, bandwidth)
     tokens = sum(outputs)
     floor_tok_s = tokens / (prefill_s + decode_s)
     print(f"measured: f32 matmul {peak / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s")

@@ -59,3 +59,12 @@ def test_block_sizes_only_from_matching_sweep_entries(bench, tmp_path, monkeypat
     monkeypatch.setitem(kernel.TUNED, (128, 16, "bfloat16"), kernel.TUNED[(128, 16, "bfloat16")])
     chosen = bench.use_best_sizes(tmp_path, 128, 16)
     assert chosen["decode_sweep"]["pages_per_block"] == 2
+
+
+def test_the_decode_floor_is_the_roofline_of_the_measured_ceilings(bench):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    ceil = {"copy_bandwidth_gbs": 1.0, "bf16_matmul_tflops": 1.0}
+    # bf16 weights and KV: 1000 x 2 + 100 x 128 bytes at 1 GB/s; 33,600 FLOPs at 1 TFLOP/s is less
+    assert bench.decode_floor_ms(cfg, 1000, 4, 100, ceil) == pytest.approx(14800 / 1e9 * 1e3)

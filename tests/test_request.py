@@ -63,10 +63,20 @@ def test_request_timestamps_are_recorded_in_order():
     ("repetition_penalty", 0.0, "repetition_penalty"),
     ("stop_token_ids", [-1], "stop_token_ids"),
     ("logprobs", -1, "logprobs"),
+    ("best_of", -1, "best_of: must be None or an integer >= 1"),
+    ("best_of", 0, "best_of: must be None or an integer >= 1"),
 ])
 def test_sampling_params_name_the_bad_field(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
         SamplingParams(**{field: value})
+
+
+def test_best_of_must_be_n():
+    with pytest.raises(ValueError, match=r"best_of: must be >= n \(3\), got 2"):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ValueError, match=r"best_of: above n \(1\) is not supported"):
+        SamplingParams(best_of=2)
+    assert SamplingParams(n=2, best_of=2).best_of == 2 and SamplingParams(n=2).best_of is None
 
 
 def test_min_tokens_above_max_tokens_is_refused_and_stop_string_is_listed():

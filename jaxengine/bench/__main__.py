@@ -16,6 +16,7 @@ import sys
 from jaxengine.bench import latency, serve, sweep, throughput
 from jaxengine.bench.report import RESULTS_DIR, result_path, write_result
 from jaxengine.engine_args import HelpFormatter as DefaultsFormatter
+from jaxengine.logs import add_log_level_arg, configure_logging
 
 MODES = {"throughput": throughput, "serve": serve, "latency": latency, "sweep": sweep}
 SWEEP_TARGETS = {"throughput": throughput, "serve": serve}
@@ -48,6 +49,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--plot", metavar="DIR", help="draw the result's figures into DIR")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                        help="progress bars on long runs")
+    add_log_level_arg(group, default="warning")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -60,6 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(args.log_level)
     result = MODES[args.mode].run(args)
     path = write_result(result, result_path(args.mode, args.result_file, args.results_dir))
     print(f"result: {path}", flush=True)

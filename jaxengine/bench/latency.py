@@ -30,7 +30,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxengine.bench.report import print_table
-from jaxengine.bench.roofline import flops_per_token, matmul_gflops
+from jaxengine.bench.roofline import floor_seconds, flops_per_token, matmul_gflops
 from jaxengine.bench.throughput import model_info, start_engine
 from jaxengine.engine_args import EngineArgs, comma_separated
 from jaxengine.runner.model_runner import NO_MOVES
@@ -82,7 +82,7 @@ def matmul_floor(llm, rows: list[dict]) -> dict:
     """The matmul rate measured now, the floor per token it gives, and each reached row's
     time per token against it (in place)."""
     gflops = matmul_gflops(dtype=llm.dtype)
-    floor_us = flops_per_token(llm.model_config) / (gflops * 1e9) * 1e6
+    floor_us = floor_seconds(flops_per_token(llm.model_config), gflops * 1e9) * 1e6
     for row in rows:
         row["x_matmul_floor"] = row["us_per_token"] / floor_us if row["reached"] else None
     return {"matmul_gflops": gflops, "floor_us_per_token": floor_us}

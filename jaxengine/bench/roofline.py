@@ -1,11 +1,54 @@
-"""A floor per token from this machine's measured matmul rate: the baseline that step times are
-stated against (``latency --baseline matmul``, the offline presets' share of the peak)."""
+"""The roofline, and the ceilings it is stated against.
+
+A step takes at least as long as reading its bytes at the memory bandwidth and as running its
+FLOPs at the peak rate, whichever is longer (``floor_seconds``). Every floor in the project comes
+from here: the bench tool's matmul baseline (``latency --baseline matmul``, the offline presets'
+share of the peak), the GPU benchmark's decode floor, the offline workload's lower bound and the
+lab's what-if profiles of machines that are not here (``jaxengine.lab.roofline``).
+"""
 from __future__ import annotations
 
+import math
 import time
 
 import jax
 import jax.numpy as jnp
+
+
+def floor_seconds(flops: float, flops_per_s: float, bytes_read: float = 0.0,
+                  bandwidth_bytes_s: float = math.inf) -> float:
+    """The roofline: the larger of ``flops / flops_per_s`` and ``bytes_read / bandwidth_bytes_s``
+    (without bytes, the compute roof alone)."""
+    return max(bytes_read / bandwidth_bytes_s, flops / flops_per_s)
+
+
+def kv_bytes_per_token(model, bytes_per_element: float) -> float:
+    """The KV cache one token holds: a K and a V row per layer and KV head."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * bytes_per_element
+
+
+def attention_flops(model, attention_work: float) -> float:
+    """Attention's FLOPs: q.k and p.v, a multiply-add (2 FLOPs) each per query head and head
+    element, for each of ``attention_work`` (query token, attended token) pairs."""
+    return 4 * model.num_layers * model.num_heads * model.head_dim * attention_work
+
+
+def step_floor_seconds(model, num_params: float, num_tokens: float, context_tokens: float, attention_work: float,
+                       *, bytes_per_param: float, bandwidth_bytes_s: float, flops_per_s: float) -> float:
+    """The floor of one step of a transformer (``model``: layers, heads, KV heads, head size).
+    Read: every weight once, and the KV cache of the ``context_tokens`` the rows attend to.
+    FLOPs: a multiply-add per parameter per scheduled token, and attention over
+    ``attention_work`` pairs. The KV cache is held in the weights' dtype."""
+    bytes_read = num_params * bytes_per_param + context_tokens * kv_bytes_per_token(model, bytes_per_param)
+    flops = 2 * num_params * num_tokens + attention_flops(model, attention_work)
+    return floor_seconds(flops, flops_per_s, bytes_read, bandwidth_bytes_s)
+
+
+def flops_per_token(cfg) -> float:
+    """Matmul FLOPs per token outside attention (projections and MLP; logits are for one row)."""
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * f
+    return 2.0 * per_layer * cfg.num_layers
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
@@ -21,10 +64,3 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def flops_per_token(cfg) -> float:
-    """Matmul FLOPs per token outside attention (projections and MLP; logits are for one row)."""
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * f
-    return 2.0 * per_layer * cfg.num_layers

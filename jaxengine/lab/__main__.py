@@ -20,6 +20,7 @@ import sys
 from jaxengine.bench.report import print_table, result_path, write_result
 from jaxengine.bench.serve import parse_slo
 from jaxengine.engine_args import EngineArgs, HelpFormatter, comma_separated
+from jaxengine.logs import add_log_level_arg, configure_logging
 
 RESULTS_DIR = "lab_results"
 SCHEDULING_OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks", "watermark",
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   formatter_class=Formatter)
         sub.add_argument("--result-file", help=f"the JSON result (default: {RESULTS_DIR}/<command>-<date>-<time>.json)")
         sub.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+        add_log_level_arg(sub, default="warning")
         add(sub)
     return parser
 
@@ -112,7 +114,7 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
 
 
 def _whatif_args(p: argparse.ArgumentParser) -> None:
-    from jaxengine.lab.profile import HARDWARE, MODELS
+    from jaxengine.lab.roofline import HARDWARE, MODELS
 
     _profile_arg(p, required=False)
     p.add_argument("--hardware", choices=sorted(HARDWARE), help="a roofline model of this accelerator")
@@ -227,7 +229,8 @@ def run_tune(args: argparse.Namespace) -> dict:
 
 def run_whatif(args: argparse.Namespace) -> dict:
     from jaxengine.lab.capacity import capacity
-    from jaxengine.lab.profile import load_profile, roofline_profile
+    from jaxengine.lab.profile import load_profile
+    from jaxengine.lab.roofline import roofline_profile
 
     if not args.slo:
         raise ValueError("whatif: give at least one --slo")
@@ -249,6 +252,7 @@ COMMANDS = {"calibrate": run_calibrate, "simulate": run_simulate, "tune": run_tu
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(args.log_level)
     try:
         result = COMMANDS[args.command](args)
     except ValueError as e:

@@ -17,8 +17,8 @@ that was not measured takes its coefficients by linear interpolation in the buck
 the nearest measured ones (linear extrapolation past the largest, the smallest's below it). The profile keeps the spread of
 measured / predicted times, which the simulator may draw from so that tails are not too tidy.
 
-``RooflineProfile`` answers the same question from datasheet figures (bandwidth, FLOP/s) for a
-machine that is not here: a model, not a measurement, and it says so.
+``jaxengine.lab.roofline.RooflineProfile`` answers the same question from datasheet figures
+(bandwidth, FLOP/s) for a machine that is not here: a model, not a measurement, and it says so.
 """
 from __future__ import annotations
 
@@ -31,9 +31,12 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxengine.lab.roofline import RooflineProfile
 
 FEATURES = ("const", "prefill_step", "row_bucket", "max_context", "sum_context")
 NOISE_QUANTILES = 41          # measured/predicted ratios kept: the 0th, 2.5th, ..., 100th percentiles
@@ -218,7 +221,7 @@ class CostProfile:
         return d
 
     def save(self, path: str | Path) -> Path:
-        return _write_json(self.to_dict(), path)
+        return write_json(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
@@ -231,7 +234,7 @@ class CostProfile:
         return cls(**d)
 
 
-def _write_json(d: dict, path: str | Path) -> Path:
+def write_json(d: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(d, indent=1) + "\n")
@@ -292,108 +295,10 @@ def machine_description() -> dict:
             "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
 
 
-# ---------------------------------------------------------------- roofline (what-if)
-@dataclass(frozen=True)
-class Hardware:
-    """Datasheet figures of an accelerator."""
-
-    name: str
-    memory_bytes: float
-    bandwidth_bytes_s: float
-    flops: float                       # dense bf16 FLOP/s
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What a transformer's step costs by: parameters and the KV cache's width."""
-
-    name: str
-    num_params: float
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_model_len: int = 8192
-
-
-HARDWARE = {
-    "h200": Hardware("NVIDIA H200 SXM (datasheet)", 141e9, 4.8e12, 989e12),
-    "h100": Hardware("NVIDIA H100 SXM (datasheet)", 80e9, 3.35e12, 989e12),
-}
-MODELS = {
-    "llama-3-8b": ModelShape("Llama-3-8B", 8.03e9, 32, 32, 8, 128),
-    "llama-3-70b": ModelShape("Llama-3-70B", 70.6e9, 80, 64, 8, 128),
-    "smollm2-135m": ModelShape("SmolLM2-135M", 0.135e9, 30, 9, 3, 64, 2048),
-}
-
-
-@dataclass
-class RooflineProfile:
-    """A step's time from datasheet figures: the larger of (weights + KV read) / bandwidth and
-    FLOPs / peak, each at an assumed efficiency, plus a fixed per-step overhead. A model, not a
-    measurement: every figure it gives is labelled so."""
-
-    hardware: Hardware
-    model: ModelShape
-    bytes_per_param: float = 2.0                 # bf16
-    bandwidth_efficiency: float = 0.75           # assumed share of datasheet bandwidth a step reaches
-    flops_efficiency: float = 0.5                # assumed share of datasheet FLOP/s
-    step_overhead_s: float = 0.004               # assumed host + launch time per step
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    num_cpu_blocks: int = 0
-    request_overhead_s: float = 0.0
-    noise: list[float] = field(default_factory=list)
-    kind: str = "roofline"
-    note: str = "a roofline model from datasheet figures and assumed efficiencies, not a measurement"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.hardware, dict):
-            self.hardware = Hardware(**self.hardware)
-        if isinstance(self.model, dict):
-            self.model = ModelShape(**self.model)
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        m = self.model
-        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.bytes_per_param
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        free = self.hardware.memory_bytes * self.gpu_memory_utilization - self.model.num_params * self.bytes_per_param
-        return max(int(free // (self.kv_bytes_per_token * self.block_size)), 2)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.model.max_model_len
-
-    def step_seconds(self, shape: StepShape, token_bucket: int) -> float:
-        m, hw = self.model, self.hardware
-        read = m.num_params * self.bytes_per_param + shape.sum_context * self.kv_bytes_per_token
-        flops = 2 * m.num_params * token_bucket + 4 * m.num_layers * m.num_heads * m.head_dim * shape.attention_work
-        return self.step_overhead_s + max(read / (hw.bandwidth_bytes_s * self.bandwidth_efficiency),
-                                          flops / (hw.flops * self.flops_efficiency))
-
-    def noise_ratio(self, u: float) -> float:
-        return 1.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def save(self, path: str | Path) -> Path:
-        return _write_json(self.to_dict(), path)
-
-
-def roofline_profile(hardware: str = "h200", model: str = "llama-3-8b", **assumptions) -> RooflineProfile:
-    """A what-if profile of a named accelerator and model (see ``HARDWARE``, ``MODELS``)."""
-    for name, table, what in ((hardware, HARDWARE, "hardware"), (model, MODELS, "model")):
-        if name not in table:
-            raise ValueError(f"{what}: unknown {name!r}; known: {', '.join(table)}")
-    return RooflineProfile(HARDWARE[hardware], MODELS[model], **assumptions)
-
-
 def load_profile(path: str | Path) -> CostProfile | RooflineProfile:
-    """A profile JSON written by ``calibrate`` (or ``save``)."""
+    """A profile JSON written by ``calibrate`` (or ``save``), measured or a roofline model."""
+    from jaxengine.lab.roofline import RooflineProfile    # it builds on this module's StepShape
+
     try:
         d = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ import uvicorn
 
 from jaxengine.default_model import NAME as DEFAULT_MODEL_NAME
 from jaxengine.engine_args import EngineArgs, HelpFormatter
+from jaxengine.logs import add_log_level_arg, configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,8 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="least severe log messages shown")
+    add_log_level_arg(g, default="info")
     EngineArgs.add_cli_args(parser)
     return parser.parse_args(argv)
 
@@ -65,8 +64,7 @@ class _Server(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)    # "no TPU found" is no news
+    configure_logging(args.log_level)
     engine_args = EngineArgs.from_cli_args(args)
     from jaxengine.multihost_worker import join_job
 

@@ -15,7 +15,8 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1     # a signed 64-bit integer, as
 MAX_BEAM_TOKENS = 1 << 30      # no max_tokens: up to the context length (the scheduler caps it)
 # Sampling fields beam search does not use, with their neutral values.
 BEAM_UNSUPPORTED = {"top_p": None, "top_k": None, "min_p": None, "seed": None, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "repetition_penalty": None, "logit_bias": None, "min_tokens": 0}
+                    "frequency_penalty": 0.0, "repetition_penalty": None, "logit_bias": None, "min_tokens": 0,
+                    "best_of": None}
 
 
 def random_id(prefix: str) -> str:
@@ -50,6 +51,7 @@ class _SamplingRequest(BaseModel):
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -118,7 +120,7 @@ class _SamplingRequest(BaseModel):
             except ValueError:
                 raise ValueError("logit_bias: keys must be token ids (integers as strings)") from None
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            n=self.n, best_of=self.best_of, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,

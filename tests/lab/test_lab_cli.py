@@ -4,7 +4,8 @@ import json
 import pytest
 
 from jaxengine.lab.__main__ import main
-from jaxengine.lab.profile import CostProfile, roofline_profile
+from jaxengine.lab.profile import CostProfile
+from jaxengine.lab.roofline import roofline_profile
 
 PROFILE = CostProfile({16: [0.01, 0, 1e-4, 1e-6, 0], 256: [0.02, 0, 1e-4, 2e-6, 0], 512: [0.2, 0, 0, 0, 0]},
                       num_gpu_blocks=2000)

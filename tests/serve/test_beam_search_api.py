@@ -48,7 +48,8 @@ def test_chat_beams_equal_the_offline_beam_search(client, offline):
 
 
 @pytest.mark.parametrize("extra, field", [({"top_p": 0.5}, "top_p"), ({"seed": 3}, "seed"),
-                                          ({"logprobs": 2}, "logprobs"), ({"n": 11}, "beam_width")])
+                                          ({"logprobs": 2}, "logprobs"), ({"n": 11}, "beam_width"),
+                                          ({"best_of": 2}, "best_of")])
 def test_beam_search_refuses_what_it_does_not_use(client, extra, field):
     import openai
 

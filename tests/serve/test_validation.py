@@ -1,5 +1,6 @@
-"""Request validation on both endpoints: ``stream_options`` only with ``stream: true``, and a
-``seed`` that fits a signed 64-bit integer; each a 400 naming the field."""
+"""Request validation on both endpoints: ``stream_options`` only with ``stream: true``, a
+``seed`` that fits a signed 64-bit integer, and a ``best_of`` of at least 1 and at least ``n``
+(above ``n`` is not served: every sample is returned); each a 400 naming the field."""
 import httpx
 import openai
 import pytest
@@ -16,7 +17,12 @@ BAD = [({"stream_options": {"include_usage": True}}, "stream_options"),
        ({"stream_options": {}}, "stream_options"),
        ({"seed": SEED_MAX + 1}, "seed"),
        ({"seed": -SEED_MAX - 2}, "seed"),
-       ({"seed": 1 << 80, "stream": True}, "seed")]
+       ({"seed": 1 << 80, "stream": True}, "seed"),
+       ({"best_of": -1}, "best_of"),
+       ({"best_of": 0}, "best_of"),
+       ({"best_of": -3, "stream": True}, "best_of"),
+       ({"n": 2, "best_of": 1}, "best_of"),
+       ({"best_of": 2}, "best_of")]
 
 
 def post(server, endpoint: str, body: dict) -> httpx.Response:
@@ -25,7 +31,7 @@ def post(server, endpoint: str, body: dict) -> httpx.Response:
 
 @pytest.mark.parametrize("endpoint", sorted(BODIES))
 @pytest.mark.parametrize("change,param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
-def test_invalid_stream_options_or_seed_is_400_naming_it(server, endpoint, change, param):
+def test_invalid_stream_options_seed_or_best_of_is_400_naming_it(server, endpoint, change, param):
     r = post(server, endpoint, {**BODIES[endpoint], **change})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -36,8 +42,9 @@ def test_invalid_stream_options_or_seed_is_400_naming_it(server, endpoint, chang
 
 @pytest.mark.parametrize("endpoint", sorted(BODIES))
 @pytest.mark.parametrize("change", [{"seed": SEED_MAX}, {"seed": -SEED_MAX - 1}, {"seed": 0},
-                                    {"stream_options": None}, {"stream_options": None, "stream": False}])
-def test_valid_seeds_and_no_stream_options_are_served(server, endpoint, change):
+                                    {"stream_options": None}, {"stream_options": None, "stream": False},
+                                    {"best_of": None}, {"best_of": 1}, {"n": 2, "best_of": 2}])
+def test_valid_seeds_best_of_and_no_stream_options_are_served(server, endpoint, change):
     r = post(server, endpoint, {**BODIES[endpoint], **change})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
@@ -60,3 +67,6 @@ def test_the_openai_client_sees_the_400s(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        seed=1 << 64)
     assert error.value.body["param"] == "seed" and "signed 64-bit" in error.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="hello", max_tokens=3, best_of=-1)
+    assert error.value.body["param"] == "best_of" and ">= 1" in error.value.body["message"]

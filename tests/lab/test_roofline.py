@@ -1,0 +1,30 @@
+"""The lab's what-if profiles: the roofline of datasheet figures at the assumed efficiencies,
+labelled a model, saved and read back as one."""
+import pytest
+
+from jaxengine.lab.profile import StepShape, load_profile
+from jaxengine.lab.roofline import RooflineProfile, roofline_profile
+
+
+def test_roofline_profile_of_llama_3_8b_on_h200():
+    p = roofline_profile("h200", "llama-3-8b")
+    kv_per_token = 2 * 32 * 8 * 128 * 2                 # K and V, layers, KV heads, head size, bf16
+    assert p.kv_bytes_per_token == kv_per_token
+    assert p.num_gpu_blocks == int((141e9 * 0.9 - 8.03e9 * 2) // (kv_per_token * 16))
+    decode = StepShape(64, 64, 1024, 64 * 1024, attention_work=64 * 1024)
+    memory_bound = (8.03e9 * 2 + 64 * 1024 * kv_per_token) / (4.8e12 * 0.75)
+    assert p.step_seconds(decode, 64) == pytest.approx(0.004 + memory_bound)
+    prefill = StepShape(8192, 1, 8192, 8192, attention_work=8192 * 4096)
+    compute_bound = (2 * 8.03e9 * 8192 + 4 * 32 * 32 * 128 * 8192 * 4096) / (989e12 * 0.5)
+    assert p.step_seconds(prefill, 8192) == pytest.approx(0.004 + compute_bound)
+    assert "not a measurement" in p.note
+    with pytest.raises(ValueError, match="hardware: unknown 'tpu'"):
+        roofline_profile("tpu")
+
+
+def test_a_saved_roofline_profile_reads_back_as_one(tmp_path):
+    p = roofline_profile("h100", "smollm2-135m", step_overhead_s=0.001)
+    loaded = load_profile(p.save(tmp_path / "roofline.json"))
+    assert isinstance(loaded, RooflineProfile) and loaded == p
+    shape = StepShape(16, 16, 300, 4000, attention_work=4000)
+    assert loaded.step_seconds(shape, 16) == p.step_seconds(shape, 16)
