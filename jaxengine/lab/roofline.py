@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jaxengine.bench.roofline import kv_bytes_per_token, step_floor_seconds
-from jaxengine.lab.profile import StepShape, write_json
+from jaxengine.lab.step_shape import StepShape, write_json
 
 
 @dataclass(frozen=True)
