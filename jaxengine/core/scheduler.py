@@ -189,9 +189,9 @@ class Scheduler:
                     step.num_seqs += 1             # its token in flight is its last: no row, but
                     continue                       # it holds its place until update_from_output
                 if seq.num_computed_tokens < len(seq.block_table) * bs:
-                    self._add_row(step, seq, 1, table_changed=False)    # inside its last block
+                    self._add_row(step, seq, 1, False)    # inside its last block: no allocation
                 elif self._make_room(step, group, lambda: kv.allocate_slots(seq, 1)):
-                    self._add_row(step, seq, 1, table_changed=True)
+                    self._add_row(step, seq, 1, True)
                 else:
                     continue
                 step.num_seqs += 1
