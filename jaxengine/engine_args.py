@@ -169,17 +169,24 @@ class EngineArgs:
         the dtype ``auto`` resolves to with no checkpoint to read) unless ``num_kv_blocks`` fixes it.
         Under tensor parallelism a block costs each device its share of the KV heads, and the
         budget is what the tightest of ``devices`` (default: the first device) has free."""
-        from jaxengine.models.mesh import kv_heads_per_device
-        from jaxengine.runner.kv_cache import bytes_per_block, num_blocks_for_budget
+        from jaxengine.runner.kv_cache import num_blocks_for_budget
 
         mc = model_config
-        kv_dtype = kv_dtype if kv_dtype is not None else resolve_dtype(self.dtype, None)
-        heads = kv_heads_per_device(mc, self.tensor_parallel_size)
-        per_block = bytes_per_block(mc.num_layers, self.block_size, heads, mc.head_dim, kv_dtype)
+        per_block = self.kv_bytes_per_block(mc, kv_dtype)
         num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(
             kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices), per_block)
         num_cpu_blocks = int(self.swap_space * GiB) // (per_block * self.tensor_parallel_size)
         return self.engine_config(num_gpu_blocks, num_cpu_blocks, self.max_model_len or min(mc.max_position_embeddings, 2048))
+
+    def kv_bytes_per_block(self, model_config, kv_dtype=None) -> int:
+        """What one KV block costs each device: its share of the KV heads (under tensor
+        parallelism, with the heads repeated when there are fewer than devices)."""
+        from jaxengine.models.mesh import kv_heads_per_device
+        from jaxengine.runner.kv_cache import bytes_per_block
+
+        kv_dtype = kv_dtype if kv_dtype is not None else resolve_dtype(self.dtype, None)
+        heads = kv_heads_per_device(model_config, self.tensor_parallel_size)
+        return bytes_per_block(model_config.num_layers, self.block_size, heads, model_config.head_dim, kv_dtype)
 
     def step_buckets(self) -> tuple[list[int], list[int]]:
         """The token and row buckets the runner compiles: those given, else its defaults."""

@@ -16,8 +16,7 @@ from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.mesh import (check_replica_devices, kv_head_repeats, kv_heads_per_device, make_mesh,
-                                   replica_devices)
+from jaxengine.models.mesh import check_replica_devices, kv_head_repeats, make_mesh, replica_devices
 from jaxengine.output_processor import OutputProcessor, beam_stop_check
 from jaxengine.outputs import BeamSearchOutput, RequestOutput, make_beam_search_output, make_request_output
 from jaxengine.parallel import multihost
@@ -25,7 +24,6 @@ from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.parallel.step_channel import StepChannel
 from jaxengine.request import Request
 from jaxengine.runner.kernel_check import check_model_kernels
-from jaxengine.runner.kv_cache import bytes_per_block
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.structured_output import GrammarCompiler
@@ -104,8 +102,6 @@ class LLM:
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_id())
         self.config = args.create_engine_config(self.model_config, self.dtype, list(self.mesh.devices.flat))
-        if self.distributed is not None:
-            self.config = multihost.without_swap(self.config)
         self._log_kv_cache()
         self.runner = self._runner(self.model, self.mesh, progress)   # the first replica's under data parallelism
         self.channel = None
@@ -114,10 +110,9 @@ class LLM:
             self.channel.warm_up()
 
     def _log_kv_cache(self) -> None:
-        mc, cc, tp = self.model_config, self.config.cache, self.engine_args.tensor_parallel_size
+        cc, per_block = self.config.cache, self.engine_args.kv_bytes_per_block(self.model_config, self.dtype)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per device), %s", cc.num_gpu_blocks, cc.block_size,
-                    cc.num_gpu_blocks * bytes_per_block(mc.num_layers, cc.block_size, kv_heads_per_device(mc, tp),
-                                                        mc.head_dim, self.dtype) / (1 << 20), self.dtype.name)
+                    cc.num_gpu_blocks * per_block / (1 << 20), self.dtype.name)
 
     def _engine(self, runner: ModelRunner, replica: int) -> Engine:
         args = self.engine_args

@@ -130,9 +130,10 @@ def current() -> Distributed | None:
 
 
 def engine_args_for_job(args):
-    """The options as the job runs them: the model split over all the job's devices, and every
+    """The options as the job runs them: the model split over all the job's devices, every
     step bucket compiled at start-up (a compilation on first use would run under the step
-    timeout, and hold every other process waiting)."""
+    timeout, and hold every other process waiting), and no host swap pool (swapping would need
+    every process to move its own shards of the blocks: preemption recomputes)."""
     import jax
 
     n = jax.device_count()
@@ -141,15 +142,9 @@ def engine_args_for_job(args):
                          f"all {n} devices (give {n}, or leave it at 1), got {args.tensor_parallel_size}")
     if not args.warm_up:
         logger.info("across processes every step bucket is compiled at start-up (--no-warm-up ignored)")
-    return dataclasses.replace(args, tensor_parallel_size=n, warm_up=True)
-
-
-def without_swap(config):
-    """The engine configuration with no host swap pool (swapping would need every process to move
-    its own shards of the blocks): preemption recomputes."""
-    if config.cache.num_cpu_blocks:
+    if args.swap_space:
         logger.info("KV swap to host memory is off across processes: preempted sequences are recomputed")
-    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_cpu_blocks=0))
+    return dataclasses.replace(args, tensor_parallel_size=n, warm_up=True, swap_space=0)
 
 
 def check_same_kernels(model) -> None:
