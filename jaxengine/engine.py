@@ -19,7 +19,7 @@ from jaxengine.trace import StepTrace, TraceWriter, round_seconds
 
 class Runner(Protocol):
     """What the engine asks of a model runner. ``execute`` is all a runner must have; the rest
-    is optional (the fake runners have none of it) and looked up once, when the engine is made:
+    is optional (the fake runners have none of it), looked up when used (a test may wrap it):
 
     - ``dispatch(out) -> handle``: launch the step without waiting; ``handle.result()`` waits
       for its ``ModelRunnerOutput`` (async scheduling needs it).
@@ -80,8 +80,6 @@ class Engine:
         self.timer = timer                            # step times in traces (a simulator passes its clock)
         self.structured = StructuredOutputManager(grammar_compiler)     # None: structured output refused
         self.runner = runner
-        self._dispatch = getattr(runner, "dispatch", None)             # the optional part of ``Runner``
-        self._abandon = getattr(runner, "abandon_uncollected", None)
         self.eos_token_id = eos_token_id
         self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock)
         self.clock = clock
@@ -226,8 +224,9 @@ class Engine:
         seq_ids.update(new.seq_id for out in steps for new in out.new_seqs)
         # The runner may never have seen these steps: tell it again which sequences to forget.
         s.resend_finished(seq_id for out in steps for seq_id in out.finished_seq_ids)
-        if self._abandon is not None:
-            self._abandon()
+        abandon = getattr(self.runner, "abandon_uncollected", None)      # optional (``Runner``)
+        if abandon is not None:
+            abandon()
         return [rid for rid, r in s.requests.items() if any(seq.seq_id in seq_ids for seq in r.seqs)]
 
     def _admit_compiled(self) -> None:
@@ -247,7 +246,8 @@ class Engine:
             self.structured.fill_bitmask(out)
         self._unapplied.append(out)
         idle = self._runner_counter("idle_s")
-        pending = self._dispatch(out) if self._dispatch else _Done(self.runner.execute(out))
+        dispatch = getattr(self.runner, "dispatch", None)     # optional (``Runner``)
+        pending = dispatch(out) if dispatch else _Done(self.runner.execute(out))
         return _Launch(out, pending, self._runner_counter("idle_s") - idle)
 
     def _launch_ahead(self, out: SchedulerOutput) -> _Launch | None:
