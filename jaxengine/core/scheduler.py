@@ -173,8 +173,18 @@ class Scheduler:
         return self._step is not None
 
     def _schedule_running(self, step: StepState) -> None:
-        """Decodes of all running groups, then their partial prefills with the budget left."""
-        kv, bs = self.kv, self.block_size
+        """Decodes of all running groups, then their partial prefills with the budget left.
+
+        The hot path is a one-sequence group's decode (once per decoding request per step): its
+        row is ``_add_row``'s for one token written out over local columns, since a call per row
+        would cost the engine loop a quarter of its host time. Decodes always fit the budget
+        (``max_num_batched_tokens >= max_num_seqs``), so those rows are charged to it once, after
+        the pass; a row taken back meanwhile (``_unschedule``) was credited back there."""
+        kv, bs, out = self.kv, self.block_size, step.out
+        seq_ids, num_tokens, num_samples, rows = (out.seq_ids, out.num_scheduled_tokens,
+                                                  out.num_samples, out.scheduled_seqs)
+        computed, previous = out.num_computed_tokens, out.previous_sample_rows
+        num_decodes = num_seqs = 0
         prefilling = []
         for group in self.running[:]:
             if group.status is not RUNNING:
@@ -182,24 +192,36 @@ class Scheduler:
             seqs = group.seqs
             if len(seqs) == 1 and group.forked:    # hot path: one sequence
                 seq = seqs[0]
-                if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                nc = seq.num_computed_tokens
+                if len(seq.token_ids) - nc != 1:
                     prefilling.append(group)
                     continue
                 if seq.num_pending and self._finishes_by_length(seq):
-                    step.num_seqs += 1             # its token in flight is its last: no row, but
+                    num_seqs += 1                  # its token in flight is its last: no row, but
                     continue                       # it holds its place until update_from_output
-                if seq.num_computed_tokens < len(seq.block_table) * bs:
-                    self._add_row(step, seq, 1, False)    # inside its last block: no allocation
-                elif self._make_room(step, group, lambda: kv.allocate_slots(seq, 1)):
-                    self._add_row(step, seq, 1, True)
-                else:
-                    continue
-                step.num_seqs += 1
+                if nc >= len(seq.block_table) * bs:                 # its last block is full
+                    if not self._make_room(step, group, lambda: kv.allocate_slots(seq, 1)):
+                        continue
+                    if not seq.is_new:
+                        step.changed_seqs.append(seq)
+                if seq.is_new:
+                    step.new_seqs.append(seq)
+                seq_ids.append(seq.seq_id)
+                num_tokens.append(1)
+                num_samples.append(1)              # forked: one token
+                rows.append(seq)
+                computed.append(nc)
+                previous.append(seq.pending_sample_row if seq.num_pending else -1)
+                seq.num_computed_tokens = nc + 1
+                num_decodes += 1
+                num_seqs += 1
             elif self._leaves_partial(group.live_seqs):
                 prefilling.append(group)
             elif self._make_room(step, group, lambda: kv.can_append_slots(group)):
                 self._schedule_seqs(step, group)
-                step.num_seqs += group.max_num_running_seqs
+                num_seqs += group.max_num_running_seqs
+        step.budget -= num_decodes
+        step.num_seqs += num_seqs
         for group in prefilling:
             if group.status is RUNNING:
                 self._schedule_seqs(step, group)
@@ -240,8 +262,8 @@ class Scheduler:
         step.budget -= n
         if computed < len(seq.token_ids):
             out.num_samples.append(0)              # mid-prefill: nothing to sample
-        else:
-            group = seq.request                    # the prompt's end forks an unforked group
+        else:                                      # the prompt's end forks an unforked group
+            group = seq.request
             out.num_samples.append(1 if group.forked or group.beam is not None else group.sampling_params.n)
 
     @staticmethod
@@ -493,7 +515,7 @@ class Scheduler:
                 step.budget += out.num_scheduled_tokens[i]
         for values in (out.seq_ids, out.num_scheduled_tokens, out.num_samples, out.scheduled_seqs,
                        out.num_computed_tokens, out.previous_sample_rows):
-            values[:] = [values[i] for i in keep]   # in place: a caller may hold these lists
+            values[:] = [values[i] for i in keep]   # in place: the decode pass holds these lists
 
     # ------------------------------------------------------------------ finishing
     @staticmethod
