@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.scheduler import Scheduler
-from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepLimits
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.trace import StepTrace, TraceWriter, round_seconds
@@ -264,7 +264,7 @@ class Engine:
         """Schedule a step and launch it on the runner."""
         if self._awaiting_grammar:
             self._admit_compiled()
-        out = self.last_output = self.scheduler.schedule()
+        out = self.last_output = self.scheduler.schedule(self._step_limits())
         if self.scheduler.num_structured:
             self._fill_token_bitmask(out)
         self._unapplied.append(out)
@@ -272,6 +272,12 @@ class Engine:
         idle = self._runner_counter("idle_s")
         pending = dispatch(out) if dispatch else _Done(self.runner.execute(out))
         return _Launch(out, pending, self._runner_counter("idle_s") - idle)
+
+    def _step_limits(self) -> StepLimits | None:
+        """The runner's limits for the next step (it caps them while it still compiles); None for
+        runners without (the configured limits)."""
+        limits = getattr(self.runner, "step_limits", None)
+        return limits() if limits is not None else None
 
     def _launch_ahead(self, out: SchedulerOutput) -> _Launch | None:
         """Async scheduling: the next step, launched before ``out``'s tokens are known (each of

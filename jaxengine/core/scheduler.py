@@ -18,7 +18,7 @@ from collections.abc import Callable
 from jaxengine.config import CacheConfig, SchedulerConfig
 from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
 from jaxengine.core.policy import resolve_policy
-from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput
+from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput, StepLimits
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
 
 RUNNING = RequestStatus.RUNNING
@@ -126,11 +126,15 @@ class Scheduler:
         return sum(g.max_num_running_seqs for g in self.running)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, limits: StepLimits | None = None) -> SchedulerOutput:
+        """This step's rows: at most ``limits`` tokens and sequences (a runner still compiling
+        its larger buckets gives less than the configured limits; None: the configured ones).
+        Whether a request can ever run is judged against the configured limits."""
         now = self.clock()
         out = SchedulerOutput()
         self._out = out
-        self._budget = self.config.max_num_batched_tokens
+        self._limits = limits or StepLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._budget = self._limits.max_num_batched_tokens
         self._preempted = False
         self._step_new: list[Sequence] = []     # sequences the runner has not seen
         self._step_changed: list[Sequence] = []
@@ -289,7 +293,7 @@ class Scheduler:
     def _swap_in(self, group: Request) -> bool:
         """Swap a group in and schedule it; False if it cannot come back now."""
         cfg, kv = self.config, self.kv
-        if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+        if self._num_seqs + group.max_num_running_seqs > self._limits.max_num_seqs:
             return False
         if self._budget < len(group.live_seqs):
             return False                           # every live sequence needs a token
@@ -320,7 +324,7 @@ class Scheduler:
             self.waiting.pop()                     # grew past what can ever be scheduled
             self._finish_unschedulable(group, reason)
             return True
-        if self._num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+        if self._num_seqs + group.max_num_running_seqs > self._limits.max_num_seqs:
             return False
         seqs = group.live_seqs
         hits = [kv.get_computed_blocks(s) for s in seqs]
@@ -438,13 +442,13 @@ class Scheduler:
 
     def _preempt_for_priority(self) -> None:
         """Preempt strictly lower-priority running groups while the best waiting one cannot fit."""
-        head, cfg, kv = self.waiting.peek(), self.config, self.kv
-        chunk_blocks = cdiv(min(head.num_tokens, cfg.max_num_batched_tokens), self.block_size)
+        head, limits, kv = self.waiting.peek(), self._limits, self.kv
+        chunk_blocks = cdiv(min(head.num_tokens, limits.max_num_batched_tokens), self.block_size)
         while self.running:
             victim = self._pick_victim()
             if victim.priority <= head.priority:
                 return
-            seqs_fit = self.num_running_seqs + head.max_num_running_seqs <= cfg.max_num_seqs
+            seqs_fit = self.num_running_seqs + head.max_num_running_seqs <= limits.max_num_seqs
             blocks_fit = kv.num_free_blocks - chunk_blocks >= kv.watermark_blocks
             if seqs_fit and blocks_fit:
                 return

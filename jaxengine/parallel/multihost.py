@@ -154,8 +154,9 @@ def current() -> Distributed | None:
 
 def engine_args_for_job(args):
     """The options as the job runs them: the model split over all the job's devices, and every
-    step bucket compiled at start-up (a compilation on first use would run under the step
-    timeout, and hold every other process waiting)."""
+    step bucket compiled at start-up, before the first step (a compilation on first use would run
+    under the step timeout, and hold every other process waiting; one in the background would
+    leave the processes holding different buckets)."""
     import jax
 
     n = jax.device_count()
@@ -164,7 +165,7 @@ def engine_args_for_job(args):
                          f"all {n} devices (give {n}, or leave it at 1), got {args.tensor_parallel_size}")
     if not args.warm_up:
         logger.info("across processes every step bucket is compiled at start-up (--no-warm-up ignored)")
-    return dataclasses.replace(args, tensor_parallel_size=n, warm_up=True)
+    return dataclasses.replace(args, tensor_parallel_size=n, warm_up=True, compile_mode="eager")
 
 
 def without_swap(config):
@@ -403,7 +404,7 @@ class StepChannel:
         """The next command from process 0: (command, moves, inputs or None)."""
         from jax.experimental import multihost_utils
 
-        from jaxengine.runner.model_runner import NO_MOVES, BlockMoves
+        from jaxengine.core.scheduler_output import NO_MOVES, BlockMoves
 
         with self.watchdog.guard("waiting for process 0 (its next step or heartbeat)"):
             header = multihost_utils.broadcast_one_to_all(np.zeros(_HEADER_WORDS, np.int32))
