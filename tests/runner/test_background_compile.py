@@ -59,11 +59,28 @@ def gated(tmp_path_factory):
     llm.runner.close()
 
 
-def test_a_background_compiling_engine_serves_within_the_compiled_buckets(gated):
+@pytest.fixture(scope="module")
+def health(gated):
+    """GET /health of a server app on the engine (its engine thread not started)."""
+    from fastapi.testclient import TestClient
+
+    from jaxengine.serve.api_server import build_app
+    from jaxengine.serve.async_engine import AsyncEngine
+    from jaxengine.serve.metrics import EngineMetrics
+
+    app = build_app(AsyncEngine(gated[0]), served_model_name="tiny", metrics=EngineMetrics("tiny"))
+    client = TestClient(app)
+    return lambda: client.get("/health")
+
+
+def test_a_background_compiling_engine_serves_within_the_compiled_buckets(gated, health):
     llm, gate = gated
     runner = llm.runner
     assert list(runner._executables) == [(16, 8)] and runner.is_compiling
     assert runner.step_limits() == (16, 8) and llm.compile_progress() == (1, 4)
+    reply = health()
+    assert reply.status_code == 200 and reply.json() == {"status": "ok", "all_buckets_compiled": False,
+                                                         "step_buckets_compiled": 1, "step_buckets": 4}
     llm.engine.traces = []
     long_prompt = list(range(1, 41))
     with runner.forbid_compiles():
@@ -95,9 +112,10 @@ def test_a_group_larger_than_the_compiled_rows_waits_for_them(gated):
     assert runner.step_limits() == (64, 16) and llm.compile_progress() == (4, 4)
 
 
-def test_once_compiled_the_limits_are_the_configured_ones(gated):
+def test_once_compiled_the_limits_are_the_configured_ones(gated, health):
     llm, _ = gated
     llm.wait_until_compiled()
+    assert health().json()["all_buckets_compiled"] is True
     llm.engine.traces = []
     with llm.runner.forbid_compiles():
         llm.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)

@@ -41,7 +41,12 @@ def test_a_fork_of_32_copying_its_partial_block_compiles_nothing(llm, monkeypatc
     """One 3-token prompt with n = 32: the first decode copies the shared partial block for 31
     of the 32 sequences (the last writes in place), a copy list longer than 4 sequences' blocks."""
     copies, apply = [], llm.runner.mover.apply
-    monkeypatch.setattr(llm.runner.mover, "apply", lambda kv, out, in_, cp: copies.append(len(cp)) or apply(kv, out, in_, cp))
+
+    def recording(kv_caches, swap_out, swap_in, to_copy):
+        copies.append(len(to_copy))
+        return apply(kv_caches, swap_out, swap_in, to_copy)
+
+    monkeypatch.setattr(llm.runner.mover, "apply", recording)
     before = len(LOWERINGS)
     with llm.runner.forbid_compiles():
         out = llm.generate([[5, 6, 7]], SamplingParams(n=32, temperature=1.0, max_tokens=4), use_tqdm=False)
