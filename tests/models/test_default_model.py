@@ -91,7 +91,7 @@ def test_the_gguf_tokenizer_is_built_once_then_loaded_from_the_cache(smollm2, tm
             built.encode(text))
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert apply_chat_template(cached, messages) == apply_chat_template(built, messages)
-    assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == (built.eos_token_id, built.bos_token_id, len(built))
+    assert [(t.eos_token_id, t.bos_token_id, len(t)) for t in (cached, built)] == [(2, 1, 49152)] * 2
 
 
 def test_an_unreachable_registry_says_how_to_use_a_local_model(tmp_path, monkeypatch):
