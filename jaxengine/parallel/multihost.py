@@ -283,14 +283,14 @@ class StepChannel:
         self._last_send = time.monotonic()
         self._stopped = False
         self._templates: dict[tuple[int, int], object] = {}
-        # Payload sizes in words: powers of two up to the largest step (every input sent) with a
-        # copy of every block.
+        # Payload sizes in words: powers of two up to the largest step (every input sent) with the
+        # most block copies a step can emit.
         t, b = runner.token_buckets[-1], runner.request_buckets[-1]
         if len(_leaves(self._template(t, b))) > 31:
             raise RuntimeError("a step has more inputs than the header's mask of sent inputs holds")
         largest = sum(_aligned(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape)))
                       for _, leaf in _leaves(self._template(t, b)))
-        largest += _aligned(8 * runner.mover.buckets[-1])
+        largest += _aligned(8 * runner.mover.max_copies)
         self.payload_buckets = [_MIN_PAYLOAD_WORDS]
         while self.payload_buckets[-1] * 4 < largest:
             self.payload_buckets.append(self.payload_buckets[-1] * 2)
