@@ -117,12 +117,12 @@ class BackgroundCompiler:
             self._progress.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every stage is compiled (True) or ``timeout`` seconds pass (False). Raises
-        what the thread raised, if it failed."""
+        """Wait for the thread: True once every stage is compiled, False when ``timeout`` seconds
+        passed first or it was closed before the end. Raises what the thread raised, if it failed."""
         self._thread.join(timeout)
         if self.error is not None:
             raise RuntimeError(f"background compilation failed: {self.error}") from self.error
-        return not self._thread.is_alive()
+        return self._num_stages_done == len(self.stages)
 
     def wait_for_stage(self, timeout: float) -> None:
         """Wait until the next stage is published, the thread ends, or ``timeout`` passes."""
@@ -132,7 +132,7 @@ class BackgroundCompiler:
                                     timeout)
 
     def close(self) -> None:
-        """Stop after the compile in progress, and wait for it."""
+        """Stop after the compile in progress (or the ``before_compile`` call), and wait for it."""
         self._stop.set()
         if self._thread.ident is not None:
             self._thread.join()
@@ -140,8 +140,6 @@ class BackgroundCompiler:
 
 
 _running: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
-
-
 _exit_hook_registered = False
 
 

@@ -34,11 +34,11 @@ def _copy(kv_caches, src, dst):
 # The most (from, to) pairs one step's lists can hold, from the scheduler's and the KV cache
 # manager's rules; the mover compiles every padded length up to these at start-up.
 # - Copies: a copy-on-write happens when a scheduled sequence's next write lands in a block that
-#   another sequence also holds. ``allocate_slots`` runs once per scheduled sequence per step (a
-#   failed one changes nothing, and a victim's pending copies are dropped), and copies at most
-#   its one write block: at most one copy per sequence in the step, so at most ``max_num_seqs``;
-#   and each takes a free device block, so at most ``num_gpu_blocks - 1`` (block 0 is never
-#   handed out).
+#   another sequence also holds. ``allocate_slots`` succeeds at most once per sequence per step
+#   (a failed call changes nothing; a preempted victim's pending copies are dropped) and copies
+#   at most the one block it writes into first: at most one copy per scheduled sequence, so at
+#   most ``max_num_seqs``; each takes a free device block, so at most ``num_gpu_blocks - 1``
+#   (block 0 is never handed out).
 # - Swap out: the preempted groups' distinct blocks move into free host blocks
 #   (``can_swap_out`` counts them against the free host pool, cumulatively over the step's
 #   victims), so at most ``num_cpu_blocks``; they leave the device pool, so at most

@@ -167,8 +167,9 @@ class ModelRunner:
     def compile_in_background(self, progress: bool = True,
                               before_compile: Callable[[tuple[int, int]], None] | None = None) -> None:
         """Compile the block moves and the smallest bucket now, the other buckets on a thread
-        (``runner.compile``: in stages, largest last). Until a stage is done, ``step_limits``
-        keeps the steps within the buckets compiled so far, so none compiles on the serving path."""
+        (in the stages of ``compile_stages``, largest last). Until a stage is done,
+        ``step_limits`` keeps the steps within the buckets compiled so far, so none compiles on
+        the serving path."""
         start = time.perf_counter()
         self.mover.compile_all(self.kv_caches)
         first, *rest = compile_stages(self.token_buckets, self.request_buckets)
