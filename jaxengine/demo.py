@@ -51,6 +51,7 @@ def model_demo(args: argparse.Namespace) -> None:
     from jaxengine.llm import LLM
 
     llm = LLM(args.model, max_num_batched_tokens=256, max_num_seqs=16, max_model_len=1024)
+    llm.wait_until_compiled()           # the speed printed below is the compiled engine's
     start = time.perf_counter()
     outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                        SamplingParams(temperature=0, max_tokens=64))

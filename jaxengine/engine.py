@@ -10,7 +10,7 @@ from typing import NamedTuple, Protocol
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.scheduler import Scheduler
-from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepLimits
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import StructuredOutputManager
@@ -26,6 +26,8 @@ class Runner(Protocol):
     - ``abandon_uncollected()``: after a failed step, forget the launched steps not collected.
     - ``idle_s`` / ``device_wait_s``: seconds the device sat idle before launches / the host
       blocked on the device's results, for the step traces.
+    - ``step_limits() -> StepLimits``: the most tokens and rows the next step may hold (less than
+      configured while larger buckets still compile).
     """
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -241,7 +243,7 @@ class Engine:
         """Schedule a step and launch it on the runner."""
         if self.structured.awaiting:
             self._admit_compiled()
-        out = self.last_output = self.scheduler.schedule()
+        out = self.last_output = self.scheduler.schedule(self._step_limits())
         if self.scheduler.num_structured:
             self.structured.fill_bitmask(out)
         self._unapplied.append(out)
@@ -249,6 +251,12 @@ class Engine:
         dispatch = getattr(self.runner, "dispatch", None)     # optional (``Runner``)
         pending = dispatch(out) if dispatch else _Done(self.runner.execute(out))
         return _Launch(out, pending, self._runner_counter("idle_s") - idle)
+
+    def _step_limits(self) -> StepLimits | None:
+        """The runner's limits for the next step (it caps them while it still compiles); None for
+        runners without (the configured limits)."""
+        limits = getattr(self.runner, "step_limits", None)
+        return limits() if limits is not None else None
 
     def _launch_ahead(self, out: SchedulerOutput) -> _Launch | None:
         """Async scheduling: the next step, launched before ``out``'s tokens are known (each of

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from jaxengine.config import PREEMPTION_MODES, CacheConfig, EngineConfig, SchedulerConfig
 from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
+from jaxengine.runner.compile import COMPILE_MODES
 
 GiB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
@@ -104,7 +105,15 @@ class EngineArgs:
               "parallelism each replica writes its own, named with .replicaN before the suffix "
               "(steps.replica0.jsonl)")
     skip_tokenizer_init: bool = _option(False, "load no tokenizer (prompts must be token ids)")
-    warm_up: bool = _option(True, "compile every step bucket at start-up")
+    warm_up: bool = _option(
+        True, "compile the step buckets and block moves at start-up (--compile-mode says whether the engine serves "
+              "before all are done); --no-warm-up compiles each on first use, counted and logged")
+    compile_mode: str = _option(
+        "background", "background: serve as soon as the smallest step bucket is compiled and compile the others on "
+                      "a thread, smallest first (until a bucket is ready the steps stay within the compiled ones: "
+                      "a long prompt is chunked more, a large group waits); eager: compile every bucket before "
+                      "serving. A job over several processes always compiles eagerly: every process must hold "
+                      "the same executables before the first step", choices=COMPILE_MODES)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):

@@ -129,7 +129,7 @@ class LLM:
         args = self.engine_args
         return ModelRunner(model, self.model_config, self.config, dtype=self.dtype, warm_up=args.warm_up,
                            progress=progress, token_buckets=args.token_buckets,
-                           request_buckets=args.request_buckets, mesh=mesh)
+                           request_buckets=args.request_buckets, mesh=mesh, compile_mode=args.compile_mode)
 
     def _replica_model(self, modules: list, replica: int, mesh, progress: bool):
         """Data-parallel replica ``replica``'s model: a copy of the given module, or the
@@ -177,6 +177,25 @@ class LLM:
         return eos[0] if isinstance(eos, list) else eos
 
     # ---- public API ----
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until every step bucket is compiled (``compile_mode="background"`` compiles most
+        of them while the engine already serves); benchmarks call it before measuring. False if
+        ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(r.wait_until_compiled(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for r in self.runners)
+
+    def compile_progress(self) -> tuple[int, int]:
+        """(step buckets compiled, step buckets), over every replica."""
+        return (sum(r.num_compiled_buckets for r in self.runners),
+                sum(len(r.bucket_pairs()) for r in self.runners))
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """Every replica's runner."""
+        engine = getattr(self, "engine", None)
+        return [e.runner for e in engine.replicas] if isinstance(engine, DataParallelEngine) else [self.runner]
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Prompts -> outputs in input order. A prompt is a string, a list of token ids, or one of

@@ -1,8 +1,10 @@
 """Tokenizers (transformers), chat templates, and a tokenizer per thread for the server."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -13,8 +15,28 @@ def load_tokenizer(path: str | os.PathLike):
 
     path = Path(path)
     if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return _gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _gguf_tokenizer(path: Path):
+    """Building the tokenizer from a GGUF file reads all of the file's metadata, which takes
+    seconds; the first time it is saved beside the file's converted weights (in the cache), and
+    later starts load that folder."""
+    from transformers import AutoTokenizer
+
+    from jaxengine.models.paths import converted_cache_path
+
+    cached = converted_cache_path(path) / "tokenizer"
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+        tokenizer.save_pretrained(tmp)
+        with contextlib.suppress(OSError):        # another process saved it first
+            os.rename(tmp, cached)                # complete, or not there at all
+    return tokenizer
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

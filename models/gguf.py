@@ -11,7 +11,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.weight_cache import cached_config, converted_cache_path, restore_converted, save_converted
+from jaxengine.models.paths import converted_cache_path
+from jaxengine.models.weight_cache import cached_config, restore_converted, save_converted
 
 _GGUF_NAMES = [
     (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,16 +18,7 @@ from jaxengine.models.config import ModelConfig, RopeScaling
 from jaxengine.models.hf_tensors import KV_HEAD_AXIS, ArraySource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
-from jaxengine.models.paths import cache_dir
 from jaxengine.models.registry import abstract_model
-
-
-def converted_cache_path(path: Path) -> Path:
-    """The cache folder of ``path``'s converted weights: keyed by its size and modification time
-    too, so a file replaced in place is converted again."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{path.stem}-{key}"
 
 
 # In the cache folder: the parameters as an orbax checkpoint, in our stacked layout, float32, KV

@@ -338,6 +338,7 @@ def engine(smoke: bool, ceil: dict, backend: str, kv_write: str, tuned: dict) ->
         model.layers.self_attn.kv_write_fn = write_kv_pallas if kv_write == "pallas" else write_kv
         try:
             llm = LLM(model, **options)
+            llm.wait_until_compiled()
             break
         except Exception as error:          # noqa: BLE001 - recorded; the next pair is tried
             failures[f"{backend} + {kv_write}"] = f"{type(error).__name__}: {str(error)[:300]}"

@@ -85,6 +85,7 @@ def main() -> None:
             model = tiny_checkpoint(folder)
         llm = LLM(model, max_num_seqs=args.batch, max_num_batched_tokens=max(512, args.batch * args.prompt),
                   max_model_len=args.prompt + args.output + 16, progress=False)
+        llm.wait_until_compiled()
         fill, advance = Timer(Matcher, "fill"), Timer(Matcher, "accept")
         rng = random.Random(0)
         turn(llm, args, True, rng)                             # warm-up: compiles, the grammar's first masks

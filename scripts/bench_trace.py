@@ -43,7 +43,8 @@ def build_llm(batch: int, prompt: int, output: int, trace_file: Path) -> LLM:
     return LLM(model, model_config=TINY, progress=False, max_num_seqs=batch, max_num_batched_tokens=budget,
                token_buckets=[batch, budget], request_buckets=[batch], block_size=16,
                max_model_len=prompt + output + 16, enable_prefix_caching=False,
-               num_kv_blocks=batch * ((prompt + output) // 16 + 2) + 1, trace_file=str(trace_file))
+               num_kv_blocks=batch * ((prompt + output) // 16 + 2) + 1, trace_file=str(trace_file),
+               compile_mode="eager")
 
 
 def decode_step_times(llm: LLM, batch: int, prompt: int, output: int, seed: int) -> list[float]:

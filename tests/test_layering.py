@@ -16,13 +16,13 @@ FOLDERS = {"jaxengine": "jaxengine", "models": "jaxengine.models", "kernels": "j
 # prefix decides a module's layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("types", ("jaxengine.config", "jaxengine.sampling_params", "jaxengine.request", "jaxengine.outputs",
-               "jaxengine.trace", "jaxengine.tokenizer", "jaxengine.models.config", "jaxengine.models.paths")),
+               "jaxengine.trace", "jaxengine.models.config", "jaxengine.models.paths")),
     ("kernels", ("jaxengine.kernels",)),
     ("models", ("jaxengine.models", "jaxengine.sample")),
     ("core", ("jaxengine.core", "jaxengine.structured_output")),
     ("runner", ("jaxengine.runner",)),
     ("engine", ("jaxengine.engine", "jaxengine.engine_args", "jaxengine.output_processor", "jaxengine.parallel",
-                "jaxengine.default_model")),
+                "jaxengine.default_model", "jaxengine.tokenizer")),
     ("doors", ("jaxengine", "jaxengine.llm", "jaxengine.serve", "jaxengine.generate", "jaxengine.bench",
                "jaxengine.lab", "jaxengine.demo", "jaxengine.logs", "jaxengine.multihost_worker")),
 ]

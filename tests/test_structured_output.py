@@ -40,7 +40,7 @@ def llm(chat_checkpoint):
     from jaxengine.llm import LLM
 
     return LLM(chat_checkpoint, max_num_batched_tokens=64, max_num_seqs=16, block_size=4, max_model_len=256,
-               num_kv_blocks=600, progress=False)
+               num_kv_blocks=600, progress=False, compile_mode="eager")
 
 
 def constrained(**kind) -> SamplingParams:
@@ -100,7 +100,7 @@ def test_preemption_and_prefix_caching_keep_outputs_valid(chat_checkpoint, llm):
     from jaxengine.llm import LLM
 
     small = LLM(chat_checkpoint, max_num_batched_tokens=32, max_num_seqs=8, block_size=4, max_model_len=256,
-                num_kv_blocks=40, enable_prefix_caching=True, progress=False)
+                num_kv_blocks=40, enable_prefix_caching=True, progress=False, compile_mode="eager")
     small.engine.traces = []
     params = [constrained(json=s) for s in SCHEMAS.values()] * 2
     prompts = ["The shared part of a prompt, then " + str(i) for i in range(len(params))]
@@ -163,7 +163,7 @@ def test_async_scheduling_runs_the_others_ahead_while_grammars_wait_for_their_to
     from jaxengine.llm import LLM
 
     fast = LLM(chat_checkpoint, max_num_batched_tokens=64, max_num_seqs=16, block_size=4, max_model_len=256,
-               num_kv_blocks=600, async_scheduling=True, progress=False)
+               num_kv_blocks=600, async_scheduling=True, progress=False, compile_mode="eager")
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     params = [constrained(json=s) for s in SCHEMAS.values()] + [plain] * len(PROMPTS)
     prompts = [PROMPTS[0]] * len(SCHEMAS) + PROMPTS

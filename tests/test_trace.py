@@ -133,7 +133,7 @@ def tiny_llm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     make_checkpoint(folder, "llama")
     return LLM(str(folder), skip_tokenizer_init=True, token_buckets=[8, 16], request_buckets=[8], max_num_seqs=8,
-               max_num_batched_tokens=16, block_size=4, max_model_len=64, progress=False,
+               max_num_batched_tokens=16, block_size=4, max_model_len=64, progress=False, compile_mode="eager",
                trace_file=str(folder / "steps.jsonl")), folder / "steps.jsonl"
 
 

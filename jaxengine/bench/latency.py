@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 from jaxengine.bench.report import print_table
 from jaxengine.bench.roofline import floor_seconds, flops_per_token, matmul_gflops
 from jaxengine.bench.throughput import model_info, start_engine
+from jaxengine.core.scheduler_output import NO_MOVES
 from jaxengine.engine_args import EngineArgs, comma_separated
-from jaxengine.runner.model_runner import NO_MOVES
 from jaxengine.sampling_params import SamplingParams
 
 KINDS = ("prefill", "decode")

@@ -27,7 +27,7 @@ from jaxengine.core import beam_search
 from jaxengine.core.beam_search import BeamSearch
 from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
 from jaxengine.core.policy import resolve_policy
-from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput
+from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput, StepLimits
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
 from jaxengine.structured_output import StructuredOutputManager
 
@@ -41,6 +41,7 @@ class StepState:
     out: SchedulerOutput                  # the step being built
     now: float
     budget: int                           # tokens left to hand out
+    limits: StepLimits                    # this step's most tokens and sequences
     num_seqs: int = 0                     # sequences running in this step (against max_num_seqs)
     num_partial: int = 0                  # groups part-way through their prefill
     preempted: bool = False               # a step that preempted admits nothing
@@ -147,13 +148,15 @@ class Scheduler:
         return sum(g.max_num_running_seqs for g in self.running)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
-        """The next step. Guarantees: at most ``max_num_batched_tokens`` tokens and
-        ``max_num_seqs`` sequences; running groups are served before swapped ones and swapped
-        ones (fcfs) before any admission; a step that preempted admits nothing; every row's
-        blocks are allocated for its tokens."""
+    def schedule(self, limits: StepLimits | None = None) -> SchedulerOutput:
+        """The next step. Guarantees: at most ``limits`` tokens and sequences (a runner still
+        compiling its larger buckets gives less than the configured limits; None: the configured
+        ones); running groups are served before swapped ones and swapped ones (fcfs) before any
+        admission; a step that preempted admits nothing; every row's blocks are allocated for
+        its tokens. Whether a request can ever run is judged against the configured limits."""
         now = self.clock()
-        step = self._step = StepState(SchedulerOutput(), now, self.config.max_num_batched_tokens)
+        limits = limits or StepLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step = self._step = StepState(SchedulerOutput(), now, limits.max_num_batched_tokens, limits)
         passed_delay = self._passed_delay(now)
         if self.policy.ranks and len(self.waiting):
             self._preempt_for_priority(step)
@@ -178,8 +181,8 @@ class Scheduler:
         The hot path is a one-sequence group's decode (once per decoding request per step): its
         row is ``_add_row``'s for one token written out over local columns, since a call per row
         would cost the engine loop a quarter of its host time. Decodes always fit the budget
-        (``max_num_batched_tokens >= max_num_seqs``), so those rows are charged to it once, after
-        the pass; a row taken back meanwhile (``_unschedule``) was credited back there."""
+        (a step's limits allow at least a token per sequence), so those rows are charged to it
+        once, after the pass; a row taken back meanwhile (``_unschedule``) was credited back there."""
         kv, bs, out = self.kv, self.block_size, step.out
         seq_ids, num_tokens, num_samples, rows = (out.seq_ids, out.num_scheduled_tokens,
                                                   out.num_samples, out.scheduled_seqs)
@@ -321,7 +324,7 @@ class Scheduler:
     def _swap_in(self, step: StepState, group: Request) -> bool:
         """Swap a group in and schedule it; False if it cannot come back now."""
         cfg, kv, seqs = self.config, self.kv, group.live_seqs
-        if step.num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+        if step.num_seqs + group.max_num_running_seqs > step.limits.max_num_seqs:
             return False
         if step.budget < len(seqs):
             return False                           # every live sequence needs a token
@@ -351,7 +354,7 @@ class Scheduler:
             self.waiting.pop()                     # grew past what can ever be scheduled
             self._finish_unschedulable(group, reason)
             return True
-        if step.num_seqs + group.max_num_running_seqs > cfg.max_num_seqs:
+        if step.num_seqs + group.max_num_running_seqs > step.limits.max_num_seqs:
             return False
         seqs = group.live_seqs
         hits = [kv.get_computed_blocks(s) for s in seqs]
@@ -456,13 +459,13 @@ class Scheduler:
 
     def _preempt_for_priority(self, step: StepState) -> None:
         """Preempt strictly lower-priority running groups while the best waiting one cannot fit."""
-        head, cfg, kv = self.waiting.peek(), self.config, self.kv
-        chunk_blocks = cdiv(min(head.num_tokens, cfg.max_num_batched_tokens), self.block_size)
+        head, limits, kv = self.waiting.peek(), step.limits, self.kv
+        chunk_blocks = cdiv(min(head.num_tokens, limits.max_num_batched_tokens), self.block_size)
         while self.running:
             victim = self.policy.victim(self.running)
             if victim.priority <= head.priority:
                 return
-            seqs_fit = self.num_running_seqs + head.max_num_running_seqs <= cfg.max_num_seqs
+            seqs_fit = self.num_running_seqs + head.max_num_running_seqs <= limits.max_num_seqs
             blocks_fit = kv.num_free_blocks - chunk_blocks >= kv.watermark_blocks
             if seqs_fit and blocks_fit:
                 return

@@ -7,6 +7,7 @@ finished and preempted."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from jaxengine.sampling_params import SamplingParams
 
@@ -62,6 +63,29 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seq_ids
+
+
+class BlockMoves(NamedTuple):
+    """A step's block moves (swap out, swap in, copy), each a list of (from, to) block pairs: the
+    part of a ``SchedulerOutput`` that the device applies before the step."""
+
+    swap_out: list
+    swap_in: list
+    copy: list
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy)
+
+
+NO_MOVES = BlockMoves([], [], [])
+
+
+class StepLimits(NamedTuple):
+    """The most one step may hold: its token budget and its sequences (rows). The configured
+    limits, or less while the runner has not yet compiled the buckets for them."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
 
 
 @dataclass

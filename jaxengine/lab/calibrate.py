@@ -65,6 +65,7 @@ def _load(model, progress: bool, engine_options: dict):
     llm = LLM(model, progress=progress, **engine_options)
     if not isinstance(llm.engine, Engine):
         raise ValueError("calibrate: one engine replica (data_parallel_size=1)")
+    llm.wait_until_compiled()           # every bucket measured, none sharing the cores with a compile
     return llm
 
 

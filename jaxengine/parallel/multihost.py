@@ -131,9 +131,10 @@ def current() -> Distributed | None:
 
 def engine_args_for_job(args):
     """The options as the job runs them: the model split over all the job's devices, every
-    step bucket compiled at start-up (a compilation on first use would run under the step
-    timeout, and hold every other process waiting), and no host swap pool (swapping would need
-    every process to move its own shards of the blocks: preemption recomputes)."""
+    step bucket compiled at start-up, before the first step (a compilation on first use would
+    run under the step timeout, and hold every other process waiting; one in the background
+    would leave the processes holding different buckets), and no host swap pool (swapping
+    would need every process to move its own shards of the blocks: preemption recomputes)."""
     import jax
 
     n = jax.device_count()
@@ -144,7 +145,7 @@ def engine_args_for_job(args):
         logger.info("across processes every step bucket is compiled at start-up (--no-warm-up ignored)")
     if args.swap_space:
         logger.info("KV swap to host memory is off across processes: preempted sequences are recomputed")
-    return dataclasses.replace(args, tensor_parallel_size=n, warm_up=True, swap_space=0)
+    return dataclasses.replace(args, tensor_parallel_size=n, warm_up=True, compile_mode="eager", swap_space=0)
 
 
 def check_same_kernels(model) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxengine.parallel.multihost import Distributed, fatal
-from jaxengine.runner.model_runner import NO_MOVES, BlockMoves
+from jaxengine.core.scheduler_output import NO_MOVES, BlockMoves
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +101,14 @@ class StepChannel:
         self._last_send = time.monotonic()
         self._stopped = False
         self._templates: dict[tuple[int, int], object] = {}
-        # Payload sizes in words: powers of two up to the largest step (every input sent) with a
-        # copy of every block.
+        # Payload sizes in words: powers of two up to the largest step (every input sent) with the
+        # most block copies a step can emit.
         t, b = runner.token_buckets[-1], runner.request_buckets[-1]
         leaves = jax.tree_util.tree_leaves(self._template(t, b))
         if len(leaves) > 31:
             raise RuntimeError("a step has more inputs than the header's mask of sent inputs holds")
         largest = sum(_aligned(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape))) for leaf in leaves)
-        largest += _aligned(8 * runner.mover.buckets[-1])
+        largest += _aligned(8 * runner.mover.max_copies)
         self.payload_buckets = [_MIN_PAYLOAD_WORDS]
         while self.payload_buckets[-1] * 4 < largest:
             self.payload_buckets.append(self.payload_buckets[-1] * 2)

@@ -243,8 +243,8 @@ class InputBatch:
     def _device_full(self, shape: tuple, value, dtype=np.int32) -> jax.Array:
         key = (shape, np.dtype(dtype).name, value)
         array = self._zeros.get(key)
-        if array is None:
-            array = self._zeros[key] = jax.device_put(np.full(shape, value, dtype), self.placement)
+        if array is None:      # setdefault: a background compile may build the same one meanwhile
+            array = self._zeros.setdefault(key, jax.device_put(np.full(shape, value, dtype), self.placement))
         return array
 
     def record_samples(self, out: SchedulerOutput, slots: np.ndarray, tokens: np.ndarray) -> None:

@@ -31,28 +31,62 @@ def _copy(kv_caches, src, dst):
     return tuple(c.at[:, dst].set(c[:, src]) for c in kv_caches)
 
 
-def _jitted_moves(kv_sharding=None) -> tuple:
-    """(gather, scatter, copy); the caches the last two return keep ``kv_sharding``."""
-    return (jax.jit(_gather), jax.jit(_scatter, donate_argnums=(0,), out_shardings=kv_sharding),
-            jax.jit(_copy, donate_argnums=(0,), out_shardings=kv_sharding))
+# The most (from, to) pairs one step's lists can hold, from the scheduler's and the KV cache
+# manager's rules; the mover compiles every padded length up to these at start-up.
+# - Copies: a copy-on-write happens when a scheduled sequence's next write lands in a block that
+#   another sequence also holds. ``allocate_slots`` succeeds at most once per sequence per step
+#   (a failed call changes nothing; a preempted victim's pending copies are dropped) and copies
+#   at most the one block it writes into first: at most one copy per scheduled sequence, so at
+#   most ``max_num_seqs``; each takes a free device block, so at most ``num_gpu_blocks - 1``
+#   (block 0 is never handed out).
+# - Swap out: the preempted groups' distinct blocks move into free host blocks
+#   (``can_swap_out`` counts them against the free host pool, cumulatively over the step's
+#   victims), so at most ``num_cpu_blocks``; they leave the device pool, so at most
+#   ``num_gpu_blocks - 1``.
+# - Swap in: the resumed groups' blocks leave the host pool for free device blocks: the same bound.
+# - Without a host pool nothing is ever swapped, and no swap is compiled.
+def max_block_moves(num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int) -> tuple[int, int]:
+    """(most copies, most swapped blocks) of one step's move lists."""
+    device = max(num_gpu_blocks - 1, 0)
+    return min(max_num_seqs, device), min(num_cpu_blocks, device)
+
+
+MOVE_KINDS = ("swap_out", "swap_in", "copy")
+
+
+def _jitted_move(kind: str, kv_sharding=None):
+    """The jitted move of one kind; the caches it returns keep ``kv_sharding``."""
+    if kind == "swap_out":
+        return jax.jit(_gather)
+    return jax.jit(_scatter if kind == "swap_in" else _copy, donate_argnums=(0,), out_shardings=kv_sharding)
+
+
+def _padded_length(n: int, buckets: list[int]) -> int:
+    """The bucket for ``n`` pairs; beyond the last one (no step should get there), a power of two."""
+    if buckets and n <= buckets[-1]:
+        return pick_bucket(n, buckets)
+    return 1 << (n - 1).bit_length()
 
 
 class BlockMover:
-    """Swap and copy whole blocks. Index lists are padded to power-of-two lengths with null-block
-    pairs (0 -> 0), so their executables are few; those up to a size are compiled ahead of time
-    (``compile_up_to``) and any other compiles on first use after telling ``on_compile``."""
+    """Swap and copy whole blocks. Each kind's index lists are padded with null-block pairs
+    (0 -> 0) to power-of-two lengths up to the most one step can hold (``max_block_moves``), so
+    their executables are few; ``compile_all`` compiles them all, and a longer list compiles
+    on first use after telling ``on_compile``."""
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, kv_shape: tuple, num_layers: int, dtype,
-                 on_compile: Callable[[str], None] = lambda what: None, mesh=None) -> None:
-        self.buckets = power_of_two_buckets(1, max(num_gpu_blocks, 1))
+                 max_num_seqs: int, on_compile: Callable[[str], None] = lambda what: None, mesh=None) -> None:
+        self.max_copies, self.max_swaps = max_block_moves(num_gpu_blocks, num_cpu_blocks, max_num_seqs)
+        swaps = power_of_two_buckets(1, self.max_swaps) if self.max_swaps else []
+        self.buckets = {"swap_out": swaps, "swap_in": swaps, "copy": power_of_two_buckets(1, self.max_copies)}
         self.host = np.zeros((num_layers, 2, max(num_cpu_blocks, 1), *kv_shape), jnp.dtype(dtype))
         self.on_compile = on_compile
         self.mesh = mesh               # the caches' mesh (the moves are compiled for their sharding)
-        self._executables: dict[int, tuple] = {}     # index-list length -> (gather, scatter, copy)
+        self._executables: dict[tuple[str, int], object] = {}     # (kind, index-list length) -> move
 
-    def _pad(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
+    def _pad(self, kind: str, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
         n = len(pairs)
-        size = pick_bucket(n, self.buckets)
+        size = _padded_length(n, self.buckets[kind])
         a = np.zeros(size, np.int32)
         b = np.zeros(size, np.int32)
         a[:n], b[:n] = zip(*pairs)
@@ -60,27 +94,27 @@ class BlockMover:
 
     def apply(self, kv_caches, swap_out, swap_in, copies):
         if swap_out:
-            dev, host, n = self._pad(swap_out)
-            k, v = self._moves(kv_caches, len(dev))[0](kv_caches, dev)
+            dev, host, n = self._pad("swap_out", swap_out)
+            k, v = self._move(kv_caches, "swap_out", len(dev))(kv_caches, dev)
             self.host[:, 0, host[:n]] = np.asarray(k)[:, :n]
             self.host[:, 1, host[:n]] = np.asarray(v)[:, :n]
         if swap_in:
-            host, dev, _ = self._pad(swap_in)    # padding pairs write into the null block: harmless
+            host, dev, _ = self._pad("swap_in", swap_in)    # padding pairs write into the null block: harmless
             blocks = (self.host[:, 0, host], self.host[:, 1, host])
-            kv_caches = self._moves(kv_caches, len(dev))[1](kv_caches, dev, blocks)
+            kv_caches = self._move(kv_caches, "swap_in", len(dev))(kv_caches, dev, blocks)
         if copies:
-            src, dst, _ = self._pad(copies)
-            kv_caches = self._moves(kv_caches, len(src))[2](kv_caches, src, dst)
+            src, dst, _ = self._pad("copy", copies)
+            kv_caches = self._move(kv_caches, "copy", len(src))(kv_caches, src, dst)
         return kv_caches
 
-    def _moves(self, kv_caches, size: int) -> tuple:
-        moves = self._executables.get(size)
-        if moves is None:
-            self.on_compile(f"block moves of {size}")
-            moves = self._executables[size] = self._compile(kv_caches, size)
-        return moves
+    def _move(self, kv_caches, kind: str, size: int):
+        move = self._executables.get((kind, size))
+        if move is None:
+            self.on_compile(f"block {kind.replace('_', ' ')} of {size}")
+            move = self._executables[(kind, size)] = self._compile(kv_caches, kind, size)
+        return move
 
-    def _compile(self, kv_caches, size: int) -> tuple:
+    def _compile(self, kv_caches, kind: str, size: int):
         replicated = kv = None
         if self.mesh is not None:
             from jaxengine.models.mesh import kv_cache_sharding, replicated as replicated_on
@@ -88,15 +122,18 @@ class BlockMover:
             replicated, kv = replicated_on(self.mesh), kv_cache_sharding(self.mesh)
         idx = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)
         caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=kv) for c in kv_caches)
-        blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], size, *c.shape[2:]), c.dtype, sharding=kv)
-                       for c in kv_caches)
-        gather, scatter, copy = _jitted_moves(kv)
-        return (gather.lower(caches, idx).compile(), scatter.lower(caches, idx, blocks).compile(),
-                copy.lower(caches, idx, idx).compile())
+        move = _jitted_move(kind, kv)
+        if kind == "swap_out":
+            return move.lower(caches, idx).compile()
+        if kind == "swap_in":
+            blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], size, *c.shape[2:]), c.dtype, sharding=kv)
+                           for c in kv_caches)
+            return move.lower(caches, idx, blocks).compile()
+        return move.lower(caches, idx, idx).compile()
 
-    def compile_up_to(self, kv_caches, max_pairs: int) -> None:
-        """Compile the moves for every index-list bucket up to ``max_pairs``."""
-        for size in self.buckets:
-            if size > max_pairs:
-                break
-            self._executables[size] = self._compile(kv_caches, size)
+    def compile_all(self, kv_caches) -> int:
+        """Compile every kind's moves for every padded length a step can produce; returns how many."""
+        for kind in MOVE_KINDS:
+            for size in self.buckets[kind]:
+                self._executables[(kind, size)] = self._compile(kv_caches, kind, size)
+        return sum(map(len, self.buckets.values()))

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +16,13 @@ from tqdm.auto import tqdm
 
 from jaxengine.config import EngineConfig
 from jaxengine.core.kv_cache_manager import cdiv
-from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxengine.core.scheduler_output import BlockMoves, ModelRunnerOutput, SchedulerOutput, StepLimits
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
 from jaxengine.runner.buckets import step_row_buckets
+from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of
 from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.buckets import token_buckets as default_token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
@@ -31,6 +32,7 @@ from jaxengine.sample.sampler import SamplerOutput, logprobs_of, sample
 from jaxengine.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05      # an empty step waits this long at most for buckets still compiling
 
 
 def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp_want, prompt_lp_target, *,
@@ -71,20 +73,6 @@ class PendingStep:
         return self._result
 
 
-class BlockMoves(NamedTuple):
-    """A step's block moves (swap out, swap in, copy), each a list of (from, to) block pairs."""
-
-    swap_out: list
-    swap_in: list
-    copy: list
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy)
-
-
-NO_MOVES = BlockMoves([], [], [])
-
-
 class CompilationError(RuntimeError):
     """A compilation after start-up while compilations are forbidden."""
 
@@ -99,7 +87,12 @@ class ModelRunner:
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, dtype=jnp.float32,
                  warm_up: bool = True, progress: bool = True, token_buckets: list[int] | None = None,
-                 request_buckets: list[int] | None = None, mesh: Mesh | None = None) -> None:
+                 request_buckets: list[int] | None = None, mesh: Mesh | None = None, compile_mode: str = "eager",
+                 before_compile: Callable[[tuple[int, int]], None] | None = None) -> None:
+        """``warm_up``: compile the step buckets and block moves at start-up, every one before
+        returning (``compile_mode="eager"``) or the smallest bucket now and the others on a thread
+        (``"background"``, ``compile_in_background``; ``before_compile`` runs there before each).
+        Without it each compiles on first use, counted in ``num_compiles``."""
         sc, cc = config.scheduler, config.cache
         self.mesh = mesh
         self._replicated = None if mesh is None else replicated(mesh)
@@ -118,7 +111,7 @@ class ModelRunner:
                                         sharding=None if mesh is None else kv_cache_sharding(mesh))
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
-                                on_compile=self._note_compile, mesh=mesh)
+                                sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
         max_rows = self.request_buckets[-1]
         self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows),
                                                 mesh=mesh)
@@ -134,10 +127,23 @@ class ModelRunner:
         # Under several processes (process 0 only): sends each launch's moves and inputs to the
         # others and watches for a peer that is gone (``parallel.step_channel.StepChannel``).
         self.channel = None
-        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}   # (tokens, rows) -> step
+        # (tokens, rows) -> step. A background compile adds an entry once its compile is done, and
+        # raises the limits once a stage's entries are all in.
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._limits = limits_of((self.token_buckets[-1], self.request_buckets[-1]))
+        self._compiler: BackgroundCompiler | None = None
+        # Steps compile against the caches' shapes: a background compile must not touch the
+        # caches themselves, which each step donates.
+        self._kv_spec = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding),
+                                     self.kv_caches)
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode: must be one of {list(COMPILE_MODES)}, got {compile_mode!r}")
         if warm_up:
             enable_persistent_cache()
-            self.compile_all(progress)
+            if compile_mode == "eager":
+                self.compile_all(progress)
+            else:
+                self.compile_in_background(progress, before_compile)
 
     # ---- compilation ----
     def bucket_pairs(self) -> list[tuple[int, int]]:
@@ -146,23 +152,83 @@ class ModelRunner:
         return [(t, b) for t in self.token_buckets for b in self.request_buckets]
 
     def compile_all(self, progress: bool = True) -> None:
-        """Compile ahead of time an executable per bucket; a compiled executable never compiles
-        again, so a step can only compile by reaching a bucket that has none."""
+        """Compile ahead of time an executable per bucket and the block moves; a compiled
+        executable never compiles again, so a step can only compile by reaching a bucket that
+        has none."""
         start = time.perf_counter()
-        pairs = self.bucket_pairs()
-        for t, b in tqdm(pairs, desc="compiling buckets", disable=not progress):
-            self._executables[(t, b)] = self._compile_step(self.batch.padded(t, b))
-        # Block moves of up to 4 sequences' worth of blocks are compiled now; larger ones (rare)
-        # compile on first use and are counted.
-        self.mover.compile_up_to(self.kv_caches, 4 * self.batch.max_blocks_per_seq)
-        message = f"compiled {len(pairs)} step buckets in {time.perf_counter() - start:.1f} s"
+        self.mover.compile_all(self.kv_caches)
+        stages = compile_stages(self.token_buckets, self.request_buckets)
+        pairs = [pair for stage in stages for pair in stage.pairs]
+        for pair in tqdm(pairs, desc="compiling buckets", disable=not progress):
+            self._compile_pair(pair)
+        self._limits = limits_of(stages[-1].largest)
+        self._say(f"compiled {len(pairs)} step buckets in {time.perf_counter() - start:.1f} s", progress)
+
+    def compile_in_background(self, progress: bool = True,
+                              before_compile: Callable[[tuple[int, int]], None] | None = None) -> None:
+        """Compile the block moves and the smallest bucket now, the other buckets on a thread
+        (in the stages of ``compile_stages``, largest last). Until a stage is done,
+        ``step_limits`` keeps the steps within the buckets compiled so far, so none compiles on
+        the serving path."""
+        start = time.perf_counter()
+        self.mover.compile_all(self.kv_caches)
+        first, *rest = compile_stages(self.token_buckets, self.request_buckets)
+        for pair in first.pairs:
+            self._compile_pair(pair)
+        self._limits = limits_of(first.largest)
+        total = len(self.bucket_pairs())
+        elapsed = time.perf_counter() - start
+        if not rest:
+            self._say(f"compiled {total} step buckets in {elapsed:.1f} s", progress)
+            return
+        self._say(f"compiled the smallest step bucket in {elapsed:.1f} s; compiling the other {total - 1} in "
+                  f"the background (until then steps stay within the buckets compiled)", progress)
+        self._compiler = BackgroundCompiler(
+            rest, self._compile_pair, self._publish, before_compile=before_compile,
+            on_done=lambda seconds: self._say(f"all {total} step buckets compiled ({seconds:.1f} s in the "
+                                              f"background)", progress))
+        self._compiler.start()
+
+    def _compile_pair(self, pair: tuple[int, int]) -> None:
+        self._executables[pair] = self._compile_step(self.batch.padded(*pair))    # once compiled
+
+    def _publish(self, limits: StepLimits) -> None:
+        self._limits = limits
+        logger.info("step buckets compiled up to %d tokens and %d rows (%d of %d)", *limits,
+                    len(self._executables), len(self.bucket_pairs()))
+
+    @staticmethod
+    def _say(message: str, progress: bool) -> None:
         if progress:
             print(f"jaxengine: {message}", flush=True)
         else:
             logger.info(message)
 
+    def step_limits(self) -> StepLimits:
+        """The most tokens and sequences a step may hold now: the configured limits once every
+        bucket is compiled, less while some are still compiling in the background."""
+        return self._limits
+
+    @property
+    def num_compiled_buckets(self) -> int:
+        return len(self._executables)
+
+    @property
+    def is_compiling(self) -> bool:
+        """Buckets are being compiled in the background."""
+        return self._compiler is not None and self._compiler.is_running
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compilation (if any) to finish; False if ``timeout`` passed first."""
+        return self._compiler is None or self._compiler.wait(timeout)
+
+    def close(self) -> None:
+        """Stop compiling in the background (after the compile in progress)."""
+        if self._compiler is not None:
+            self._compiler.close()
+
     def _compile_step(self, inputs: StepInputs):
-        return self.step_fn.lower(*self._step_args(inputs)).compile()
+        return self.step_fn.lower(*self._step_args(inputs, self._kv_spec)).compile()
 
     def _executable(self, inputs: StepInputs):
         executable = self._executables.get(inputs.bucket)
@@ -202,6 +268,7 @@ class ModelRunner:
         moves = BlockMoves(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         inputs, slots = self.batch.prepare(out) if out.seq_ids else (None, None)
         if inputs is None and not moves:
+            self._wait_for_buckets()
             return PendingStep(self, out, None, None, None)
         if inputs is not None:
             self._count_launch()
@@ -215,7 +282,15 @@ class ModelRunner:
         self._uncollected.append(step)
         return step
 
-    def launch(self, moves: "BlockMoves", inputs: StepInputs | None):
+    def _wait_for_buckets(self) -> None:
+        """An empty step while buckets compile in the background: requests may be waiting for
+        them (a prompt that cannot be chunked, a group of more sequences than the limits allow);
+        wait a moment for the next stage instead of letting the engine spin on the cores the
+        compiler needs."""
+        if self.is_compiling:
+            self._compiler.wait_for_stage(IDLE_WAIT_S)
+
+    def launch(self, moves: BlockMoves, inputs: StepInputs | None):
         """The device part of a step: apply the block moves, then launch the compiled step for
         ``inputs`` (None: moves only). Returns the step's device result without waiting for it."""
         if moves:
@@ -277,10 +352,10 @@ class ModelRunner:
         self.kv_caches, result = executable(*self._step_args(inputs))
         return result
 
-    def _step_args(self, inputs: StepInputs) -> tuple:
+    def _step_args(self, inputs: StepInputs, kv_caches=None) -> tuple:
         ids = (inputs.input_ids, self._previous_tokens, inputs.prev_index)
-        return (self.state, self.kv_caches, ids, inputs.attention, inputs.logits_indices, inputs.sampling,
-                inputs.prompt_lp_want, inputs.prompt_lp_target)
+        return (self.state, self.kv_caches if kv_caches is None else kv_caches, ids, inputs.attention,
+                inputs.logits_indices, inputs.sampling, inputs.prompt_lp_want, inputs.prompt_lp_target)
 
     def _prompt_logprobs(self, inputs: StepInputs, slots: np.ndarray, out: SchedulerOutput, prompt_lp) -> list | None:
         """Per row: [(position, {prompt token: logprob, top-k...})] for the prompt tokens this step scored."""

@@ -140,10 +140,13 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
 
     @app.get("/health")
     async def health():
-        """200 while the engine serves; 503 with the reason once it cannot (restart it)."""
+        """200 while the engine serves, saying how many step buckets are compiled (it serves
+        while the larger ones compile); 503 with the reason once it cannot (restart it)."""
         if (problem := engine.health_problem) is not None:
             return error_response(503, f"the server cannot serve requests: {problem}")
-        return Response(status_code=200)
+        compiled, total = llm.compile_progress()
+        return {"status": "ok", "all_buckets_compiled": compiled == total, "step_buckets_compiled": compiled,
+                "step_buckets": total}
 
     @app.get("/version")
     async def version():

@@ -312,3 +312,48 @@ def test_duplicate_request_ids_are_refused():
     h.add("x", 3)
     with pytest.raises(ValueError, match="request_id: 'x' is already in use"):
         h.add("x", 3)
+
+
+def test_step_limits_cap_the_budget_and_the_sequences_and_lifting_them_goes_on():
+    """A runner still compiling gives smaller limits: a long prompt is chunked to them, a group
+    wider than them waits (never refused: the configured limits hold it), and with the
+    configured limits back the same requests finish as they would have."""
+    from jaxengine.core.scheduler_output import StepLimits
+
+    spec = [(("long", 20), dict(max_tokens=3)), (("a", 3), dict(max_tokens=3)), (("wide", 3), dict(max_tokens=3, n=4))]
+    h = Harness(max_num_batched_tokens=64, max_num_seqs=8)
+    h.runner.step_limits = lambda: StepLimits(8, 2)
+    for args, kwargs in spec:
+        h.add(*args, **kwargs)
+    for _ in range(12):
+        h.step()
+        assert sum(h.last.num_scheduled_tokens) <= 8 and len(h.last.seq_ids) <= 2
+    assert h.requests["long"].is_finished and h.requests["a"].is_finished
+    assert h.requests["wide"].status is RequestStatus.WAITING                   # 4 samples > 2 rows
+    h.runner.step_limits = lambda: StepLimits(64, 8)
+    h.run()
+    assert h.outputs() == unconstrained_outputs(spec)
+
+
+def test_without_chunking_a_prompt_longer_than_the_step_limit_waits_for_it():
+    from jaxengine.core.scheduler_output import StepLimits
+
+    h = Harness(max_num_batched_tokens=32, enable_chunked_prefill=False)
+    h.runner.step_limits = lambda: StepLimits(16, 8)
+    h.add("long", 20, max_tokens=2)
+    assert h.step() == {} and h.requests["long"].status is RequestStatus.WAITING
+    h.runner.step_limits = lambda: StepLimits(32, 8)
+    assert h.step() == {"long": 20}
+
+
+def test_priority_preemption_counts_sequences_against_the_step_limit():
+    from jaxengine.core.scheduler_output import StepLimits
+
+    h = Harness(policy="priority", max_num_seqs=8)
+    h.runner.step_limits = lambda: StepLimits(64, 2)
+    h.add("low", 4, max_tokens=20, priority=5)
+    h.add("low2", 4, max_tokens=20, priority=5)
+    assert h.step() == {"low": 4, "low2": 4}
+    h.add("vip", 4, max_tokens=2, priority=0)                   # a third sequence: over the limit of 2
+    assert h.step() == {"low": 1} and h.last.num_preemptions == 1
+    assert h.step() == {"low": 1, "vip": 4}

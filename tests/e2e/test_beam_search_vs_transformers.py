@@ -34,7 +34,7 @@ def reference(hf_model, prompt, width, eos=None, max_tokens=MAX_TOKENS, length_p
 
 def engine(folder, **options):
     base = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=32, block_size=4,
-                max_model_len=64, num_kv_blocks=256, swap_space=0.01, progress=False)
+                max_model_len=64, num_kv_blocks=256, swap_space=0.01, progress=False, compile_mode="eager")
     return LLM(folder, **{**base, **options})
 
 

@@ -15,7 +15,7 @@ def test_pallas_backend_generates_what_the_reference_does(tmp_path, variant):
     model_type, overrides = VARIANTS[variant]
     make_checkpoint(tmp_path, model_type, **overrides)
     engine = dict(skip_tokenizer_init=True, block_size=16, max_num_batched_tokens=32, max_num_seqs=4,
-                  max_model_len=128, num_kv_blocks=40, progress=False)
+                  max_model_len=128, num_kv_blocks=40, progress=False, compile_mode="eager")
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outputs = {}
     for backend in ("reference", "pallas"):
@@ -38,7 +38,8 @@ def test_mosaic_kernel_generates_what_the_triton_kernel_does(tmp_path):
         pytest.skip("the Mosaic GPU kernel runs on sm_90 or interpreted")
     make_checkpoint(tmp_path, "llama", head_dim=64)
     engine = dict(skip_tokenizer_init=True, block_size=16, max_num_batched_tokens=32, max_num_seqs=4,
-                  max_model_len=128, num_kv_blocks=40, progress=False, dtype="bfloat16")
+                  max_model_len=128, num_kv_blocks=40, progress=False, dtype="bfloat16",
+                  compile_mode="eager")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outputs = {}
     with transposed_wgmma_operands():
@@ -62,7 +63,7 @@ def test_pallas_kv_write_generates_what_the_scatter_does():
     cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     engine = dict(model_config=cfg, block_size=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128,
-                  num_kv_blocks=40, progress=False)
+                  num_kv_blocks=40, progress=False, compile_mode="eager")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     outputs = {}
     for name, writer in (("scatter", model.layers.self_attn.kv_write_fn), ("pallas", write_kv_pallas)):

@@ -15,7 +15,7 @@ def hf_and_llm(tmp_path_factory):
     hf = make_checkpoint(folder, "llama")
     return hf, LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
                    async_scheduling=True,
-                   max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False)
+                   max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False, compile_mode="eager")
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,8 @@ def test_async_scheduling_gives_the_same_tokens_and_logprobs(hf_and_llm, tmp_pat
     token and logprob of a seeded workload with preemption, n > 1, stop tokens and penalties."""
     llm = hf_and_llm[1]
     sync = LLM(llm.model_path, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
-               max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False, async_scheduling=False)
+               max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False, async_scheduling=False,
+               compile_mode="eager")
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(60)]
     params = [SamplingParams(max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 2]), temperature=rng.choice([0, 1.0]),

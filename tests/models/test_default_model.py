@@ -72,6 +72,29 @@ def test_tokenizer_and_chat_template_come_from_the_gguf(smollm2):
     assert tok.decode(ids).endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_the_gguf_tokenizer_is_built_once_then_loaded_from_the_cache(smollm2, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    path = smollm2[0]
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path))
+    built = load_tokenizer(path)
+    assert (tmp_path / "converted").exists() and len(list(tmp_path.glob("converted/*/tokenizer"))) == 1
+    from_pretrained = AutoTokenizer.from_pretrained
+
+    def no_gguf(*args, **kwargs):
+        assert "gguf_file" not in kwargs, "the GGUF was read again"
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_gguf)
+    cached = load_tokenizer(path)
+    for text in ("héllo wörld", "  spaces\n\ttabs <|im_start|> x", "日本語 🎉", "The capital of France is"):
+        assert cached.encode(text) == built.encode(text) and cached.decode(cached.encode(text)) == built.decode(
+            built.encode(text))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert apply_chat_template(cached, messages) == apply_chat_template(built, messages)
+    assert [(t.eos_token_id, t.bos_token_id, len(t)) for t in (cached, built)] == [(2, 1, 49152)] * 2
+
+
 def test_an_unreachable_registry_says_how_to_use_a_local_model(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path))
 

@@ -155,14 +155,18 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10)
 def single(chat_checkpoint):
     from jaxengine import LLM
 
-    return LLM(chat_checkpoint, **ENGINE)
+    llm = LLM(chat_checkpoint, **ENGINE)
+    llm.wait_until_compiled()           # the tests compare schedules: all buckets from the start
+    return llm
 
 
 @pytest.fixture(scope="module")
 def dp_llm(chat_checkpoint):
     from jaxengine import LLM
 
-    return LLM(chat_checkpoint, **ENGINE, tensor_parallel_size=2, data_parallel_size=2, async_scheduling=True)
+    llm = LLM(chat_checkpoint, **ENGINE, tensor_parallel_size=2, data_parallel_size=2, async_scheduling=True)
+    llm.wait_until_compiled()
+    return llm
 
 
 def test_replicas_run_on_their_own_devices(dp_llm):
@@ -170,6 +174,13 @@ def test_replicas_run_on_their_own_devices(dp_llm):
 
     devices = [{d.id for d in r.runner.kv_caches[0].sharding.device_set} for r in dp_llm.engine.replicas]
     assert devices == [{d.id for d in jax.devices()[:2]}, {d.id for d in jax.devices()[2:4]}]
+
+
+def test_each_replica_compiled_its_buckets_in_the_background(dp_llm):
+    runners = dp_llm.runners
+    assert [sorted(r._executables) for r in runners] == [[(8, 8), (16, 8)]] * 2
+    assert all(r.step_limits() == (16, 8) and not r.is_compiling for r in runners)
+    assert dp_llm.compile_progress() == (4, 4)
 
 
 def test_offline_generate_equals_one_device_without_compiling_or_leaking(single, dp_llm):

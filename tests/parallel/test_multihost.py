@@ -27,7 +27,7 @@ MAX_TOKENS = 10
 TIMEOUT = 10            # --distributed-timeout of the jobs, seconds
 START_S = 240           # most a job may take to start (load and compile, two processes on few cores)
 OPTIONS = dict(skip_tokenizer_init=True, token_buckets=[8, 16], request_buckets=[8], max_num_seqs=8,
-               max_num_batched_tokens=16, block_size=4, max_model_len=64, num_kv_blocks=16)
+               max_num_batched_tokens=16, block_size=4, max_model_len=64, num_kv_blocks=16, compile_mode="eager")
 OUR_ERROR = "jaxengine: distributed failure on process"
 JAX_ERROR = "JAX distributed service detected fatal errors"      # JAX's runtime when process 0 is gone
 

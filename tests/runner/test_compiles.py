@@ -19,21 +19,39 @@ def llm(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("llama-compiles")
     make_checkpoint(folder, "llama")
-    return LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=32, block_size=4,
-               max_model_len=64, num_kv_blocks=160, swap_space=0.002, progress=False)
+    # The default block size: 64 tokens are 4 blocks a sequence, fewer than a fork of 32 copies.
+    return LLM(folder, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=32, max_model_len=64,
+               num_kv_blocks=160, swap_space=0.002, progress=False, compile_mode="eager")
 
 
-def test_start_up_compiles_every_token_and_row_bucket(llm):
-    assert llm.runner.token_buckets == [16, 32, 64] and llm.runner.request_buckets == [8, 16, 32]
-    assert sorted(llm.runner._executables) == [(t, b) for t in (16, 32, 64) for b in (8, 16, 32)]
+def test_eager_start_up_compiles_every_token_and_row_bucket_and_block_move(llm):
+    runner = llm.runner
+    assert runner.token_buckets == [16, 32, 64] and runner.request_buckets == [8, 16, 32]
+    assert sorted(runner._executables) == [(t, b) for t in (16, 32, 64) for b in (8, 16, 32)]
+    assert runner.step_limits() == (64, 32) and not runner.is_compiling and runner.wait_until_compiled(0)
+    host_blocks = llm.config.cache.num_cpu_blocks
+    assert host_blocks > 160                      # the device pool bounds the swaps: 159 blocks
+    swaps = [1, 2, 4, 8, 16, 32, 64, 128, 159]
+    assert runner.mover.buckets == {"copy": [1, 2, 4, 8, 16, 32], "swap_out": swaps, "swap_in": swaps}
+    assert sorted(runner.mover._executables) == sorted(
+        [("copy", n) for n in (1, 2, 4, 8, 16, 32)] + [(kind, n) for kind in ("swap_out", "swap_in") for n in swaps])
 
 
-def test_a_short_prompt_with_n_32_compiles_nothing(llm):
+def test_a_fork_of_32_copying_its_partial_block_compiles_nothing(llm, monkeypatch):
+    """One 3-token prompt with n = 32: the first decode copies the shared partial block for 31
+    of the 32 sequences (the last writes in place), a copy list longer than 4 sequences' blocks."""
+    copies, apply = [], llm.runner.mover.apply
+
+    def recording(kv_caches, swap_out, swap_in, to_copy):
+        copies.append(len(to_copy))
+        return apply(kv_caches, swap_out, swap_in, to_copy)
+
+    monkeypatch.setattr(llm.runner.mover, "apply", recording)
     before = len(LOWERINGS)
     with llm.runner.forbid_compiles():
-        out = llm.generate([[5, 17, 99]], SamplingParams(n=32, temperature=1.0, seed=1, max_tokens=4,
-                                                         ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs) == 32 and all(len(c.token_ids) == 4 for c in out[0].outputs)
+        out = llm.generate([[5, 6, 7]], SamplingParams(n=32, temperature=1.0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs) == 32 and all(1 <= len(c.token_ids) <= 4 for c in out[0].outputs)
+    assert max(copies) > 4 * llm.runner.batch.max_blocks_per_seq
     assert llm.runner.num_compiles == 0 and len(LOWERINGS) == before
 
 
@@ -75,18 +93,30 @@ def test_block_moves_beyond_the_compiled_sizes_compile_once_and_are_told():
     from jaxengine.runner.kv_cache import BlockMover
 
     told = []
-    mover = BlockMover(16, 4, (3, 1, 5), 2, jnp.float32, on_compile=told.append)
+    mover = BlockMover(16, 4, (3, 1, 5), 2, jnp.float32, max_num_seqs=2, on_compile=told.append)
     caches = tuple(jnp.arange(2 * 16 * 15, dtype=jnp.float32).reshape(2, 16, 3, 1, 5) + i for i in range(2))
-    mover.compile_up_to(caches, 2)
+    assert mover.compile_all(caches) == 2 + 3 + 3           # copies of 1, 2; swaps of 1, 2, 4 blocks each way
     before = len(LOWERINGS)
     caches = mover.apply(caches, [], [], [(1, 9)])                   # one pair: compiled at start-up
     assert told == [] and len(LOWERINGS) == before
     expected = [np.array(c) for c in caches]
     for e in expected:
         e[:, [10, 11, 12]] = e[:, [2, 3, 4]]
-    caches = mover.apply(caches, [], [], [(2, 10), (3, 11), (4, 12)])  # three pairs: padded to 4
-    assert told == ["block moves of 4"] and len(LOWERINGS) > before
+    caches = mover.apply(caches, [], [], [(2, 10), (3, 11), (4, 12)])  # more than a step can copy: padded to 4
+    assert told == ["block copy of 4"] and len(LOWERINGS) > before
     assert all((np.asarray(c) == e).all() for c, e in zip(caches, expected))
     lowered = len(LOWERINGS)
     mover.apply(caches, [], [], [(2, 10), (3, 11), (4, 12)])
-    assert told == ["block moves of 4"] and len(LOWERINGS) == lowered
+    assert told == ["block copy of 4"] and len(LOWERINGS) == lowered
+
+
+def test_without_a_host_pool_no_swap_is_compiled():
+    import jax.numpy as jnp
+
+    from jaxengine.runner.kv_cache import BlockMover, max_block_moves
+
+    assert max_block_moves(num_gpu_blocks=100, num_cpu_blocks=500, max_num_seqs=64) == (64, 99)
+    assert max_block_moves(num_gpu_blocks=40, num_cpu_blocks=0, max_num_seqs=64) == (39, 0)
+    mover = BlockMover(16, 0, (3, 1, 5), 2, jnp.float32, max_num_seqs=8)
+    caches = tuple(jnp.zeros((2, 16, 3, 1, 5)) for _ in range(2))
+    assert mover.compile_all(caches) == 4 and sorted(mover._executables) == [("copy", n) for n in (1, 2, 4, 8)]

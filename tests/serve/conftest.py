@@ -10,7 +10,7 @@ import pytest
 API_KEY = "test-key"
 MAX_MODEL_LEN = 128
 ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=32, block_size=4, max_model_len=MAX_MODEL_LEN,
-              num_kv_blocks=400, progress=False, async_scheduling=True)
+              num_kv_blocks=400, progress=False, async_scheduling=True, compile_mode="eager")
 
 
 def free_port() -> int:

@@ -124,5 +124,7 @@ def test_models_tokenize_detokenize_health_version(server, client):
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "héllo"}).json()
     assert tokens == {"tokens": [71, 127, 102, 75, 75, 78], "count": 6, "max_model_len": MAX_MODEL_LEN}
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok", "all_buckets_compiled": True,
+                                                            "step_buckets_compiled": 9, "step_buckets": 9}
     assert httpx.get(f"{server.url}/version").json()["version"] == "0.1.0"

@@ -1,0 +1,159 @@
+"""Start-up compilation of the step buckets: the order they are compiled in, and the thread that
+compiles all but the smallest while the engine already serves.
+
+The compiled set grows as a rectangle of (token bucket, row bucket) pairs, the token side and
+the row side taking turns, so whenever the largest compiled pair is (T, B) every pair (t <= T,
+b <= B) is compiled too: a step the scheduler builds within T tokens and B rows pads to a
+compiled bucket. The largest pair comes last.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+from jaxengine.core.scheduler_output import StepLimits
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("background", "eager")
+Pair = tuple[int, int]               # (token bucket, row bucket)
+
+# One background compile at a time in the process (data-parallel replicas each have a compiler):
+# they share the cores with the steps being served.
+_ONE_AT_A_TIME = threading.Lock()
+
+
+class CompileStage(NamedTuple):
+    """Pairs to compile, and the largest pair compiled once they are (with all earlier stages)."""
+
+    pairs: list[Pair]
+    largest: Pair
+
+
+def compile_stages(token_buckets: list[int], row_buckets: list[int]) -> list[CompileStage]:
+    """Every (token, row) bucket pair, in stages: the smallest pair, then alternately the next
+    token bucket (with every row bucket compiled so far) and the next row bucket (with every
+    token bucket so far); a side that has reached its largest bucket lets the other go on."""
+    i = j = 0
+    stages = [CompileStage([(token_buckets[0], row_buckets[0])], (token_buckets[0], row_buckets[0]))]
+    grow_tokens = True
+    while i < len(token_buckets) - 1 or j < len(row_buckets) - 1:
+        if j == len(row_buckets) - 1 or (grow_tokens and i < len(token_buckets) - 1):
+            i += 1
+            pairs = [(token_buckets[i], b) for b in row_buckets[:j + 1]]
+        else:
+            j += 1
+            pairs = [(t, row_buckets[j]) for t in token_buckets[:i + 1]]
+        grow_tokens = not grow_tokens
+        stages.append(CompileStage(pairs, (token_buckets[i], row_buckets[j])))
+    return stages
+
+
+def limits_of(largest: Pair) -> StepLimits:
+    """A step's limits when ``largest`` is the largest compiled pair. The rows are capped by the
+    tokens too: every running sequence decodes a token each step whatever the budget, so the
+    sequences admitted must fit the token bucket."""
+    tokens, rows = largest
+    return StepLimits(tokens, min(rows, tokens))
+
+
+class BackgroundCompiler:
+    """Compiles ``stages`` in order on a daemon thread: ``compile_pair`` for each pair (it
+    publishes the executable once compiled), then ``publish`` with the stage's limits.
+    ``before_compile(pair)``, if given, runs on the thread before each compile (tests pause or
+    slow it there). ``close`` stops after the compile in progress; at interpreter exit every
+    compiler still running is closed, so none compiles while the interpreter goes down."""
+
+    def __init__(self, stages: list[CompileStage], compile_pair: Callable[[Pair], None],
+                 publish: Callable[[StepLimits], None], *, before_compile: Callable[[Pair], None] | None = None,
+                 on_done: Callable[[float], None] | None = None) -> None:
+        self.stages = stages
+        self.compile_pair, self.publish = compile_pair, publish
+        self.before_compile, self.on_done = before_compile, on_done
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._progress = threading.Condition()
+        self._num_stages_done = 0
+        self._thread = threading.Thread(target=self._run, name="jaxengine-compile", daemon=True)
+
+    def start(self) -> None:
+        _close_at_exit(self)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            for stage in self.stages:
+                for pair in stage.pairs:
+                    if self.before_compile is not None:
+                        self.before_compile(pair)
+                    if self._stop.is_set():
+                        return
+                    with _ONE_AT_A_TIME:
+                        self.compile_pair(pair)
+                self.publish(limits_of(stage.largest))
+                self._advance()
+            if self.on_done is not None:
+                self.on_done(time.perf_counter() - start)
+        except BaseException as error:     # noqa: BLE001 - reported by wait(); the compiled buckets serve on
+            self.error = error
+            logger.exception("background compilation failed; steps stay within the buckets compiled so far")
+        finally:
+            self._advance(final=True)
+
+    def _advance(self, final: bool = False) -> None:
+        with self._progress:
+            if not final:
+                self._num_stages_done += 1
+            self._progress.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the thread: True once every stage is compiled, False when ``timeout`` seconds
+        passed first or it was closed before the end. Raises what the thread raised, if it failed."""
+        self._thread.join(timeout)
+        if self.error is not None:
+            raise RuntimeError(f"background compilation failed: {self.error}") from self.error
+        return self._num_stages_done == len(self.stages)
+
+    def wait_for_stage(self, timeout: float) -> None:
+        """Wait until the next stage is published, the thread ends, or ``timeout`` passes."""
+        with self._progress:
+            seen = self._num_stages_done
+            self._progress.wait_for(lambda: self._num_stages_done != seen or not self._thread.is_alive(),
+                                    timeout)
+
+    def close(self) -> None:
+        """Stop after the compile in progress (or the ``before_compile`` call), and wait for it."""
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join()
+        _running.discard(self)
+
+
+_running: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _close_at_exit(compiler: BackgroundCompiler) -> None:
+    """Close ``compiler`` at interpreter exit if it still runs. The hook is registered with the
+    first compiler, after JAX's own exit hooks (registered as its backends start), so it runs
+    before them: exit hooks run last registered first."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_close_running)
+        _exit_hook_registered = True
+    _running.add(compiler)
+
+
+def _close_running() -> None:
+    for compiler in list(_running):
+        compiler.close()
