@@ -127,6 +127,7 @@ class EngineArgs:
             if choices is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         resolve_policy(self.scheduling_policy, field="scheduling_policy")
+        self.step_buckets()                 # refused now, naming the option, not when the runner starts
 
     # ---- the three doors ----
     @classmethod
@@ -199,10 +200,9 @@ class EngineArgs:
 
     def step_buckets(self) -> tuple[list[int], list[int]]:
         """The token and row buckets the runner compiles: those given, else its defaults."""
-        from jaxengine.runner.buckets import step_row_buckets, token_buckets
+        from jaxengine.runner.buckets import step_buckets
 
-        return (self.token_buckets or token_buckets(self.max_num_batched_tokens),
-                self.request_buckets or step_row_buckets(self.max_num_seqs))
+        return step_buckets(self.max_num_batched_tokens, self.max_num_seqs, self.token_buckets, self.request_buckets)
 
     def engine_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> EngineConfig:
         """The frozen configs of these options, given the pool sizes and the model length (what the

@@ -127,9 +127,10 @@ class LLM:
 
     def _runner(self, model, mesh, progress: bool) -> ModelRunner:
         args = self.engine_args
+        token_buckets, request_buckets = args.step_buckets()
         return ModelRunner(model, self.model_config, self.config, dtype=self.dtype, warm_up=args.warm_up,
-                           progress=progress, token_buckets=args.token_buckets,
-                           request_buckets=args.request_buckets, mesh=mesh, compile_mode=args.compile_mode)
+                           progress=progress, token_buckets=token_buckets, request_buckets=request_buckets,
+                           mesh=mesh, compile_mode=args.compile_mode)
 
     def _replica_model(self, modules: list, replica: int, mesh, progress: bool):
         """Data-parallel replica ``replica``'s model: a copy of the given module, or the

@@ -106,6 +106,20 @@ class OldestFirst(SchedulingPolicy):
         return (request.arrival_time,)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(max_num_batched_tokens=64, token_buckets=[16, 32]), r"token_buckets: must be positive and end at 64 "),
+    (dict(max_num_seqs=8, request_buckets=[0, 8]), r"request_buckets: must be positive and end at 8 "),
+])
+def test_bad_step_buckets_are_refused_with_the_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**options)
+
+
+def test_the_step_buckets_are_worked_out_once_from_the_options():
+    assert EngineArgs(max_num_batched_tokens=64, max_num_seqs=16).step_buckets() == ([16, 32, 64], [8, 16])
+    assert EngineArgs(max_num_batched_tokens=64, token_buckets=[64, 8, 8]).step_buckets()[0] == [8, 64]
+
+
 @pytest.mark.parametrize("spec, message", [
     ("lifo", "must be one of \\['fcfs', 'priority', 'shortest-prompt-first', 'longest-cached-prefix-first'\\] "
              "or 'module:Class'"),

@@ -27,6 +27,25 @@ def step_row_buckets(max_num_seqs: int) -> list[int]:
     return request_buckets(max_num_seqs, minimum=min(8, max_num_seqs))
 
 
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, token_buckets_given: list[int] | None = None,
+                 request_buckets_given: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """The (token, row) buckets of a runner's steps: those given (sorted; each list must be
+    positive and end at its limit, a ValueError naming the option otherwise), else the defaults.
+    The one place they are worked out: the options, the runner and the lab all ask here."""
+    return (_checked(token_buckets_given, max_num_batched_tokens, "token_buckets")
+            or token_buckets(max_num_batched_tokens),
+            _checked(request_buckets_given, max_num_seqs, "request_buckets") or step_row_buckets(max_num_seqs))
+
+
+def _checked(buckets: list[int] | None, largest: int, name: str) -> list[int] | None:
+    if buckets is None:
+        return None
+    buckets = sorted(set(buckets))
+    if not buckets or buckets[0] < 1 or buckets[-1] != largest:
+        raise ValueError(f"{name}: must be positive and end at {largest} (the step's limit), got {buckets}")
+    return buckets
+
+
 def pick_bucket(n: int, buckets: list[int]) -> int:
     """The smallest bucket >= n."""
     i = bisect.bisect_left(buckets, n)

@@ -21,10 +21,9 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
-from jaxengine.runner.buckets import step_row_buckets
+from jaxengine.runner.buckets import step_buckets
 from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of
 from jaxengine.runner.compile_cache import enable_persistent_cache
-from jaxengine.runner.buckets import token_buckets as default_token_buckets
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
 from jaxengine.sample.metadata import SamplingMetadata
@@ -49,15 +48,6 @@ def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp
                              lambda: logprobs_of(model.compute_logits(hidden), prompt_lp_target, MAX_LOGPROBS),
                              lambda: nothing)
     return result, prompt_lp, next_tokens
-
-
-def _checked_buckets(buckets: list[int] | None, largest: int, name: str) -> list[int] | None:
-    if buckets is None:
-        return None
-    buckets = sorted(set(buckets))
-    if not buckets or buckets[0] < 1 or buckets[-1] != largest:
-        raise ValueError(f"{name}: must be positive and end at {largest} (the step's limit), got {buckets}")
-    return buckets
 
 
 class PendingStep:
@@ -100,10 +90,8 @@ class ModelRunner:
             shard_kernels(model, mesh)
             place_model(model, mesh)
         self.block_size = cc.block_size
-        self.token_buckets = _checked_buckets(token_buckets, sc.max_num_batched_tokens, "token_buckets") or \
-            default_token_buckets(sc.max_num_batched_tokens)
-        self.request_buckets = _checked_buckets(request_buckets, sc.max_num_seqs, "request_buckets") or \
-            step_row_buckets(sc.max_num_seqs)
+        self.token_buckets, self.request_buckets = step_buckets(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                                                token_buckets, request_buckets)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
                                 cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated,
                                 vocab_size=model_config.vocab_size)
