@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from concurrent import futures
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -190,14 +191,14 @@ class StructuredOutputManager:
         request.grammar_future = self.compiler.submit(constraint)
         self.awaiting[request.request_id] = request
 
-    def take_ready(self, idle: bool) -> list[tuple[Request, str | None]]:
-        """The requests whose grammar is ready, each with its leader's matcher set, or with the
-        compiler's error (an invalid constraint). ``idle``: nothing else could run, so wait a
-        little for the first grammar rather than spin."""
+    def take_ready(self, idle: bool) -> Iterator[tuple[Request, str | None]]:
+        """The requests whose grammar is ready, one at a time (each leaves ``awaiting`` as it is
+        taken), with its leader's matcher set, or with the compiler's error (an invalid
+        constraint). ``idle``: nothing else could run, so wait a little for the first grammar
+        rather than spin."""
         if idle:
             futures.wait([r.grammar_future for r in self.awaiting.values()],
                          timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
-        ready = []
         for request_id, request in list(self.awaiting.items()):
             if not request.grammar_future.done():
                 continue
@@ -205,8 +206,7 @@ class StructuredOutputManager:
             error = request.grammar_future.exception()
             if error is None:
                 request.seqs[0].grammar = request.grammar_future.result().matcher()
-            ready.append((request, None if error is None else str(error)))
-        return ready
+            yield request, None if error is None else str(error)
 
     def fill_bitmask(self, out: SchedulerOutput) -> None:
         """Each sampling row with a grammar writes its allowed tokens into the step's bitmask

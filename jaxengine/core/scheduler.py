@@ -460,6 +460,8 @@ class Scheduler:
     def _preempt_for_priority(self, step: StepState) -> None:
         """Preempt strictly lower-priority running groups while the best waiting one cannot fit."""
         head, limits, kv = self.waiting.peek(), step.limits, self.kv
+        if head.max_num_running_seqs > limits.max_num_seqs:
+            return                                 # it cannot start under this step's limits anyway
         chunk_blocks = cdiv(min(head.num_tokens, limits.max_num_batched_tokens), self.block_size)
         while self.running:
             victim = self.policy.victim(self.running)
@@ -659,9 +661,7 @@ class Scheduler:
         finished = False
         for seq, status, reason in ended:
             group = seq.request
-            if reason is not None:
-                group.status_reason = reason
-            self._finish_seq(group, seq, status)
+            self._finish_seq(group, seq, status, reason)
             finished |= group.is_finished
         return finished
 
@@ -733,8 +733,8 @@ class Scheduler:
             if status is not None:
                 self._finish_seq(request, seq, status)
 
-    def _finish_seq(self, request: Request, seq: Sequence, status: RequestStatus) -> None:
+    def _finish_seq(self, request: Request, seq: Sequence, status: RequestStatus, reason: str | None = None) -> None:
         self._free_seq(seq, status)
         if not request.live_seqs and request.forked:
-            self._mark_finished(request, status, None)
+            self._mark_finished(request, status, reason)
             self._finished.append(request)

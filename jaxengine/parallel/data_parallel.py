@@ -74,12 +74,15 @@ class DataParallelEngine:
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    stop_check=None) -> Request:
+        """Queue a request on the replica ``route`` picks (the arguments are ``Engine.add_request``'s)."""
         if self._replica_of(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         i = self.route(prompt_token_ids, cache_salt)
         request = self.replicas[i].add_request(request_id, prompt_token_ids, sampling_params, priority=priority,
-                                               arrival_time=arrival_time, cache_salt=cache_salt)
+                                               arrival_time=arrival_time, cache_salt=cache_salt,
+                                               stop_check=stop_check)
         self.num_routed[i] += 1
         return request
 

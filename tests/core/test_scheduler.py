@@ -357,3 +357,20 @@ def test_priority_preemption_counts_sequences_against_the_step_limit():
     h.add("vip", 4, max_tokens=2, priority=0)                   # a third sequence: over the limit of 2
     assert h.step() == {"low": 1} and h.last.num_preemptions == 1
     assert h.step() == {"low": 1, "vip": 4}
+
+
+def test_priority_preempts_nothing_for_a_group_wider_than_the_step_limit():
+    """A better group with more samples than this step's rows cannot start until the limit
+    grows: preempting for it would only throw away the others' KV."""
+    from jaxengine.core.scheduler_output import StepLimits
+
+    h = Harness(policy="priority", max_num_seqs=8)
+    h.runner.step_limits = lambda: StepLimits(64, 2)
+    h.add("low", 4, max_tokens=20, priority=5)
+    assert h.step() == {"low": 4}
+    h.add("wide", 4, max_tokens=2, priority=0, n=4)                 # 4 samples > 2 rows
+    for _ in range(3):
+        assert h.step() == {"low": 1} and h.last.num_preemptions == 0
+    h.runner.step_limits = lambda: StepLimits(64, 8)
+    h.step()
+    assert h.requests["wide"].status is RequestStatus.RUNNING
