@@ -143,7 +143,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         engine_args = EngineArgs(model=tiny_checkpoint(folder) if args.tiny else args.model,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                 max_model_len=1024)
+                                 max_model_len=1024, compile_mode="eager")     # steady serving from the start
         with launched_server(engine_args) as server:
             url, pid = server.api_url.removesuffix("/v1"), server.pid
             args.served_model = discover_model(server.api_url)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import socket
 import subprocess
 import sys
@@ -28,8 +27,7 @@ def free_port() -> int:
 
 
 def server_command(engine_args: EngineArgs, port: int) -> list[str]:
-    """The server's command line; it compiles every bucket before it serves."""
-    engine_args = dataclasses.replace(engine_args, compile_mode="eager")
+    """The server's command line."""
     return [sys.executable, "-m", "jaxengine.serve", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "warning", *engine_args.to_cli_args()]
 

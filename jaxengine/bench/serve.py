@@ -384,6 +384,8 @@ def run(args: argparse.Namespace) -> dict:
         if replace(engine_args, model=None).to_cli_args():
             raise ValueError("engine options configure a launched server: add --launch, or set them on the server")
         return run_against(args, args.base_url)
+    # The launched server compiles every bucket before it serves: the run measures steady serving.
+    engine_args = replace(engine_args, compile_mode="eager")
     with launched_server(engine_args) as server:
         result = run_against(argparse.Namespace(**{**vars(args), "model": None}), server.api_url)
         return {**result, "engine_args": asdict(engine_args), "server_settings": server_settings(server.api_url)}

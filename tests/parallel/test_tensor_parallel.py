@@ -35,7 +35,8 @@ def tp_engine(folder, tp, **options):
     """Chunked prefill (16-token budget), prefix caching, and a pool small enough to preempt."""
     base = dict(skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=8, block_size=4,
                 max_model_len=64, num_kv_blocks=16, swap_space=0.001, enable_prefix_caching=True,
-                token_buckets=[8, 16], request_buckets=[8], progress=False, tensor_parallel_size=tp)
+                token_buckets=[8, 16], request_buckets=[8], progress=False, tensor_parallel_size=tp,
+                compile_mode="eager")                       # the test checks the schedule: every bucket from the start
     return LLM(folder, **{**base, **options})
 
 

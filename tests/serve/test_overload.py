@@ -71,6 +71,14 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def wait_compiled(url: str, timeout: float = 120.0) -> None:
+    """Until every step bucket is compiled (the server compiles the larger ones while it serves)."""
+    deadline = time.monotonic() + timeout
+    while not httpx.get(f"{url}/health").json()["all_buckets_compiled"]:
+        assert time.monotonic() < deadline, "the step buckets were not all compiled in time"
+        time.sleep(0.2)
+
+
 def start_server(checkpoint) -> tuple[subprocess.Popen, str, list[str]]:
     port = free_port()
     cmd = [sys.executable, "-m", "jaxengine.serve", "--model", str(checkpoint), "--port", str(port),
@@ -92,6 +100,7 @@ def test_concurrency_1_to_256_answers_every_request_in_full_without_growing(chat
     try:
         warm = asyncio.run(closed_loop(url, 32, WARM_UP, 0))
         assert warm == [(200, MAX_TOKENS)] * WARM_UP
+        wait_compiled(url)              # the executables are the server's, not growth under load
         wait_idle(url)
         rss_before = psutil.Process(proc.pid).memory_info().rss
         first = WARM_UP
