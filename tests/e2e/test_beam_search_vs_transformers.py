@@ -33,9 +33,12 @@ def reference(hf_model, prompt, width, eos=None, max_tokens=MAX_TOKENS, length_p
 
 
 def engine(folder, **options):
+    """One step bucket (the limits themselves): an engine compiles one step, not nine."""
     base = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=32, block_size=4,
                 max_model_len=64, num_kv_blocks=256, swap_space=0.01, progress=False, compile_mode="eager")
-    return LLM(folder, **{**base, **options})
+    merged = {**base, **options}
+    return LLM(folder, token_buckets=[merged["max_num_batched_tokens"]], request_buckets=[merged["max_num_seqs"]],
+               **merged)
 
 
 def beam_search(llm, prompts, width, eos=None, **params):

@@ -24,9 +24,12 @@ def reference(hf_model, prompts, max_tokens=MAX_TOKENS):
 
 
 def engine(folder, **options):
+    """One step bucket (the limits themselves): an engine compiles one step, not three."""
     base = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=8, block_size=4,
                 max_model_len=64, num_kv_blocks=128, swap_space=0.001, progress=False, compile_mode="eager")
-    return LLM(folder, **{**base, **options})
+    merged = {**base, **options}
+    return LLM(folder, token_buckets=[merged["max_num_batched_tokens"]], request_buckets=[merged["max_num_seqs"]],
+               **merged)
 
 
 def greedy(llm, prompts, n=1):
