@@ -250,7 +250,3 @@ class StructuredOutputManager:
                 elif s.grammar.is_done:
                     ended.append((s, RequestStatus.FINISHED_STOPPED, None))
         return ended
-
-    def shutdown(self) -> None:
-        if self.compiler is not None:
-            self.compiler.shutdown()
