@@ -611,9 +611,12 @@ class Scheduler:
                     kv.cache_full_blocks(seq)
                 if not tokens:
                     continue                               # mid-prefill: nothing sampled
-            elif tokens and searching and seq.request.beam is not None:
-                if seq.status is RequestStatus.SWAPPED:    # swapped out while its step ran: it runs
-                    seq.num_computed_tokens -= 1           # that token again once back (same KV)
+            elif tokens and not seq.num_pending and seq.request.waits_for_tokens:
+                # A beam or a grammar row (no placeholder) preempted by the step run ahead while
+                # its own step ran: its token is dropped, and a swapped-out one computes that
+                # position again once back (same KV), so it samples the token again.
+                if seq.status is RequestStatus.SWAPPED:
+                    seq.num_computed_tokens -= 1
                 continue
             elif not (tokens and seq.num_pending and not seq.is_finished):
                 continue                                   # finished ones: aborted while it ran

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.runner.buckets import pick_bucket, power_of_two_buckets
+from jaxengine.runner.buckets import pick_bucket
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -52,6 +52,21 @@ def max_block_moves(num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int)
 
 
 MOVE_KINDS = ("swap_out", "swap_in", "copy")
+# The longest index list one move takes: a longer list goes in several moves of this length, so
+# each kind compiles a handful of lengths (1, 4, 16, 64, 256) however large the pools are.
+MOVE_CHUNK = 256
+
+
+def move_buckets(most: int) -> list[int]:
+    """The padded lengths of one kind's index lists: powers of 4 below ``min(most, MOVE_CHUNK)``,
+    then that (none when ``most`` is 0). A list pads to at most 4x its length: moves are cheap
+    next to a step, compiles are not."""
+    top = min(most, MOVE_CHUNK)
+    buckets, b = [], 1
+    while b < top:
+        buckets.append(b)
+        b *= 4
+    return buckets + [top] if top else []
 
 
 def _jitted_move(kind: str, kv_sharding=None):
@@ -61,49 +76,45 @@ def _jitted_move(kind: str, kv_sharding=None):
     return jax.jit(_scatter if kind == "swap_in" else _copy, donate_argnums=(0,), out_shardings=kv_sharding)
 
 
-def _padded_length(n: int, buckets: list[int]) -> int:
-    """The bucket for ``n`` pairs; beyond the last one (no step should get there), a power of two."""
-    if buckets and n <= buckets[-1]:
-        return pick_bucket(n, buckets)
-    return 1 << (n - 1).bit_length()
-
-
 class BlockMover:
-    """Swap and copy whole blocks. Each kind's index lists are padded with null-block pairs
-    (0 -> 0) to power-of-two lengths up to the most one step can hold (``max_block_moves``), so
-    their executables are few; ``compile_all`` compiles them all, and a longer list compiles
-    on first use after telling ``on_compile``."""
+    """Swap and copy whole blocks. Each kind's index lists go in chunks of at most ``MOVE_CHUNK``
+    pairs, each padded with null-block pairs (0 -> 0) to a length of ``move_buckets`` up to the
+    most one step can hold (``max_block_moves``), so their executables are few; ``compile_all``
+    compiles them all, and any other length compiles on first use after telling ``on_compile``."""
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, kv_shape: tuple, num_layers: int, dtype,
                  max_num_seqs: int, on_compile: Callable[[str], None] = lambda what: None, mesh=None) -> None:
         self.max_copies, self.max_swaps = max_block_moves(num_gpu_blocks, num_cpu_blocks, max_num_seqs)
-        swaps = power_of_two_buckets(1, self.max_swaps) if self.max_swaps else []
-        self.buckets = {"swap_out": swaps, "swap_in": swaps, "copy": power_of_two_buckets(1, self.max_copies)}
+        swaps = move_buckets(self.max_swaps)
+        self.buckets = {"swap_out": swaps, "swap_in": swaps, "copy": move_buckets(self.max_copies)}
         self.host = np.zeros((num_layers, 2, max(num_cpu_blocks, 1), *kv_shape), jnp.dtype(dtype))
         self.on_compile = on_compile
         self.mesh = mesh               # the caches' mesh (the moves are compiled for their sharding)
         self._executables: dict[tuple[str, int], object] = {}     # (kind, index-list length) -> move
 
-    def _pad(self, kind: str, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
-        n = len(pairs)
-        size = _padded_length(n, self.buckets[kind])
-        a = np.zeros(size, np.int32)
-        b = np.zeros(size, np.int32)
-        a[:n], b[:n] = zip(*pairs)
-        return a, b, n
+    def _chunks(self, kind: str, pairs: list[tuple[int, int]]):
+        """(from, to, number of real pairs) per chunk, padded to its bucket."""
+        buckets = self.buckets[kind] or [MOVE_CHUNK]
+        for start in range(0, len(pairs), MOVE_CHUNK):
+            chunk = pairs[start:start + MOVE_CHUNK]
+            n = len(chunk)
+            size = pick_bucket(n, buckets) if n <= buckets[-1] else min(4 ** -(-(n - 1).bit_length() // 2), MOVE_CHUNK)
+            a = np.zeros(size, np.int32)
+            b = np.zeros(size, np.int32)
+            a[:n], b[:n] = zip(*chunk)
+            yield a, b, n
 
     def apply(self, kv_caches, swap_out, swap_in, copies):
-        if swap_out:
-            dev, host, n = self._pad("swap_out", swap_out)
+        for dev, host, n in self._chunks("swap_out", swap_out):    # every swap out before any swap in
             k, v = self._move(kv_caches, "swap_out", len(dev))(kv_caches, dev)
             self.host[:, 0, host[:n]] = np.asarray(k)[:, :n]
             self.host[:, 1, host[:n]] = np.asarray(v)[:, :n]
-        if swap_in:
-            host, dev, _ = self._pad("swap_in", swap_in)    # padding pairs write into the null block: harmless
+        for host, dev, _ in self._chunks("swap_in", swap_in):      # padding pairs write into the null block
             blocks = (self.host[:, 0, host], self.host[:, 1, host])
             kv_caches = self._move(kv_caches, "swap_in", len(dev))(kv_caches, dev, blocks)
-        if copies:
-            src, dst, _ = self._pad("copy", copies)
+        # A copy's destination is a block freshly taken for it, never another copy's source: the
+        # chunks' order does not matter.
+        for src, dst, _ in self._chunks("copy", copies):
             kv_caches = self._move(kv_caches, "copy", len(src))(kv_caches, src, dst)
         return kv_caches
 

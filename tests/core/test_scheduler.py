@@ -374,3 +374,50 @@ def test_priority_preempts_nothing_for_a_group_wider_than_the_step_limit():
     h.runner.step_limits = lambda: StepLimits(64, 8)
     h.step()
     assert h.requests["wide"].status is RequestStatus.RUNNING
+
+
+class RecordingGrammar:
+    """A grammar that allows every token and records those it is fed."""
+
+    def __init__(self, accepted=()) -> None:
+        self.accepted, self.is_done = list(accepted), False
+
+    def accept(self, token: int) -> bool:
+        self.accepted.append(token)
+        return True
+
+    def fill(self, row) -> None:
+        pass
+
+    def copy(self) -> "RecordingGrammar":
+        return RecordingGrammar(self.accepted)
+
+
+def test_a_grammar_group_swapped_out_by_the_step_run_ahead_samples_its_token_again():
+    """Async scheduling: grammar rows get no placeholder, so the step launched ahead may swap the
+    group out while its own step runs. That step's tokens are dropped and computed again once the
+    group is back: it finishes with the tokens of a synchronous run, each fed to its grammar once."""
+    import types
+
+    from jaxengine.sampling_params import StructuredOutputsParams
+
+    def run(async_scheduling: bool):
+        h = Harness(async_scheduling=async_scheduling, num_gpu_blocks=7, num_cpu_blocks=8)
+        h.engine.structured.compiler = types.SimpleNamespace(vocab_size=1024)    # for the step's bitmask
+        h.add("r", 4, max_tokens=8)
+        g = h.add("g", 4, max_tokens=8, n=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+        g.seqs[0].grammar = RecordingGrammar()
+        swapped = 0
+        for _ in range(100):
+            if not h.scheduler.has_unfinished_requests():
+                break
+            h.step()
+            swapped += len(h.last.blocks_to_swap_out)
+        assert not h.scheduler.has_unfinished_requests()
+        return h.outputs(), [s.grammar.accepted for s in g.seqs], swapped
+
+    outputs, fed, swapped = run(async_scheduling=True)
+    assert swapped > 0
+    assert outputs == run(async_scheduling=False)[0]
+    assert all(len(o) == 8 for o in outputs["g"])
+    assert fed == [o[:-1] for o in outputs["g"]]          # the token that ends it by length is not fed

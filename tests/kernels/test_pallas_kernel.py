@@ -21,14 +21,21 @@ def run_both(rows, *, page_size=16, kv_heads=2, group=4, head_size=64, dtype=jnp
     """The kernel (interpreted on the CPU, compiled on a GPU) and the reference on one random
     batch: (kernel's output, reference's, number of real tokens)."""
     rng = np.random.default_rng(seed)
-    num_tokens = sum(n for _, n in rows) + extra_tokens
-    q, kc, vc, md, _ = make_batch(rng, rows, page_size, kv_heads, group, num_tokens, len(rows) + extra_rows,
-                                  head_size=head_size)
+    # Padded up to shared buckets, as the engine pads a step: the cases of one layout compile once.
+    num_tokens = round_up(sum(n for _, n in rows) + extra_tokens, 64)
+    pages = [-(-(c + n) // page_size) for c, n in rows]
+    q, kc, vc, md, _ = make_batch(rng, rows, page_size, kv_heads, group, num_tokens,
+                                  round_up(len(rows) + extra_rows, 8), head_size=head_size,
+                                  num_pages=round_up(sum(pages) + 1, 16), max_blocks=round_up(max(pages) + 1, 16))
     q, kc, vc = q.astype(dtype), kc.astype(dtype), vc.astype(dtype)
     scale = head_size ** -0.5
     want = paged_attention(q, kc, vc, md, scale=scale, **kw)
     got = kernel(q, kc, vc, md, scale=scale, **kw, **(kernel_kw or {}))
     return np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in rows)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def assert_close(got, want, real, rtol):

@@ -48,7 +48,7 @@ def test_chunked_prefill_through_the_paged_cache_equals_one_pass(checkpoint):
     ids = PROMPTS[3]
     one = run_chunks(model, cfg, ids, [len(ids)])
     chunked = run_chunks(model, cfg, ids, [3, 16, 1, 25])
-    np.testing.assert_allclose(chunked, one, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(chunked, one, atol=1e-4, rtol=0)      # f32 sums in another order
 
 
 def test_a_ragged_batch_with_padding_equals_each_request_alone(checkpoint):

@@ -62,7 +62,10 @@ class Job:
 
     def start(self, folder, cache, mode: str) -> None:
         port = free_port()
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(ROOT),
+        from tests.conftest import FAST_CPU_COMPILE_FLAGS
+
+        flags = " ".join(["--xla_force_host_platform_device_count=2", *FAST_CPU_COMPILE_FLAGS])
+        env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": str(ROOT),
                "JAXENGINE_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
         for i in range(2):
             config = {"mode": mode, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,

@@ -31,10 +31,10 @@ def test_eager_start_up_compiles_every_token_and_row_bucket_and_block_move(llm):
     assert runner.step_limits() == (64, 32) and not runner.is_compiling and runner.wait_until_compiled(0)
     host_blocks = llm.config.cache.num_cpu_blocks
     assert host_blocks > 160                      # the device pool bounds the swaps: 159 blocks
-    swaps = [1, 2, 4, 8, 16, 32, 64, 128, 159]
-    assert runner.mover.buckets == {"copy": [1, 2, 4, 8, 16, 32], "swap_out": swaps, "swap_in": swaps}
+    swaps = [1, 4, 16, 64, 159]
+    assert runner.mover.buckets == {"copy": [1, 4, 16, 32], "swap_out": swaps, "swap_in": swaps}
     assert sorted(runner.mover._executables) == sorted(
-        [("copy", n) for n in (1, 2, 4, 8, 16, 32)] + [(kind, n) for kind in ("swap_out", "swap_in") for n in swaps])
+        [("copy", n) for n in (1, 4, 16, 32)] + [(kind, n) for kind in ("swap_out", "swap_in") for n in swaps])
 
 
 def test_a_fork_of_32_copying_its_partial_block_compiles_nothing(llm, monkeypatch):
@@ -95,7 +95,7 @@ def test_block_moves_beyond_the_compiled_sizes_compile_once_and_are_told():
     told = []
     mover = BlockMover(16, 4, (3, 1, 5), 2, jnp.float32, max_num_seqs=2, on_compile=told.append)
     caches = tuple(jnp.arange(2 * 16 * 15, dtype=jnp.float32).reshape(2, 16, 3, 1, 5) + i for i in range(2))
-    assert mover.compile_all(caches) == 2 + 3 + 3           # copies of 1, 2; swaps of 1, 2, 4 blocks each way
+    assert mover.compile_all(caches) == 2 + 2 + 2           # copies of 1, 2; swaps of 1, 4 blocks each way
     before = len(LOWERINGS)
     caches = mover.apply(caches, [], [], [(1, 9)])                   # one pair: compiled at start-up
     assert told == [] and len(LOWERINGS) == before
@@ -119,4 +119,31 @@ def test_without_a_host_pool_no_swap_is_compiled():
     assert max_block_moves(num_gpu_blocks=40, num_cpu_blocks=0, max_num_seqs=64) == (39, 0)
     mover = BlockMover(16, 0, (3, 1, 5), 2, jnp.float32, max_num_seqs=8)
     caches = tuple(jnp.zeros((2, 16, 3, 1, 5)) for _ in range(2))
-    assert mover.compile_all(caches) == 4 and sorted(mover._executables) == [("copy", n) for n in (1, 2, 4, 8)]
+    assert mover.compile_all(caches) == 3 and sorted(mover._executables) == [("copy", n) for n in (1, 4, 8)]
+
+
+def test_move_lists_longer_than_a_chunk_go_in_several_compiled_moves(monkeypatch):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxengine.runner import kv_cache
+    from jaxengine.runner.kv_cache import BlockMover, move_buckets
+
+    assert move_buckets(0) == [] and move_buckets(1) == [1] and move_buckets(5) == [1, 4, 5]
+    assert move_buckets(159) == [1, 4, 16, 64, 159] and move_buckets(10_000) == [1, 4, 16, 64, 256]
+    monkeypatch.setattr(kv_cache, "MOVE_CHUNK", 4)
+    told = []
+    mover = BlockMover(20, 12, (3, 1, 5), 2, jnp.float32, max_num_seqs=8, on_compile=told.append)
+    assert mover.buckets == {"copy": [1, 4], "swap_out": [1, 4], "swap_in": [1, 4]}
+    caches = tuple(jnp.arange(2 * 20 * 15, dtype=jnp.float32).reshape(2, 20, 3, 1, 5) + 1000 * i for i in range(2))
+    mover.compile_all(caches)
+    expected = [np.array(c) for c in caches]
+    out = [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (6, 5)]                    # 6 blocks to host blocks 0-5
+    back = [(h, d + 6) for d, h in out]                                        # and back into blocks 7-12
+    caches = mover.apply(caches, out, [], [])
+    caches = mover.apply(caches, [], back, [(s, s + 12) for s in range(1, 7)])     # 6 copies: 4, then 2
+    for e in expected:
+        e[:, 7:13] = e[:, 1:7]
+        e[:, 13:19] = e[:, 1:7]
+    assert all((np.asarray(c)[:, 1:] == e[:, 1:]).all() for c, e in zip(caches, expected))
+    assert told == []                                                          # every chunk compiled at start-up
