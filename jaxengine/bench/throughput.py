@@ -17,7 +17,8 @@ against what the same beams would hold with every block copied (no sharing, no c
 ``--baseline hf`` / ``--baseline naive`` (repeatable) run the same requests through transformers
 or a plain JAX loop (see ``hf_baseline`` and ``naive_baseline``) in static batches, in the same
 invocation; the result holds their figures, the ratios jaxengine / baseline, and whether their
-greedy tokens equal the engine's.
+greedy tokens equal the engine's. ``--baseline vllm --vllm-python PATH`` runs them through vLLM's
+offline ``LLM`` in its own venv and process, with the engine's limits (``vllm_baseline``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.engine_args import EngineArgs
 from jaxengine.sampling_params import SamplingParams
 
-BASELINES = ("hf", "naive")
+BASELINES = ("hf", "naive", "vllm")
 
 
 def add_arguments(parser) -> None:
@@ -47,14 +48,24 @@ def add_arguments(parser) -> None:
                        help="also run the workload through transformers (hf) or a plain JAX dense-cache loop "
                             "(naive), in static batches; repeatable")
     group.add_argument("--baseline-batch-size", type=int, default=16, help="requests per static batch")
+    group.add_argument("--vllm-python", default=None,
+                       help="--baseline vllm: the python of a venv with vLLM installed (its CPU build here)")
+    group.add_argument("--vllm-model", default=None,
+                       help="--baseline vllm: a Hugging Face folder of the same model (default: --model)")
+    group.add_argument("--vllm-kv-cache-bytes", type=int, default=1 << 30,
+                       help="--baseline vllm: its kv_cache_memory_bytes (it otherwise reserves most of the RAM)")
     EngineArgs.add_cli_args(parser)
 
 
 def run(args) -> dict:
     if args.n > 1 and args.baseline:
         raise ValueError("--baseline runs one greedy sequence per request: use --n 1")
-    if args.beam_width and (args.n > 1 or "naive" in args.baseline):
+    if args.beam_width and (args.n > 1 or {"naive", "vllm"} & set(args.baseline)):
         raise ValueError("--beam-width: with --n 1, against --baseline hf only")
+    if "vllm" in args.baseline:
+        from jaxengine.bench.vllm_baseline import check_python
+
+        check_python(args.vllm_python)                 # before the engine starts
     llm, startup_s = start_engine(EngineArgs.from_cli_args(args), args.progress)
     requests = load_requests(args, llm.model_config.vocab_size, llm.encode if llm.tokenizer else None,
                              llm.config.scheduler.max_model_len)
@@ -226,6 +237,11 @@ def run_baseline(name: str, llm, requests: list[BenchRequest], args, engine_metr
 
         figures, tokens = run_hf(llm.model_path, requests, args.baseline_batch_size, args.progress,
                                  num_beams=max(args.beam_width, 1))
+    elif name == "vllm":
+        from jaxengine.bench.vllm_baseline import run_vllm
+
+        figures, tokens = run_vllm(args.vllm_python, args.vllm_model or str(llm.model_path), requests,
+                                   vllm_engine_options(llm, args), args.progress)
     else:
         from jaxengine.bench.naive_baseline import run_naive
 
@@ -235,6 +251,15 @@ def run_baseline(name: str, llm, requests: list[BenchRequest], args, engine_metr
     mismatched = sum(a != b for a, b in zip(engine_tokens, tokens))
     ratio = {k: engine_metrics[k] / figures[k] for k in ("requests_per_s", "output_tokens_per_s")}
     return {**figures, "ratio": ratio, "same_tokens": mismatched == 0, "mismatched_requests": mismatched}
+
+
+def vllm_engine_options(llm, args) -> dict:
+    """vLLM's LLM(...) with the engine's limits, dtype and prefix caching."""
+    sc = llm.config.scheduler
+    return {"dtype": llm.dtype.name, "max_model_len": sc.max_model_len,
+            "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
+            "enable_prefix_caching": llm.engine_args.enable_prefix_caching,
+            "kv_cache_memory_bytes": args.vllm_kv_cache_bytes, "seed": 0}
 
 
 def table_rows(result: dict) -> list[dict]:

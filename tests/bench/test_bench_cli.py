@@ -167,3 +167,54 @@ def test_beam_search_throughput_against_transformers_and_the_blocks_it_shares(ch
     # Two beams share their 20-token prompt's full blocks (one of 16): fewer blocks than copies.
     assert 0 < m["peak_kv_blocks"] < m["peak_kv_blocks_copied"]
     assert m["kv_blocks_saved"] == 1 - m["peak_kv_blocks"] / m["peak_kv_blocks_copied"]
+
+
+FAKE_VLLM = '''
+import json, os
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+class LLM:
+    def __init__(self, model, **engine):
+        json.dump({"model": model, "engine": engine, "preload": os.environ.get("LD_PRELOAD", "")},
+                  open(os.environ["FAKE_VLLM_RECORD"], "w"))
+    def generate(self, prompts, params, use_tqdm):
+        class Out:
+            def __init__(self, ids):
+                self.outputs = [type("C", (), {"token_ids": ids})()]
+        # The prompt's first tokens as its output: not what the engine generates.
+        return [Out([p["prompt_token_ids"][0]] * s.kw["max_tokens"]) for p, s in zip(prompts, params)]
+__version__ = "0.0-fake"
+'''
+
+
+def test_vllm_baseline_runs_the_same_requests_in_its_own_interpreter(chat_checkpoint, tmp_path, monkeypatch):
+    """vLLM stands in as a fake package under this interpreter: the worker gets the engine's
+    limits and the requests, and its tokens are compared with the engine's."""
+    import sys
+
+    fake = tmp_path / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    record = tmp_path / "record.json"
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
+    result, _ = bench(chat_checkpoint, tmp_path, "throughput", "--num-prompts", "3", "--input-len", "8",
+                      "--output-len", "4", "--baseline", "vllm", "--vllm-python", str(python))
+    seen = json.loads(record.read_text())
+    assert seen["model"] == str(chat_checkpoint)
+    assert seen["engine"] == {"dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 32, "max_num_seqs": 4,
+                              "enable_prefix_caching": True, "kv_cache_memory_bytes": 1 << 30, "seed": 0}
+    b = result["baselines"]["vllm"]
+    assert b["vllm_version"] == "0.0-fake" and b["output_tokens"] == 12
+    assert b["same_tokens"] is False and b["mismatched_requests"] == 3
+    assert b["ratio"]["output_tokens_per_s"] == result["metrics"]["output_tokens_per_s"] / b["output_tokens_per_s"]
+    with pytest.raises(ValueError, match="--vllm-python: .* does not exist"):
+        bench(chat_checkpoint, tmp_path, "throughput", "--num-prompts", "1", "--baseline", "vllm",
+              "--vllm-python", str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="--baseline vllm: needs --vllm-python"):
+        main(["throughput", "--result-file", str(tmp_path / "r.json"), "--baseline", "vllm"])
