@@ -5,6 +5,10 @@ query) still go one by one, compacted to at most B of them, while prefill rows a
 query tiles of ``q_tile`` tokens that read each page once per tile. Whichever part a step does
 not need is skipped at run time (``lax.cond``). Tested against ``reference.paged_attention``.
 Shapes: T tokens, B rows, N query heads, K KV heads, G = N / K, H head size, S page size.
+
+Each loop iteration gathers ``pages_per_step`` pages of every tile into a temporary: 4 keeps it
+in the CPU's caches (the default model at batch 64: about 3 MB each for K and V), where 8 spilled
+and made the decode attention about a quarter slower (BENCHMARKS.md, "Where a step goes").
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
                           scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                          q_tile: int = 16, pages_per_step: int = 8) -> jax.Array:
+                          q_tile: int = 16, pages_per_step: int = 4) -> jax.Array:
     num_tokens, num_heads, head_size = q.shape
     num_rows = md.block_tables.shape[0]
     q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
