@@ -63,9 +63,9 @@ def run(args) -> dict:
     if args.beam_width and (args.n > 1 or {"naive", "vllm"} & set(args.baseline)):
         raise ValueError("--beam-width: with --n 1, against --baseline hf only")
     if "vllm" in args.baseline:
-        from jaxengine.bench.vllm_baseline import check_python
+        from jaxengine.bench.vllm_baseline import check_options
 
-        check_python(args.vllm_python)                 # before the engine starts
+        check_options(args.vllm_python, args.vllm_model or args.model)     # before the engine starts
     llm, startup_s = start_engine(EngineArgs.from_cli_args(args), args.progress)
     requests = load_requests(args, llm.model_config.vocab_size, llm.encode if llm.tokenizer else None,
                              llm.config.scheduler.max_model_len)

@@ -21,10 +21,7 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 def run_vllm(python: str, model: str, requests: list[BenchRequest], engine: dict,
              progress: bool = True) -> tuple[dict, list]:
     """Time the requests through vLLM; returns (figures, generated token ids per request)."""
-    check_python(python)
-    if not (Path(model) / "config.json").exists():
-        raise ValueError(f"--vllm-model: {model} is not a Hugging Face folder (no config.json); make one of the "
-                         "default model with scripts/export_hf_checkpoint.py")
+    check_options(python, model)
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "requests.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({"model": model, "engine": engine,
@@ -41,11 +38,15 @@ def run_vllm(python: str, model: str, requests: list[BenchRequest], engine: dict
     return {**result, "engine": engine}, tokens
 
 
-def check_python(python: str | None) -> None:
+def check_options(python: str | None, model: str | None) -> None:
+    """The interpreter and the Hugging Face folder vLLM needs (checked before the engine runs)."""
     if not python:
         raise ValueError("--baseline vllm: needs --vllm-python (vLLM runs in its own venv)")
     if not Path(python).exists():
         raise ValueError(f"--vllm-python: {python} does not exist (a venv's python with vllm installed)")
+    if model is None or not (Path(model) / "config.json").exists():
+        raise ValueError(f"--vllm-model: {model} is not a Hugging Face folder (no config.json); make one of the "
+                         "default model with scripts/export_hf_checkpoint.py")
 
 
 def _env(python: str) -> dict:
@@ -53,7 +54,6 @@ def _env(python: str) -> dict:
     preload = [p for p in (_tcmalloc(), Path(python).resolve().parents[1] / "lib" / "libiomp5.so")
                if p is not None and Path(p).exists()]
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
     if preload:
         env["LD_PRELOAD"] = ":".join(map(str, preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p]))
     return env

@@ -94,11 +94,12 @@ class BlockMover:
 
     def _chunks(self, kind: str, pairs: list[tuple[int, int]]):
         """(from, to, number of real pairs) per chunk, padded to its bucket."""
-        buckets = self.buckets[kind] or [MOVE_CHUNK]
+        buckets = self.buckets[kind]
         for start in range(0, len(pairs), MOVE_CHUNK):
             chunk = pairs[start:start + MOVE_CHUNK]
             n = len(chunk)
-            size = pick_bucket(n, buckets) if n <= buckets[-1] else min(4 ** -(-(n - 1).bit_length() // 2), MOVE_CHUNK)
+            # Beyond the compiled lengths (no step should get there): the chunk's own power of 4.
+            size = pick_bucket(n, buckets if buckets and n <= buckets[-1] else move_buckets(MOVE_CHUNK))
             a = np.zeros(size, np.int32)
             b = np.zeros(size, np.int32)
             a[:n], b[:n] = zip(*chunk)

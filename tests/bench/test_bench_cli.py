@@ -218,3 +218,6 @@ def test_vllm_baseline_runs_the_same_requests_in_its_own_interpreter(chat_checkp
               "--vllm-python", str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="--baseline vllm: needs --vllm-python"):
         main(["throughput", "--result-file", str(tmp_path / "r.json"), "--baseline", "vllm"])
+    with pytest.raises(ValueError, match="--vllm-model: .* is not a Hugging Face folder"):    # before the engine runs
+        main(["throughput", "--result-file", str(tmp_path / "r.json"), "--baseline", "vllm",
+              "--vllm-python", str(python), "--model", str(tmp_path / "model.gguf")])
