@@ -116,7 +116,7 @@ def test_bad_step_buckets_are_refused_with_the_options(options, message):
 
 
 def test_the_step_buckets_are_worked_out_once_from_the_options():
-    assert EngineArgs(max_num_batched_tokens=64, max_num_seqs=16).step_buckets() == ([16, 32, 64], [8, 16])
+    assert EngineArgs(max_num_batched_tokens=64, max_num_seqs=16).step_buckets() == ([1, 2, 4, 8, 16, 32, 64], [1, 2, 4, 8, 16])
     assert EngineArgs(max_num_batched_tokens=64, token_buckets=[64, 8, 8]).step_buckets()[0] == [8, 64]
 
 

@@ -90,15 +90,16 @@ def matmul_floor(llm, rows: list[dict]) -> dict:
 
 def step_plans(llm, kinds: list[str], context_len: int) -> list[StepPlan]:
     """Every pair the runner compiled that such a step fills: prefill (t, b) with b <= t, and
-    decode b rows (in the smallest token bucket >= b)."""
+    decode b rows for each row bucket b (in the pair ``buckets.step_bucket`` gives b tokens)."""
     runner, limit = llm.runner, llm.config.scheduler.max_model_len
+    pairs = runner.bucket_pairs()
     plans = []
     if "prefill" in kinds:
-        plans += [StepPlan("prefill", t, b, 0) for t in runner.token_buckets for b in runner.request_buckets
-                  if b <= t and math.ceil(t / b) < limit]
+        plans += [StepPlan("prefill", t, b, 0) for t, b in pairs if b <= t and math.ceil(t / b) < limit]
     if "decode" in kinds:
         context = min(context_len, limit - 2)
-        plans += [StepPlan("decode", b, b, context) for b in runner.request_buckets if b <= runner.token_buckets[-1]]
+        plans += [StepPlan("decode", b, b, context) for b in sorted({b for _, b in pairs})
+                  if b <= runner.token_buckets[-1]]
     return plans
 
 

@@ -29,7 +29,7 @@ def run_vllm(python: str, model: str, requests: list[BenchRequest], engine: dict
                                     "output_lens": [r.output_len for r in requests]}))
         if progress:
             print(f"vllm baseline: {len(requests)} requests through {python}", flush=True)
-        done = subprocess.run([python, str(WORKER), str(spec), str(out)], env=_env(python),
+        done = subprocess.run([python, str(WORKER), str(spec), str(out)], env=vllm_env(python),
                               stdout=None if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"vllm baseline failed (exit status {done.returncode}):\n{done.stderr[-3000:]}")
@@ -49,8 +49,9 @@ def check_options(python: str | None, model: str | None) -> None:
                          "default model with scripts/export_hf_checkpoint.py")
 
 
-def _env(python: str) -> dict:
-    """vLLM's CPU recommendations: tcmalloc and the venv's libiomp5 in LD_PRELOAD."""
+def vllm_env(python: str) -> dict:
+    """This environment with vLLM's CPU recommendations added: tcmalloc and the venv's libiomp5 in
+    LD_PRELOAD (its server is started with it too, by scripts/serve_vs_vllm.py)."""
     preload = [p for p in (_tcmalloc(), Path(python).resolve().parents[1] / "lib" / "libiomp5.so")
                if p is not None and Path(p).exists()]
     env = dict(os.environ)

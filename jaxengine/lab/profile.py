@@ -199,8 +199,6 @@ class CostProfile:
 def trace_points(records, token_buckets: list[int], request_buckets: list[int], skip: int = 0):
     """(shapes padded to their row buckets, token buckets, seconds) of a trace's steps with
     tokens, less the first ``skip``: what a profile is fitted to."""
-    from jaxengine.runner.buckets import pick_bucket
-
     shapes, buckets, seconds = [], [], []
     for record in list(records)[skip:]:
         shape = StepShape.of_trace(record)
@@ -209,8 +207,9 @@ def trace_points(records, token_buckets: list[int], request_buckets: list[int], 
             continue
         if shape.max_context == 0:
             raise ValueError("trace records lack max_context_len: record the trace with this engine version")
-        shapes.append(shape.padded(request_buckets))
-        buckets.append(pick_bucket(shape.num_tokens, token_buckets))
+        shape, bucket = shape.bucketed(token_buckets, request_buckets)
+        shapes.append(shape)
+        buckets.append(bucket)
         seconds.append(step_s)
     if not seconds:
         raise ValueError("the trace has no steps with tokens to fit")

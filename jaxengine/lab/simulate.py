@@ -21,7 +21,6 @@ from jaxengine.engine_args import EngineArgs
 from jaxengine.lab.profile import CostProfile, StepShape
 from jaxengine.lab.roofline import RooflineProfile
 from jaxengine.lab.workload import SimRequest, Workload
-from jaxengine.runner.buckets import pick_bucket
 from jaxengine.sampling_params import SamplingParams
 
 TOKEN = 1                   # what every row samples (never an end of sequence: the engine has none)
@@ -58,10 +57,10 @@ class SimRunner:
         return ModelRunnerOutput([[TOKEN] * k for k in out.num_samples])
 
     def step_seconds(self, out: SchedulerOutput) -> float:
-        shape = StepShape.of_output(out).padded(self.row_buckets)
+        shape = StepShape.of_output(out)
         if shape.num_tokens == 0:
             return EMPTY_STEP_S
-        seconds = self.profile.step_seconds(shape, pick_bucket(shape.num_tokens, self.buckets))
+        seconds = self.profile.step_seconds(*shape.bucketed(self.buckets, self.row_buckets))
         if self._rng is not None:
             seconds *= self.profile.noise_ratio(self._rng.random())
         return seconds

@@ -36,11 +36,12 @@ class StepShape(NamedTuple):
                    get("num_context_tokens", 0), 0, get("num_blocks_swapped_in") + get("num_blocks_swapped_out"),
                    num_prefill_tokens=get("num_prefill_tokens"))
 
-    def padded(self, request_buckets: list[int]) -> "StepShape":
-        """With the row bucket the runner pads this step to."""
-        from jaxengine.runner.buckets import pick_bucket
+    def bucketed(self, token_buckets: list[int], request_buckets: list[int]) -> tuple["StepShape", int]:
+        """(this step with the row bucket the runner pads it to, its token bucket)."""
+        from jaxengine.runner.buckets import step_bucket
 
-        return self._replace(row_bucket=pick_bucket(max(self.num_rows, 1), request_buckets))
+        tokens, rows = step_bucket(self.num_tokens, self.num_rows, token_buckets, request_buckets)
+        return self._replace(row_bucket=rows), tokens
 
     def features(self) -> tuple[float, ...]:
         return (1.0, float(self.num_prefill_tokens > 0), self.row_bucket or self.num_rows, self.max_context,

@@ -1,10 +1,10 @@
 """Start-up compilation of the step buckets: the order they are compiled in, and the thread that
 compiles all but the smallest while the engine already serves.
 
-The compiled set grows as a rectangle of (token bucket, row bucket) pairs, the token side and
-the row side taking turns, so whenever the largest compiled pair is (T, B) every pair (t <= T,
-b <= B) is compiled too: a step the scheduler builds within T tokens and B rows pads to a
-compiled bucket. The largest pair comes last.
+The limits grow as a rectangle of (token bucket, row bucket) pairs, the token side and the row
+side taking turns, and whenever the limits are (T, B) every pair a step within T tokens and B
+rows pads to (``buckets.step_bucket``) is compiled: a step the scheduler builds within the
+limits pads to a compiled bucket. The largest pair comes last.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from jaxengine.core.scheduler_output import StepLimits
+from jaxengine.runner.buckets import reachable_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -29,29 +30,43 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 class CompileStage(NamedTuple):
-    """Pairs to compile, and the largest pair compiled once they are (with all earlier stages)."""
+    """Pairs to compile, and the pair whose limits (``limits_of``) hold once they are compiled
+    (with all earlier stages)."""
 
     pairs: list[Pair]
     largest: Pair
 
 
 def compile_stages(token_buckets: list[int], row_buckets: list[int]) -> list[CompileStage]:
-    """Every (token, row) bucket pair, in stages: the smallest pair, then alternately the next
-    token bucket (with every row bucket compiled so far) and the next row bucket (with every
-    token bucket so far); a side that has reached its largest bucket lets the other go on."""
+    """Every pair a step can pad to (``reachable_pairs``), in stages. The largest pair grows
+    from the smallest buckets, alternately by the next token bucket and the next row bucket (a
+    side that has reached its largest bucket lets the other go on); each stage compiles the
+    pairs the steps within its limits reach that no earlier stage compiled (possibly none)."""
+    stages, compiled = [], set()
+    for largest in _growth(token_buckets, row_buckets):
+        pairs = [p for p in reachable_pairs(token_buckets, row_buckets, *limits_of(largest)) if p not in compiled]
+        compiled.update(pairs)
+        stages.append(CompileStage(pairs, largest))
+    return stages
+
+
+def step_pairs(token_buckets: list[int], row_buckets: list[int]) -> list[Pair]:
+    """Every pair a step within the configured limits pads to: what start-up compiles."""
+    return reachable_pairs(token_buckets, row_buckets, *limits_of((token_buckets[-1], row_buckets[-1])))
+
+
+def _growth(token_buckets: list[int], row_buckets: list[int]) -> list[Pair]:
     i = j = 0
-    stages = [CompileStage([(token_buckets[0], row_buckets[0])], (token_buckets[0], row_buckets[0]))]
+    largest = [(token_buckets[0], row_buckets[0])]
     grow_tokens = True
     while i < len(token_buckets) - 1 or j < len(row_buckets) - 1:
         if j == len(row_buckets) - 1 or (grow_tokens and i < len(token_buckets) - 1):
             i += 1
-            pairs = [(token_buckets[i], b) for b in row_buckets[:j + 1]]
         else:
             j += 1
-            pairs = [(t, row_buckets[j]) for t in token_buckets[:i + 1]]
         grow_tokens = not grow_tokens
-        stages.append(CompileStage(pairs, (token_buckets[i], row_buckets[j])))
-    return stages
+        largest.append((token_buckets[i], row_buckets[j]))
+    return largest
 
 
 def limits_of(largest: Pair) -> StepLimits:

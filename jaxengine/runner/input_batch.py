@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxengine.core.scheduler_output import SchedulerOutput
 from jaxengine.kernels.paged_attention import AttentionMetadata
-from jaxengine.runner.buckets import pick_bucket
+from jaxengine.runner.buckets import step_bucket
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sampling_params import MAX_LOGIT_BIAS
 from jaxengine.structured_output import ALL_ALLOWED, bitmask_words
@@ -121,8 +121,7 @@ class InputBatch:
         samples = np.asarray(out.num_samples, np.int32)
         computed = np.asarray(out.num_computed_tokens, np.int32)
         num_rows, num_tokens, num_samples = len(slots), int(n.sum()), int(samples.sum())
-        t_pad = pick_bucket(max(num_tokens, 1), self.token_buckets)
-        b_pad = pick_bucket(max(num_rows, num_samples, 1), self.request_buckets)
+        t_pad, b_pad = step_bucket(num_tokens, max(num_rows, num_samples), self.token_buckets, self.request_buckets)
         ends, seq_lens = np.cumsum(n), computed + n
         token_row = np.repeat(np.arange(num_rows), n)
         token_slot = slots[token_row]

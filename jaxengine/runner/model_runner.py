@@ -22,7 +22,7 @@ from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
 from jaxengine.runner.buckets import step_buckets
-from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of
+from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of, step_pairs
 from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
@@ -135,9 +135,9 @@ class ModelRunner:
 
     # ---- compilation ----
     def bucket_pairs(self) -> list[tuple[int, int]]:
-        """Every (token bucket, row bucket) a step can use. Rows count samples too: one short
-        prompt with n = 32 needs 32 rows in the smallest token bucket."""
-        return [(t, b) for t in self.token_buckets for b in self.request_buckets]
+        """Every (token bucket, row bucket) a step can pad to (``buckets.step_bucket``). Rows
+        count samples too: one short prompt with n = 32 pads to 32 tokens and 32 rows."""
+        return step_pairs(self.token_buckets, self.request_buckets)
 
     def compile_all(self, progress: bool = True) -> None:
         """Compile ahead of time an executable per bucket and the block moves; a compiled

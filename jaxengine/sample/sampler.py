@@ -30,7 +30,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> Sa
     logits = jax.lax.cond(needs_penalties, lambda x: apply_penalties(x, md), lambda x: x, logits)
     logits = jax.lax.cond(jnp.any(md.constrained), lambda x: apply_token_bitmask(x, md.token_bitmask),
                           lambda x: x, logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
     tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda: _draw(logits, md, greedy), lambda: greedy)
     num_rows = logits.shape[0]
     no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
@@ -39,6 +39,19 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> Sa
         jnp.any(md.want_logprobs),
         lambda: logprobs_of(logits / md.logprobs_temperature[:, None], tokens, num_top_logprobs), lambda: no_logprobs)
     return SamplerOutput(tokens, picked, top_ids, top_logprobs)
+
+
+def first_argmax(logits: jax.Array, num_blocks: int = 64) -> jax.Array:
+    """``jnp.argmax(logits, -1)`` (the first of equal maxima), as the argmax of each row's block
+    maxima, then within that block: XLA's CPU argmax over a whole row is a slow paired reduction
+    (7.3 ms against 0.5 for 64 rows of 49,152 logits)."""
+    rows, vocab = logits.shape
+    width = -(-vocab // num_blocks)
+    blocks = jnp.pad(logits, ((0, 0), (0, num_blocks * width - vocab)), constant_values=-jnp.inf)
+    blocks = blocks.reshape(rows, num_blocks, width)
+    block = jnp.argmax(blocks.max(-1), -1)
+    within = jnp.argmax(jnp.take_along_axis(blocks, block[:, None, None], 1)[:, 0], -1)
+    return (block * width + within).astype(jnp.int32)
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:

@@ -8,7 +8,7 @@ import pytest
 
 from jaxengine.bench.__main__ import main
 
-# One engine shape for every test: its four step buckets compile once (JAX's persistent cache).
+# One engine shape for every test: its six step buckets compile once (JAX's persistent cache).
 ENGINE = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--request-buckets", "2,4", "--max-model-len", "128"]
 SHARED_PREFIX = ["--dataset", "shared-prefix", "--prefix-len", "16", "--input-len", "16", "--output-len", "4",
                  "--num-prompts", "4"]
@@ -69,8 +69,9 @@ def test_latency_times_every_bucket_pair(chat_checkpoint, tmp_path):
     assert saved["mode"] == "latency"
     rows = [(r["kind"], r["tokens"], r["rows"], r["token_bucket"], r["row_bucket"], r["context_len"])
             for r in result["rows"]]
-    assert rows == [("prefill", 16, 2, 16, 2, 0), ("prefill", 16, 4, 16, 4, 0), ("prefill", 32, 2, 32, 2, 0),
-                    ("prefill", 32, 4, 32, 4, 0), ("decode", 2, 2, 16, 2, 20), ("decode", 4, 4, 16, 4, 20)]
+    assert rows == [("prefill", 2, 2, 2, 2, 0), ("prefill", 4, 4, 4, 4, 0), ("prefill", 8, 4, 8, 4, 0),
+                    ("prefill", 16, 4, 16, 4, 0), ("prefill", 32, 4, 32, 4, 0),       # rows: at least 4 from 4 tokens
+                    ("decode", 2, 2, 2, 2, 20), ("decode", 4, 4, 4, 4, 20)]
     for r in result["rows"]:
         assert r["reached"] and len(r["times_ms"]) == 3 and r["step_ms"] == pytest.approx(statistics.median(r["times_ms"]))
         assert r["us_per_token"] == pytest.approx(r["step_ms"] * 1e3 / r["tokens"])

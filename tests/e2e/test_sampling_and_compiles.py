@@ -3,6 +3,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
 
@@ -166,13 +168,32 @@ def test_the_penalty_history_is_built_and_sent_only_for_steps_that_apply_penalti
             return executable(*args)
         monkeypatch.setitem(llm.runner._executables, bucket, spy)
     llm.generate([PROMPT, PROMPT[:2]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert histories and all(h is histories[0] for h in histories) and isinstance(histories[0], jax.Array)
-    assert not np.asarray(histories[0]).any() and histories[0].shape == (8, 65)
-    assert all(b is biases[0] for b in biases) and isinstance(biases[0], jax.Array)
+    one_per_rows = {}                               # row bucket -> the one zero history of its steps
+    assert histories and all(one_per_rows.setdefault(h.shape[0], h) is h for h in histories)
+    assert sorted(one_per_rows) == [2, 8]           # the prompts' step (8 rows from 8 tokens), the decodes
+    assert all(isinstance(h, jax.Array) and not np.asarray(h).any() and h.shape[1] == 65 for h in histories)
+    one_per_rows = {}
+    assert all(one_per_rows.setdefault(b.shape[0], b) is b and isinstance(b, jax.Array) for b in biases)
     histories.clear()
     llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True, presence_penalty=0.5), use_tqdm=False)
     assert [type(h) for h in histories] == [np.ndarray] * 3
     assert histories[0][0, :5].tolist() == histories[2][0, :5].tolist() == PROMPT
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 300), st.integers(0, 2**16), st.integers(0, 3))
+def test_the_blocked_argmax_is_the_first_maximum(rows, vocab, seed, ties):
+    """Row maxima anywhere, ties included (the first wins), a vocabulary that no block count
+    divides, and all -inf (a grammar masking every token): the same as ``jnp.argmax``."""
+    import jax.numpy as jnp
+
+    from jaxengine.sample.sampler import first_argmax
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 3, (rows, vocab)).astype(np.float32)          # small integers: many ties
+    x[:, rng.integers(0, vocab, ties)] = 3.0
+    x[0] = -np.inf if seed % 5 == 0 else x[0]
+    assert first_argmax(jnp.asarray(x), num_blocks=7).tolist() == np.argmax(x, -1).tolist()
 
 
 def test_presence_frequency_and_logit_bias_exact_values():

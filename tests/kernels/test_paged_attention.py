@@ -4,6 +4,7 @@ chunks after a prefix hit, padding rows), GQA ratios 1/4/8, page sizes 4/16, win
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -93,3 +94,18 @@ def test_bf16_inputs_stay_close_and_finite():
     out = np.asarray(paged_attention_tiled(*as_bf16, md, scale=0.25)).astype(np.float32)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out[:21], ref[:21], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [
+    [(c, 1) for c in (3, 70, 12, 0, 41, 95, 26, 58, 7)],                        # decodes of many lengths
+    [(60, 1), (0, 37), (5, 1), (90, 1), (17, 20), (2, 1)],                        # prompts among decodes
+], ids=["decode", "mixed"])
+def test_tiles_grouped_by_length_match_the_reference(rows):
+    """Groups of 2 tiles, longest first: each group stops at its own longest tile, and the
+    tiles' outputs go back to their tokens."""
+    q, kc, vc, md, full = make_batch(np.random.default_rng(3), rows, 4, 2, 4, 64, 10)
+    ref = np.asarray(paged_attention(q, kc, vc, md, scale=0.25))
+    out = np.asarray(jax.jit(lambda *a: paged_attention_tiled(*a, scale=0.25, group_size=2))(q, kc, vc, md))
+    real = sum(n for _, n in rows)
+    np.testing.assert_allclose(out[:real], ref[:real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[:real], dense(q, rows, full, 4, 0.25)[:real], rtol=1e-5, atol=1e-5)

@@ -84,14 +84,16 @@ def test_calibrate_fits_a_recorded_trace(tmp_path):
 
 
 def test_calibrate_scales_a_profile_to_a_servers_trace(tmp_path, profile_file):
+    from jaxengine.engine_args import EngineArgs
     from jaxengine.lab.profile import StepShape, load_profile
     from jaxengine.trace import StepTrace, TraceWriter
 
     shapes = [StepShape(r, r, 100 + i, 100 * r) for i, r in enumerate([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4])]
+    buckets = EngineArgs(max_num_batched_tokens=256, max_num_seqs=16).step_buckets()
     with TraceWriter(tmp_path / "t.jsonl") as w:      # a server 1.5x slower than the profile says
         w.write(StepTrace(0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 9.0, 0, 0, 100, 100))     # compile: skipped
         for i, s in enumerate(shapes, 1):
-            step_s = 1.5 * PROFILE.step_seconds(s.padded([8, 16]), 16)
+            step_s = 1.5 * PROFILE.step_seconds(*s.bucketed(*buckets))
             w.write(StepTrace(i, i, s.num_rows, s.num_tokens, 0, 0, 0, 0, 0, 0, 0, 0, s.num_rows, 0, step_s, 0, 0,
                               s.max_context, s.sum_context))
     main(["calibrate", "--from-trace", str(tmp_path / "t.jsonl"), "--profile", profile_file,

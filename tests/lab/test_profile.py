@@ -75,7 +75,7 @@ def test_noise_ratio_interpolates_the_quantiles():
     assert profile.noise_ratio(1.0) == 2.0
 
 
-ROWS = list(range(1, 9))          # every row count its own bucket
+ROWS = list(range(1, 17))         # every row count its own bucket (from 8 tokens, from 8 rows)
 
 
 def trace(step, prefill, decode, rows, max_ctx, sum_ctx, step_s):
@@ -85,12 +85,14 @@ def trace(step, prefill, decode, rows, max_ctx, sum_ctx, step_s):
 
 def test_from_trace_fits_the_recorded_steps_and_skips_the_first():
     records = [trace(0, 16, 0, 1, 16, 16, 9.0)]          # a compile: left out
-    records += [trace(i, 10, r, r + 1, 100 + i, 200, 0.001 * (r + 1) + 0.01) for i, r in enumerate(range(1, 6), 1)]
+    records += [trace(i, 10, r, r + 1, 100 + i, 200, 0.001 * (r + 1) + 0.01) for i, r in enumerate(range(8, 13), 1)]
     profile = CostProfile.from_trace(records, [16, 32], ROWS, num_gpu_blocks=50)
     assert profile.fit_error.num_steps == 5
-    assert profile.step_seconds(StepShape(14, 4, 103, 200), 16) == pytest.approx(0.014)
-    padded = StepShape(14, 3, 103, 200).padded([2, 4, 8])
-    assert padded.row_bucket == 4 and padded.features() == (1.0, 0.0, 4, 103, 200)
+    assert profile.step_seconds(StepShape(30, 12, 103, 200), 32) == pytest.approx(0.022)
+    padded, bucket = StepShape(3, 3, 103, 200).bucketed([4, 16, 32], [2, 4, 8])
+    assert bucket == 4 and padded.row_bucket == 4 and padded.features() == (1.0, 0.0, 4, 103, 200)
+    padded, bucket = StepShape(14, 3, 103, 200).bucketed([4, 16, 32], [2, 4, 8])
+    assert bucket == 16 and padded.row_bucket == 8          # 16 tokens pad their rows to at least 8
     dicts = [vars(r) for r in records]
     assert CostProfile.from_trace(dicts, [16, 32], ROWS, num_gpu_blocks=50).coefficients == profile.coefficients
 

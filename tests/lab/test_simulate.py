@@ -10,7 +10,7 @@ from jaxengine.lab.profile import CostProfile, StepShape, constant_profile
 from jaxengine.lab.simulate import engine_config, simulate
 from jaxengine.lab.workload import SimRequest, Workload, from_bench_result, from_jsonl
 from jaxengine.engine_args import EngineArgs
-from jaxengine.runner.buckets import pick_bucket, step_row_buckets, token_buckets
+from jaxengine.runner.buckets import step_row_buckets, token_buckets
 from jaxengine.runner.fake_runner import HashRunner
 from jaxengine.sampling_params import SamplingParams
 
@@ -79,8 +79,9 @@ def replay_on_the_engine(requests, config, profile, buckets):
             continue
         engine.step()
         out = engine.last_output
-        shape = StepShape.of_output(out).padded(step_row_buckets(config.scheduler.max_num_seqs))
-        clock[0] += profile.step_seconds(shape, pick_bucket(shape.num_tokens, buckets)) if shape.num_tokens else 1e-4
+        shape = StepShape.of_output(out)
+        rows = step_row_buckets(config.scheduler.max_num_seqs)
+        clock[0] += profile.step_seconds(*shape.bucketed(buckets, rows)) if shape.num_tokens else 1e-4
         outputs.append(out)
     return outputs
 

@@ -9,11 +9,12 @@ import textwrap
 import threading
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.runner.compile import compile_stages, limits_of
+from jaxengine.runner.buckets import reachable_pairs, step_bucket
+from jaxengine.runner.compile import compile_stages, limits_of, step_pairs
 
 ENGINE = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=16, token_buckets=[16, 64],
               request_buckets=[8, 16], block_size=4, max_model_len=64, num_kv_blocks=200, swap_space=0,
@@ -22,20 +23,44 @@ ENGINE = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=
 
 @given(st.lists(st.integers(1, 4096), min_size=1, max_size=7, unique=True),
        st.lists(st.integers(1, 512), min_size=1, max_size=5, unique=True))
-def test_every_stage_leaves_the_compiled_pairs_closed_downwards(tokens, rows):
+def test_every_stage_compiles_what_the_steps_within_its_limits_pad_to(tokens, rows):
     tokens, rows = sorted(tokens), sorted(rows)
     compiled: list = []
     for stage in compile_stages(tokens, rows):
         compiled += stage.pairs
-        largest_t, largest_b = stage.largest
-        assert sorted(compiled) == [(t, b) for t in tokens if t <= largest_t for b in rows if b <= largest_b]
-    assert compiled[-1] == (tokens[-1], rows[-1]) and len(compiled) == len(tokens) * len(rows)
+        assert set(reachable_pairs(tokens, rows, *limits_of(stage.largest))) <= set(compiled)
+    assert stage.largest == (tokens[-1], rows[-1]) and sorted(compiled) == step_pairs(tokens, rows)
+    assert len(set(compiled)) == len(compiled)                            # none compiles twice
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=6, unique=True),
+       st.lists(st.integers(1, 40), min_size=1, max_size=5, unique=True), st.data())
+def test_the_reachable_pairs_are_those_every_step_pads_to(tokens, rows, data):
+    tokens, rows = sorted(tokens), sorted(rows)
+    max_tokens = data.draw(st.integers(1, tokens[-1]))
+    max_rows = data.draw(st.integers(1, rows[-1]))
+    every = {step_bucket(n, m, tokens, rows) for n in range(1, max_tokens + 1) for m in range(1, max_rows + 1)}
+    assert reachable_pairs(tokens, rows, max_tokens, max_rows) == sorted(every)
+
+
+def test_a_step_pads_its_tokens_to_its_rows_and_its_rows_to_at_least_8_from_8_tokens():
+    tokens, rows = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16, 32, 64]
+    assert step_bucket(1, 1, tokens, rows) == (1, 1)          # one sequence decoding: no padding
+    assert step_bucket(3, 3, tokens, rows) == (4, 4)
+    assert step_bucket(5, 1, tokens, rows) == (8, 8)
+    assert step_bucket(100, 2, tokens, rows) == (128, 8)
+    assert step_bucket(3, 32, tokens, rows) == (32, 32)       # a short prompt sampling n = 32
+    assert step_bucket(3, 32, [16], [8, 32]) == (16, 32)      # ... where no token bucket is as wide
 
 
 def test_the_default_buckets_grow_tokens_and_rows_in_turn():
-    stages = compile_stages([16, 32, 64, 128, 256, 512], [8, 16, 32, 64])
-    assert [s.largest for s in stages] == [(16, 8), (32, 8), (32, 16), (64, 16), (64, 32), (128, 32), (128, 64),
-                                           (256, 64), (512, 64)]
+    stages = compile_stages([1, 2, 4, 8, 16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16, 32, 64])
+    assert [s.largest for s in stages] == [
+        (1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4), (8, 8), (16, 8), (16, 16), (32, 16), (32, 32), (64, 32),
+        (64, 64), (128, 64), (256, 64), (512, 64)]
+    assert [s.pairs for s in stages[:4]] == [[(1, 1)], [(2, 2)], [], [(4, 4)]]
+    assert sum(len(s.pairs) for s in stages) == 25             # of the 70 (token, row) combinations
     assert limits_of((16, 32)) == (16, 16)       # every running sequence decodes: rows fit the tokens
 
 

@@ -26,8 +26,11 @@ def llm(tmp_path_factory):
 
 def test_eager_start_up_compiles_every_token_and_row_bucket_and_block_move(llm):
     runner = llm.runner
-    assert runner.token_buckets == [16, 32, 64] and runner.request_buckets == [8, 16, 32]
-    assert sorted(runner._executables) == [(t, b) for t in (16, 32, 64) for b in (8, 16, 32)]
+    assert runner.token_buckets == [1, 2, 4, 8, 16, 32, 64] and runner.request_buckets == [1, 2, 4, 8, 16, 32]
+    # Below 8 tokens the rows pad like the tokens; from 8 tokens to at least 8 rows, and never
+    # more rows than tokens: 12 of the 42 combinations.
+    assert sorted(runner._executables) == [(1, 1), (2, 2), (4, 4), (8, 8), (16, 8), (16, 16), (32, 8), (32, 16),
+                                           (32, 32), (64, 8), (64, 16), (64, 32)]
     assert runner.step_limits() == (64, 32) and not runner.is_compiling and runner.wait_until_compiled(0)
     host_blocks = llm.config.cache.num_cpu_blocks
     assert host_blocks > 160                      # the device pool bounds the swaps: 159 blocks
@@ -69,19 +72,20 @@ def test_a_step_without_executable_compiles_once_and_is_logged(llm, caplog):
     before = len(LOWERINGS)
     with caplog.at_level(logging.WARNING):
         first = cold.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert cold.runner.num_compiles == 1 and len(LOWERINGS) == before + 1
-    assert list(cold.runner._executables) == [(16, 8)]
-    assert "compilation after start-up (step bucket (16, 8)); 1 so far" in caplog.text
+    assert cold.runner.num_compiles == 2 and len(LOWERINGS) == before + 2          # the prompt's step, a decode's
+    assert list(cold.runner._executables) == [(4, 4), (1, 1)]
+    assert "compilation after start-up (step bucket (4, 4)); 1 so far" in caplog.text
+    assert "compilation after start-up (step bucket (1, 1)); 2 so far" in caplog.text
     assert cold.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == first
-    assert cold.runner.num_compiles == 1 and len(LOWERINGS) == before + 1          # compiled once, then reused
+    assert cold.runner.num_compiles == 2 and len(LOWERINGS) == before + 2          # compiled once, then reused
     assert llm.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0].token_ids == first
 
 
 def test_inside_forbid_compiles_a_step_without_executable_is_refused(llm):
     """Last in this module: the refused step leaves its request unfinished."""
-    del llm.runner._executables[(16, 8)]          # a bucket set left incomplete
+    del llm.runner._executables[(4, 4)]            # a bucket set left incomplete
     before = len(LOWERINGS)
-    with llm.runner.forbid_compiles(), pytest.raises(CompilationError, match=r"step bucket \(16, 8\)"):
+    with llm.runner.forbid_compiles(), pytest.raises(CompilationError, match=r"step bucket \(4, 4\)"):
         llm.generate([[7, 8, 9]], SamplingParams(max_tokens=3), use_tqdm=False)
     assert llm.runner.num_compiles == 0 and len(LOWERINGS) == before                # refused before compiling
 
