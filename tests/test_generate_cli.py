@@ -24,8 +24,9 @@ LINES = [
 def llm(chat_checkpoint):
     from jaxengine.llm import LLM
 
-    return LLM(chat_checkpoint, max_num_batched_tokens=64, max_num_seqs=8, block_size=4, max_model_len=128,
-               num_kv_blocks=200, progress=False, compile_mode="eager")
+    # the tokens from 16: not a bucket test, and fewer compiles
+    return LLM(chat_checkpoint, max_num_batched_tokens=64, token_buckets=[16, 32, 64], max_num_seqs=8, block_size=4,
+               max_model_len=128, num_kv_blocks=200, progress=False, compile_mode="eager")
 
 
 def write(path, lines):

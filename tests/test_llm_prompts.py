@@ -12,8 +12,9 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 def llm(chat_checkpoint):
     from jaxengine.llm import LLM
 
-    return LLM(chat_checkpoint, max_num_batched_tokens=64, max_num_seqs=8, block_size=4, max_model_len=64,
-               num_kv_blocks=64, progress=False, compile_mode="eager")
+    # the tokens from 16: not a bucket test, and fewer compiles
+    return LLM(chat_checkpoint, max_num_batched_tokens=64, token_buckets=[16, 32, 64], max_num_seqs=8, block_size=4,
+               max_model_len=64, num_kv_blocks=64, progress=False, compile_mode="eager")
 
 
 def summary(outputs) -> list[tuple]:
