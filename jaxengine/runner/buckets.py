@@ -22,7 +22,7 @@ ROW_FLOOR = 8
 
 def token_buckets(max_num_batched_tokens: int, minimum: int = 1) -> list[int]:
     """From one token: on a CPU a step's matmuls cost about in proportion to its tokens, so a
-    decode of one sequence padded to 16 tokens ran at half the speed (BENCHMARKS.md)."""
+    decode of one sequence padded to 16 tokens ran at about 60% of the speed (BENCHMARKS.md)."""
     return power_of_two_buckets(min(minimum, max_num_batched_tokens), max_num_batched_tokens)
 
 
