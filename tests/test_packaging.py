@@ -38,6 +38,7 @@ def test_wheel_install_ships_models_and_kernels_inside_jaxengine(tmp_path):
     shipped = {p.relative_to(tmp_path / "site" / "jaxengine") for p in (tmp_path / "site" / "jaxengine").rglob("*.py")}
     assert sorted(set(source_modules()) - shipped) == []
     assert (tmp_path / "site" / "jaxengine" / "serve" / "static" / "dashboard.html").is_file()    # package data
+    assert (tmp_path / "site" / "jaxengine" / "kernels" / "paged_attention" / "cpu_decode.cc").is_file()
 
 
 def source_modules() -> list[Path]:

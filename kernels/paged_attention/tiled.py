@@ -1,7 +1,8 @@
 """Paged attention in plain jnp, organised for speed on the CPU (the engine's CPU path).
 
 The reference reads every context page once per query token. Here decode tokens (rows with one
-query) still go one by one, compacted to at most B of them, while prefill rows are cut into
+query) go one by one, compacted to at most B of them, through ``cpu_decode``'s compiled kernel
+where it serves the layer (the jnp loop below otherwise), while prefill rows are cut into
 query tiles of ``q_tile`` tokens that read each page once per tile. Whichever part a step does
 not need is skipped at run time (``lax.cond``). Tested against ``reference.paged_attention``.
 
@@ -17,16 +18,21 @@ and made the decode attention about a quarter slower (BENCHMARKS.md, "Where a st
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jaxengine.kernels.paged_attention import online_softmax
+from jaxengine.kernels.paged_attention import cpu_decode, online_softmax
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 
 def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
                           scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                          q_tile: int = 16, pages_per_step: int = 4, group_size: int = 8) -> jax.Array:
+                          q_tile: int = 16, pages_per_step: int = 4, group_size: int = 8,
+                          decode_kernel: bool | None = None) -> jax.Array:
+    """``decode_kernel``: decode tokens through ``cpu_decode`` (None: wherever it serves the
+    layer; False: the jnp loop below)."""
     num_tokens, num_heads, head_size = q.shape
     num_rows = md.block_tables.shape[0]
     q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
@@ -38,8 +44,12 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     # Decode tokens: one query per tile, at most B of them.
     is_decode = jnp.repeat(q_lens == 1, q_lens, total_repeat_length=num_tokens)
     dec_idx = jnp.nonzero(is_decode, size=num_rows, fill_value=num_tokens)[0]
-    out = jax.lax.cond(jnp.any(is_decode), lambda o: _scatter(o, *_attend(qg, dec_idx[:, None], **attend)),
-                       lambda o: o, out)
+    if cpu_decode.serves(q, k_cache) if decode_kernel is None else decode_kernel:
+        decode = functools.partial(_decode_in_place, qg, dec_idx, k_cache, v_cache, md,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
+    else:
+        decode = lambda o: _scatter(o, *_attend(qg, dec_idx[:, None], **attend))     # noqa: E731
+    out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)
 
     # Prefill rows: tiles of q_tile consecutive queries of one row.
     tiles_per_row = jnp.where(q_lens > 1, (q_lens + q_tile - 1) // q_tile, 0)
@@ -52,6 +62,19 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     idx = jnp.where((tile < ends[-1])[:, None] & (idx < md.query_start_loc[row + 1][:, None]), idx, num_tokens)
     out = jax.lax.cond(ends[-1] > 0, lambda o: _scatter(o, *_attend(qg, idx, **attend)), lambda o: o, out)
     return out[:num_tokens].reshape(num_tokens, num_heads, head_size).astype(q.dtype)
+
+
+def _decode_in_place(qg: jax.Array, dec_idx: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     md: AttentionMetadata, out: jax.Array, **kw) -> jax.Array:
+    """The decode tokens dec_idx [B] (index T = none) through the compiled kernel, their rows'
+    pages read in place."""
+    num_tokens = qg.shape[0]
+    safe = jnp.minimum(dec_idx, num_tokens - 1)
+    rows = jnp.minimum(jnp.searchsorted(md.query_start_loc[1:], safe, side="right"), md.block_tables.shape[0] - 1)
+    lens = jnp.where(dec_idx < num_tokens, md.positions[safe] + 1, 0)
+    got = cpu_decode.paged_decode(qg[safe].reshape(safe.shape[0], -1, qg.shape[-1]), k_cache, v_cache,
+                                  md.block_tables[rows], lens, **kw)
+    return out.at[dec_idx].set(got.reshape(-1, *qg.shape[1:]))
 
 
 def _scatter(out: jax.Array, idx: jax.Array, tiles: jax.Array) -> jax.Array:

@@ -1,6 +1,10 @@
 """Paged attention: the plain-jnp reference against dense numpy attention, and the tiled CPU
 variant against the reference, on random ragged batches (decode-only, prefill-only, mixed,
-chunks after a prefix hit, padding rows), GQA ratios 1/4/8, page sizes 4/16, window and soft cap."""
+chunks after a prefix hit, padding rows), GQA ratios 1/4/8, page sizes 4/16, window and soft cap;
+and the compiled CPU decode kernel against the jnp loop it replaces."""
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from jaxengine.kernels.paged_attention import cpu_decode
 from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
 
 H = 16
@@ -105,7 +110,49 @@ def test_tiles_grouped_by_length_match_the_reference(rows):
     tiles' outputs go back to their tokens."""
     q, kc, vc, md, full = make_batch(np.random.default_rng(3), rows, 4, 2, 4, 64, 10)
     ref = np.asarray(paged_attention(q, kc, vc, md, scale=0.25))
-    out = np.asarray(jax.jit(lambda *a: paged_attention_tiled(*a, scale=0.25, group_size=2))(q, kc, vc, md))
+    out = np.asarray(jax.jit(lambda *a: paged_attention_tiled(*a, scale=0.25, group_size=2, decode_kernel=False))(
+        q, kc, vc, md))
     real = sum(n for _, n in rows)
     np.testing.assert_allclose(out[:real], ref[:real], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out[:real], dense(q, rows, full, 4, 0.25)[:real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the CPU decode kernel")
+def test_the_cpu_decode_kernel_builds_and_serves_f32_layers_only():
+    q = jnp.zeros((4, 6, 64), jnp.float32)
+    assert cpu_decode.available()
+    assert cpu_decode.serves(q, jnp.zeros((8, 16, 2, 64), jnp.float32))
+    assert not cpu_decode.serves(q, jnp.zeros((8, 16, 2, 64), jnp.bfloat16))
+    assert not cpu_decode.serves(q, jnp.zeros((8, 128, 2, 64), jnp.float32))      # pages over 64 tokens
+
+
+def test_a_failed_kernel_build_is_an_error_naming_the_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(subprocess.CalledProcessError, match="false"):
+        cpu_decode._built_library()
+    assert not list((tmp_path / "kernels").iterdir())              # no half-written library left
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the CPU decode kernel")
+@pytest.mark.parametrize("kv_heads, group, head_size, page_size, extras", [
+    (3, 3, 64, 16, {}),                                    # the default model's layout
+    (2, 4, 12, 4, {"sliding_window": 7}),                  # a head size off the 8-float lanes
+    (1, 8, 128, 16, {"soft_cap": 3.0}),
+    (4, 1, 32, 64, {}),
+])
+def test_the_cpu_decode_kernel_matches_the_jnp_loop(kv_heads, group, head_size, page_size, extras):
+    """Decodes of many lengths beside a prompt chunk and padding rows: the kernel's decode
+    outputs equal the jnp loop's and the dense result; padding tokens stay zero."""
+    rows = [(c, 1) for c in (0, 3, 70, 12, 41, 95, 130)] + [(5, 20)]
+    q, kc, vc, md, full = make_batch(np.random.default_rng(7), rows, page_size, kv_heads, group, 40, 10,
+                                     head_size=head_size)
+    scale = head_size ** -0.5
+    run = lambda flag: np.asarray(jax.jit(lambda *a: paged_attention_tiled(       # noqa: E731
+        *a, scale=scale, decode_kernel=flag, **extras))(q, kc, vc, md))
+    kernel, loop = run(True), run(False)
+    real = sum(n for _, n in rows)
+    expected = dense(q, rows, full, group, scale, extras.get("sliding_window"), extras.get("soft_cap"))
+    np.testing.assert_allclose(kernel[:real], loop[:real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kernel[:real], expected[:real], rtol=1e-5, atol=1e-5)
+    assert not np.abs(kernel[real:]).any()

@@ -1,0 +1,221 @@
+// Decode attention over the paged KV cache on the CPU: one query token per row, its keys and
+// values read in place from the row's pages (XLA's version gathers them into a temporary first).
+// Work items are rows (or, for a few rows, their KV heads), longest first, shared between the calling thread and
+// the helpers it schedules on XLA's intra-op thread pool. f32 throughout; a page at a time, an
+// online softmax per query head, as kernels/paged_attention/reference.py defines the result.
+//
+// Shapes: q [B, N, H] (already scaled), k_cache and v_cache [NB, S, K, H], tables [B, M],
+// lens [B] (keys each row attends to: its query's position + 1; 0 for a padding row), out [B, N, H].
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxHeads = 128;    // query heads this kernel serves (N)
+constexpr int kMaxPage = 64;      // tokens per page this kernel serves (S)
+constexpr int kLanes = 8;         // one AVX2 register of f32
+
+struct Problem {
+  const float* q;
+  const float* k_cache;
+  const float* v_cache;
+  const int32_t* tables;
+  const int32_t* lens;
+  float* out;
+  int64_t num_heads, kv_heads, head_size, page_size, width;
+  int64_t sliding_window;         // 0: none
+  float soft_cap;                 // 0: none
+};
+
+// q . k over head_size floats, summed in kLanes independent lanes so the compiler vectorises it
+// without reassociating (head_size a multiple of kLanes; the tail is scalar).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t h = 0;
+  for (; h + kLanes <= n; h += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] += a[h + j] * b[h + j];
+  float s = 0.0f;
+  for (int j = 0; j < kLanes; ++j) s += lanes[j];
+  for (; h < n; ++h) s += a[h] * b[h];
+  return s;
+}
+
+// exp(x) for x <= 0 (a score minus its running maximum), branch-free so that loops of it
+// vectorise: x = k ln2 + r, |r| <= ln2 / 2, and exp(r) by its degree-6 Taylor polynomial
+// (relative error about 2e-7). Below -87 it returns 0, as the f32 exp underflows there.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;   // ln2 in two parts: r exact
+  float y = 1.0f / 720;
+  y = y * r + 1.0f / 120;
+  y = y * r + 1.0f / 24;
+  y = y * r + 1.0f / 6;
+  y = y * r + 0.5f;
+  y = y * r + 1.0f;
+  y = y * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k by its exponent bits
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// Bring a page's keys and values towards the caches while the previous page is computed: pages
+// sit anywhere in the pool, where the hardware prefetcher does not follow.
+inline void prefetch_page(const float* k, const float* v, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) {
+    __builtin_prefetch(k + i);
+    __builtin_prefetch(v + i);
+  }
+}
+
+struct Item {
+  int64_t row, kv_first, kv_last;   // KV heads [kv_first, kv_last) of one row
+};
+
+// One item: its KV heads' G query heads each against every key the row attends to, a page at a
+// time for all its KV heads together, so each page is streamed from memory once.
+void attend(const Problem& p, const Item& item) {
+  const int64_t kh = p.kv_heads, g_size = p.num_heads / kh, hs = p.head_size, heads = p.num_heads;
+  const int64_t row = item.row, head_first = item.kv_first * g_size, head_last = item.kv_last * g_size;
+  const int64_t len = p.lens[row];
+  float* out = p.out + row * heads * hs;               // the accumulator, normalised at the end
+  std::fill(out + head_first * hs, out + head_last * hs, 0.0f);
+  if (len <= 0) return;
+  const float* q = p.q + row * heads * hs;
+  const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, len - p.sliding_window) : 0;
+  const int64_t token_stride = kh * hs, page_stride = p.page_size * token_stride;
+  float m[kMaxHeads], l[kMaxHeads], s[kMaxHeads][kMaxPage];
+  std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + heads, 0.0f);
+  for (int64_t page = first / p.page_size; page * p.page_size < len; ++page) {
+    const int64_t block = p.tables[row * p.width + page];
+    const int64_t t0 = std::max(first, page * p.page_size), t1 = std::min(len, (page + 1) * p.page_size);
+    const int64_t n = t1 - t0;
+    const float* k = p.k_cache + block * page_stride + (t0 - page * p.page_size) * token_stride;
+    const float* v = p.v_cache + block * page_stride + (t0 - page * p.page_size) * token_stride;
+    if ((page + 1) * p.page_size < len) {
+      const int64_t next = p.tables[row * p.width + page + 1];
+      prefetch_page(p.k_cache + next * page_stride, p.v_cache + next * page_stride, page_stride);
+    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t head = head_first; head < head_last; ++head) {
+        float x = dot(q + head * hs, k + t * token_stride + (head / g_size) * hs, hs);
+        s[head][t] = p.soft_cap > 0.0f ? p.soft_cap * std::tanh(x / p.soft_cap) : x;
+      }
+    for (int64_t head = head_first; head < head_last; ++head) {
+      float m_new = m[head];
+      for (int64_t t = 0; t < n; ++t) m_new = std::max(m_new, s[head][t]);
+      const float correction = m[head] == -std::numeric_limits<float>::infinity()
+                                   ? 0.0f : exp_nonpositive(m[head] - m_new);
+      float sum = 0.0f;
+      for (int64_t t = 0; t < n; ++t) {
+        s[head][t] = exp_nonpositive(s[head][t] - m_new);
+        sum += s[head][t];
+      }
+      l[head] = l[head] * correction + sum;
+      m[head] = m_new;
+      float* acc = out + head * hs;
+      const float* vh = v + (head / g_size) * hs;
+      for (int64_t h = 0; h < hs; ++h) acc[h] *= correction;
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = s[head][t];
+        const float* vt = vh + t * token_stride;
+        for (int64_t h = 0; h < hs; ++h) acc[h] += w * vt[h];
+      }
+    }
+  }
+  for (int64_t head = head_first; head < head_last; ++head) {
+    const float inv = l[head] > 0.0f ? 1.0f / l[head] : 0.0f;
+    for (int64_t h = 0; h < hs; ++h) out[head * hs + h] *= inv;
+  }
+}
+
+// What the calling thread and its helpers share; a helper that starts after the work is done
+// returns at once, so the shared_ptr keeps this alive past the call.
+struct Shared {
+  Problem problem;
+  std::vector<Item> items;        // longest rows first
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  int running = 0;
+  bool closed = false;
+
+  void work() {
+    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());)
+      attend(problem, items[i]);
+  }
+};
+
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
+                           ffi::Buffer<ffi::S32> lens, int64_t sliding_window, float soft_cap,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("paged decode: q [B, N, H], caches [NB, S, K, H], tables [B, M]");
+  const int64_t rows = qd[0], num_heads = qd[1], head_size = qd[2], kv_heads = kd[2];
+  if (kd[3] != head_size || num_heads % kv_heads != 0 || num_heads > kMaxHeads ||
+      kd[1] > kMaxPage || td[0] != rows)
+    return ffi::Error::InvalidArgument("paged decode: shapes this kernel does not serve");
+  auto shared = std::make_shared<Shared>();
+  shared->problem = Problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), tables.typed_data(),
+                            lens.typed_data(), out->typed_data(), num_heads, kv_heads, head_size, kd[1],
+                            td[1], sliding_window, soft_cap};
+  std::vector<int64_t> order(rows);
+  std::iota(order.begin(), order.end(), 0);
+  const int32_t* len = lens.typed_data();
+  std::stable_sort(order.begin(), order.end(), [len](int64_t a, int64_t b) { return len[a] > len[b]; });
+  // Few rows: one item per KV head, so that a single long row still keeps every core busy.
+  const int64_t live = std::count_if(len, len + rows, [](int32_t n) { return n > 0; });
+  const bool split = live < 2 * std::max<int64_t>(pool.num_threads(), 1);
+  for (int64_t r : order)
+    for (int64_t h = 0; h < kv_heads; h += split ? 1 : kv_heads)
+      shared->items.push_back(Item{r, h, split ? h + 1 : kv_heads});
+
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(shared->items.size())) - 1;
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([shared] {
+      {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        if (shared->closed) return;
+        ++shared->running;
+      }
+      shared->work();
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (--shared->running == 0) shared->cv.notify_all();
+    });
+  shared->work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->closed = true;                              // helpers not yet started stay out
+  shared->cv.wait(lock, [&] { return shared->running == 0; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxenginePagedDecode, PagedDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
