@@ -1,7 +1,7 @@
 """The CPU's decode attention as a small compiled kernel (``cpu_decode.cc``) called through
 ``jax.ffi``: it reads each row's pages in place, where XLA gathers them into a temporary first, and
-shares the rows between the cores through XLA's own thread pool (BENCHMARKS.md, "Decode attention
-in place").
+shares the rows between the cores through XLA's own thread pool (BENCHMARKS.md, "decode attention
+read in place").
 
 The source ships with the package and is compiled on first use with the machine's C++ compiler
 (``$CXX``, else ``g++``) against the FFI headers jaxlib ships, into ``$JAXENGINE_CACHE/kernels``,

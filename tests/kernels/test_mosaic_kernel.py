@@ -34,6 +34,10 @@ def race_checked_interpreter(monkeypatch):
     monkeypatch.setattr(mosaic_kernel, "_interpret_params", lambda: InterpretGPUParams(detect_races=True))
     with transposed_wgmma_operands():
         yield
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    if gpu_callbacks._races is None:      # nothing was interpreted in this process yet (a lowering-only test)
+        return
     assert not interpreter.get_races().races_found
 
 
