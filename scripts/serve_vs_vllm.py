@@ -4,7 +4,7 @@ and ``vllm serve`` on the same model (a Hugging Face folder) with the same limit
 with the client, at each ``--concurrency``. Prints and writes one JSON of the figures.
 
     python scripts/serve_vs_vllm.py --vllm-python V/bin/python --vllm-model HF_FOLDER \\
-        [--concurrency 16,1] [--num-prompts 64] [--result-file serve.json]
+        [--concurrency 16,1] [--num-prompts 64] [--result-file bench_results/serve_vs_vllm.json]
 
 vLLM needs the venv described in BENCHMARKS.md ("Against vLLM on the same machine"), with a
 ``vllm-<version>.dist-info/METADATA`` naming the distribution ``vllm`` so that its CLI starts.
@@ -104,8 +104,9 @@ def main() -> None:
     p.add_argument("--concurrency", default="16,1")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--only", choices=("jaxengine", "vllm"), default=None)
-    p.add_argument("--result-file", default="serve_vs_vllm.json")
+    p.add_argument("--result-file", default="bench_results/serve_vs_vllm.json")   # beside the bench tool's
     args = p.parse_args()
+    Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
     vllm = str(Path(args.vllm_python).parent / "vllm")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     client_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}

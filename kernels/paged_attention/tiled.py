@@ -70,7 +70,7 @@ def _decode_in_place(qg: jax.Array, dec_idx: jax.Array, k_cache: jax.Array, v_ca
     pages read in place."""
     num_tokens = qg.shape[0]
     safe = jnp.minimum(dec_idx, num_tokens - 1)
-    rows = jnp.minimum(jnp.searchsorted(md.query_start_loc[1:], safe, side="right"), md.block_tables.shape[0] - 1)
+    rows = jnp.minimum(md.token_rows[safe], md.block_tables.shape[0] - 1)
     lens = jnp.where(dec_idx < num_tokens, md.positions[safe] + 1, 0)
     got = cpu_decode.paged_decode(qg[safe].reshape(safe.shape[0], -1, qg.shape[-1]), k_cache, v_cache,
                                   md.block_tables[rows], lens, **kw)
