@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
 from jaxengine.models.config import ModelConfig
 
@@ -90,13 +91,15 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.attention_fn = attention_fn
         self.kv_write_fn = write_kv       # the XLA scatter; kernels.paged_attention.kv_write has a Pallas one
+        self.dense_fn = dense             # OpenBLAS on a CPU, XLA's dot elsewhere and on a mesh (models.mesh)
 
-    def __call__(self, x: jax.Array, cache: KVCache, md: AttentionMetadata,
-                 inv_freq: np.ndarray) -> tuple[jax.Array, KVCache]:
+    def __call__(self, x: jax.Array, cache: KVCache, md: AttentionMetadata, inv_freq: np.ndarray,
+                 layer: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """``layer``: the projections are stacked [L, ...] and this is layer ``layer`` of them."""
         cfg = self.cfg
-        q = jnp.einsum("td,dnh->tnh", x, self.q_proj[...])
-        k = jnp.einsum("td,dkh->tkh", x, self.k_proj[...])
-        v = jnp.einsum("td,dkh->tkh", x, self.v_proj[...])
+        q = self.dense_fn(x, self.q_proj[...], layer)                # [T, N, H]
+        k = self.dense_fn(x, self.k_proj[...], layer)                # [T, K, H]
+        v = self.dense_fn(x, self.v_proj[...], layer)
         if cfg.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -104,7 +107,9 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, md.positions, inv_freq), apply_rope(k, md.positions, inv_freq)
         cache = self.kv_write_fn(*cache, k, v, md.slot_mapping)     # writes precede the reads of this step
         o = self.attention_fn(q, *cache, md, scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
-        return jnp.einsum("tnh,nhd->td", o, self.o_proj[...]), cache
+        o_proj = self.o_proj[...]                                    # [(L,) N, H, D] -> [(L,) N*H, D]
+        o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
+        return self.dense_fn(o.reshape(o.shape[0], -1), o_proj, layer), cache
 
 
 class MLP(nnx.Module):
@@ -113,11 +118,12 @@ class MLP(nnx.Module):
         self.gate_proj = _param(rngs, (d, f), dtype, (None, M))
         self.up_proj = _param(rngs, (d, f), dtype, (None, M))
         self.down_proj = _param(rngs, (f, d), dtype, (M, None))
+        self.dense_fn = dense
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jax.nn.silu(jnp.einsum("td,df->tf", x, self.gate_proj[...]))
-        up = jnp.einsum("td,df->tf", x, self.up_proj[...])
-        return jnp.einsum("tf,fd->td", gate * up, self.down_proj[...])
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+        gate = jax.nn.silu(self.dense_fn(x, self.gate_proj[...], layer))
+        up = self.dense_fn(x, self.up_proj[...], layer)
+        return self.dense_fn(gate * up, self.down_proj[...], layer)
 
 
 class DecoderLayer(nnx.Module):
@@ -127,11 +133,25 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cache: KVCache, md: AttentionMetadata,
-                 inv_freq: np.ndarray) -> tuple[jax.Array, KVCache]:
-        attn, cache = self.self_attn(self.input_layernorm(x), cache, md, inv_freq)
+    def __call__(self, x: jax.Array, cache: KVCache, md: AttentionMetadata, inv_freq: np.ndarray,
+                 layer: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        attn, cache = self.self_attn(self.input_layernorm(x), cache, md, inv_freq, layer)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x), layer), cache
+
+
+# The projection weights of a layer: the layer scan leaves them stacked and passes the layer's
+# index (``dense`` reads the stack in place), where slicing them per layer would copy them.
+DENSE_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def is_dense_weight(path: tuple, value) -> bool:
+    return bool(path) and path[-1] in DENSE_WEIGHTS
+
+
+def dense_modules(model: nnx.Module) -> list[nnx.Module]:
+    """Every module of ``model`` whose projections go through a ``dense_fn``."""
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and hasattr(node, "dense_fn")]
 
 
 def attention_modules(model: nnx.Module) -> list[Attention]:

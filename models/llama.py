@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.layers import MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, rope_inv_freq
+from jaxengine.models.layers import (MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, is_dense_weight,
+                                    rope_inv_freq)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -31,13 +33,16 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL_AXIS))
+        self.dense_fn = dense
 
     def __call__(self, input_ids: jax.Array, kv_caches: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """input_ids [T] -> final hidden states [T, D] and the updated caches."""
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        graphdef, stacked = nnx.split(self.layers)
+        # The projections stay stacked and go in whole with the layer's index; the rest (norms,
+        # biases) is sliced per layer by the scan.
+        graphdef, dense, rest = nnx.split(self.layers, is_dense_weight, ...)
         shape = kv_caches[0].shape
         num_layers, num_blocks, block_size = shape[:3]
         # The caches ride in the scan carry, flattened to [L*P, S, K, H]: layer l's block b is
@@ -47,22 +52,23 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer_step(carry, per_layer):
             x, k, v = carry
-            state, layer = per_layer
+            rest_of_layer, layer = per_layer
             offset = layer * num_blocks
             md_layer = dataclasses.replace(md, block_tables=md.block_tables + offset,
                                            slot_mapping=md.slot_mapping + offset * block_size)
-            x, (k, v) = nnx.merge(graphdef, state)(x, (k, v), md_layer, inv_freq)
+            x, (k, v) = nnx.merge(graphdef, dense, rest_of_layer)(x, (k, v), md_layer, inv_freq, layer)
             return (x, k, v), None
 
-        (x, k, v), _ = jax.lax.scan(layer_step, (x, *flat), (stacked, jnp.arange(num_layers)))
+        (x, k, v), _ = jax.lax.scan(layer_step, (x, *flat), (rest, jnp.arange(num_layers)))
         return self.norm(x), (k.reshape(shape), v.reshape(shape))
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[R, D] -> [R, V] in f32, only for the rows the sampler needs."""
         if self.config.tie_word_embeddings:
+            # [V, D] used transposed: XLA's dot reads it as it lies at about OpenBLAS's speed
             logits = jnp.einsum("rd,vd->rv", hidden, self.embed_tokens[...])
         else:
-            logits = jnp.einsum("rd,dv->rv", hidden, self.lm_head[...])
+            logits = self.dense_fn(hidden, self.lm_head[...])
         return logits.astype(jnp.float32)
 
 

@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.layers import MODEL_AXIS, attention_modules
+from jaxengine.kernels.matmul import xla_dense
+from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,12 @@ class ShardedKVWrite:
 
 
 def shard_kernels(model: nnx.Module, mesh: Mesh) -> None:
-    """Have every attention layer of ``model`` run its kernels per shard of ``mesh``."""
+    """Have every attention layer of ``model`` run its kernels per shard of ``mesh``; over more
+    than one device the projections take XLA's dot, which the partitioner splits (a custom call
+    would have its operands gathered whole on every device)."""
+    if mesh.devices.size > 1:
+        for module in dense_modules(model):
+            module.dense_fn = xla_dense
     for attention in attention_modules(model):
         if not isinstance(attention.attention_fn, ShardedAttention):
             attention.attention_fn = ShardedAttention(attention.attention_fn, mesh)

@@ -38,7 +38,9 @@ def test_wheel_install_ships_models_and_kernels_inside_jaxengine(tmp_path):
     shipped = {p.relative_to(tmp_path / "site" / "jaxengine") for p in (tmp_path / "site" / "jaxengine").rglob("*.py")}
     assert sorted(set(source_modules()) - shipped) == []
     assert (tmp_path / "site" / "jaxengine" / "serve" / "static" / "dashboard.html").is_file()    # package data
-    assert (tmp_path / "site" / "jaxengine" / "kernels" / "paged_attention" / "cpu_decode.cc").is_file()
+    kernels = tmp_path / "site" / "jaxengine" / "kernels"
+    for source in ("cpu_pool.h", "paged_attention/cpu_decode.cc", "matmul/cpu_matmul.cc"):
+        assert (kernels / source).is_file(), source
 
 
 def source_modules() -> list[Path]:

@@ -1,23 +1,20 @@
 // Decode attention over the paged KV cache on the CPU: one query token per row, its keys and
 // values read in place from the row's pages (XLA's version gathers them into a temporary first).
-// Work items are rows (or, for a few rows, their KV heads), longest first, shared between the calling thread and
-// the helpers it schedules on XLA's intra-op thread pool. f32 throughout; a page at a time, an
+// Work items are rows (or, for a few rows, their KV heads), longest first, shared over XLA's
+// intra-op thread pool (cpu_pool.h). f32 throughout; a page at a time, an
 // online softmax per query head, as kernels/paged_attention/reference.py defines the result.
 //
 // Shapes: q [B, N, H] (already scaled), k_cache and v_cache [NB, S, K, H], tables [B, M],
 // lens [B] (keys each row attends to: its query's position + 1; 0 for a padding row), out [B, N, H].
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <numeric>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -144,23 +141,6 @@ void attend(const Problem& p, const Item& item) {
   }
 }
 
-// What the calling thread and its helpers share; a helper that starts after the work is done
-// returns at once, so the shared_ptr keeps this alive past the call.
-struct Shared {
-  Problem problem;
-  std::vector<Item> items;        // longest rows first
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  int running = 0;
-  bool closed = false;
-
-  void work() {
-    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());)
-      attend(problem, items[i]);
-  }
-};
-
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
                            ffi::Buffer<ffi::S32> lens, int64_t sliding_window, float soft_cap,
@@ -172,10 +152,9 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (kd[3] != head_size || num_heads % kv_heads != 0 || num_heads > kMaxHeads ||
       kd[1] > kMaxPage || td[0] != rows)
     return ffi::Error::InvalidArgument("paged decode: shapes this kernel does not serve");
-  auto shared = std::make_shared<Shared>();
-  shared->problem = Problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), tables.typed_data(),
-                            lens.typed_data(), out->typed_data(), num_heads, kv_heads, head_size, kd[1],
-                            td[1], sliding_window, soft_cap};
+  const Problem problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), tables.typed_data(),
+                        lens.typed_data(), out->typed_data(), num_heads, kv_heads, head_size, kd[1],
+                        td[1], sliding_window, soft_cap};
   std::vector<int64_t> order(rows);
   std::iota(order.begin(), order.end(), 0);
   const int32_t* len = lens.typed_data();
@@ -183,26 +162,12 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   // Few rows: one item per KV head, so that a single long row still keeps every core busy.
   const int64_t live = std::count_if(len, len + rows, [](int32_t n) { return n > 0; });
   const bool split = live < 2 * std::max<int64_t>(pool.num_threads(), 1);
+  std::vector<Item> items;        // longest rows first
   for (int64_t r : order)
     for (int64_t h = 0; h < kv_heads; h += split ? 1 : kv_heads)
-      shared->items.push_back(Item{r, h, split ? h + 1 : kv_heads});
-
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(shared->items.size())) - 1;
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([shared] {
-      {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        if (shared->closed) return;
-        ++shared->running;
-      }
-      shared->work();
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (--shared->running == 0) shared->cv.notify_all();
-    });
-  shared->work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->closed = true;                              // helpers not yet started stay out
-  shared->cv.wait(lock, [&] { return shared->running == 0; });
+      items.push_back(Item{r, h, split ? h + 1 : kv_heads});
+  jaxengine::ParallelFor(pool, static_cast<int64_t>(items.size()),
+                         [&](int64_t i) { attend(problem, items[i]); });
   return ffi::Error::Success();
 }
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from jaxengine.kernels.cpu_build import built_library
 from jaxengine.kernels.paged_attention import cpu_decode
 from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
 
@@ -130,7 +131,7 @@ def test_a_failed_kernel_build_is_an_error_naming_the_compiler(monkeypatch, tmp_
     monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(subprocess.CalledProcessError, match="false"):
-        cpu_decode._built_library()
+        built_library(cpu_decode.SOURCE)
     assert not list((tmp_path / "kernels").iterdir())              # no half-written library left
 
 

@@ -1,0 +1,68 @@
+// A dense f32 matmul on the CPU through OpenBLAS (the scipy-openblas32 build), called from XLA
+// through the FFI. XLA's own CPU dot runs a step's skinny matmuls (a few to a few dozen token rows
+// against a weight matrix) at a third to a half of OpenBLAS's speed on the same core
+// (BENCHMARKS.md, "the matmuls of a step through OpenBLAS"). The output's columns are cut into
+// one block per thread of XLA's intra-op pool, and each block is one single-threaded OpenBLAS
+// call, so OpenBLAS starts no threads of its own to compete with XLA's.
+//
+// Shapes: x [M, K], w [L, K, N] (the weights of every layer, stacked as the model's layer scan
+// holds them), layer [] or [1], out [M, N] = x @ w[layer]. Taking the stack and the index, not the
+// layer's slice, reads the weights where they lie: inside the scan a slice is a copy of them.
+// One row is a matrix-vector product (OpenBLAS's gemv).
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#include "cblas.h"
+#include "cpu_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kColumnAlign = 16;      // blocks start on 64-byte boundaries of a row of w
+
+void MultiplyColumns(const float* x, const float* w, float* out, int64_t m, int64_t k, int64_t n,
+                     int64_t first, int64_t last) {
+  const int64_t cols = last - first;
+  if (cols <= 0) return;
+  const float* block = w + first;           // columns first..last of w [K, N]
+  if (m == 1)
+    scipy_cblas_sgemv(CblasRowMajor, CblasTrans, k, cols, 1.0f, block, n, x, 1, 0.0f, out + first, 1);
+  else
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, cols, k, 1.0f, x, k, block, n, 0.0f,
+                      out + first, n);
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  static std::once_flag single_threaded;
+  std::call_once(single_threaded, [] { scipy_openblas_set_num_threads(1); });
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("cpu matmul: x [M, K], w [L, K, N] and one layer index");
+  const int64_t m = xd[0], k = xd[1], n = wd[2], index = layer.typed_data()[0];
+  if (wd[1] != k)
+    return ffi::Error::InvalidArgument("cpu matmul: the contracted sizes of x and w differ");
+  if (index < 0 || index >= wd[0]) return ffi::Error::InvalidArgument("cpu matmul: layer index out of range");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n / kColumnAlign));
+  const int64_t width = ((n + blocks - 1) / blocks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
+  const float *xp = x.typed_data(), *wp = w.typed_data() + index * k * n;
+  float* op = out->typed_data();
+  jaxengine::ParallelFor(pool, blocks, [=](int64_t b) {
+    MultiplyColumns(xp, wp, op, m, k, n, std::min(n, b * width), std::min(n, (b + 1) * width));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

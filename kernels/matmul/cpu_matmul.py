@@ -1,0 +1,71 @@
+"""The model's dense projections on the CPU through OpenBLAS (``cpu_matmul.cc``, called through
+``jax.ffi``). XLA's CPU dot runs a step's skinny matmuls (a few to a few dozen token rows against a
+weight matrix) at a third to a half of OpenBLAS's speed (BENCHMARKS.md, "the matmuls of a step
+through OpenBLAS"). OpenBLAS comes from the ``scipy-openblas32`` wheel, the build NumPy and SciPy
+are built against, with its headers.
+
+The kernel is built on first use (``kernels.cpu_build``). Without a compiler or the wheel, or with
+``JAXENGINE_CPU_MATMUL_KERNEL=0``, ``available()`` is False and XLA's dot serves (a warning says
+why, once). It serves f32 on a CPU backend only; a sharded model keeps XLA's dot, whose partitioner
+splits it over the mesh (``models.mesh.shard_kernels``).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxengine.kernels.cpu_build import register_kernel
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+TARGET = "jaxengine_cpu_matmul"
+
+
+def xla_dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """x [T, D] @ w [D, ...] -> [T, ...] by XLA's dot; with ``layer``, w is stacked [L, D, ...]."""
+    return jnp.tensordot(x, w if layer is None else w[layer], axes=1)
+
+
+def dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """x [T, D] @ w [D, ...] -> [T, ...], or x @ w[layer] with w stacked [L, D, ...] (the layer
+    scan's weights, read in place): through OpenBLAS where it serves, else XLA's dot. The weight's
+    trailing axes are one row-major block, so flattening them costs nothing."""
+    if not serves(x, w):
+        return xla_dense(x, w, layer)
+    stacked = w if layer is not None else w[None]
+    out = matmul(x, stacked.reshape(*stacked.shape[:2], -1), 0 if layer is None else layer)
+    return out.reshape(x.shape[0], *stacked.shape[2:])
+
+
+def serves(x: jax.Array, w: jax.Array) -> bool:
+    return (jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and available())
+
+
+def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
+    """x [M, K] f32 @ w[layer] -> [M, N] f32 through the kernel; w is [L, K, N]."""
+    if not available():
+        raise RuntimeError("the CPU matmul kernel is not available (see the warning logged)")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w, jnp.asarray(layer, jnp.int32))
+
+
+@functools.cache
+def available() -> bool:
+    if os.environ.get("JAXENGINE_CPU_MATMUL_KERNEL", "1") == "0":
+        return False
+    try:
+        import scipy_openblas32 as openblas
+    except ImportError:
+        logger.warning("the CPU matmul kernel needs the scipy-openblas32 package; using XLA's dot")
+        return False
+    lib = openblas.get_lib_dir()
+    return register_kernel(SOURCE, "JaxengineCpuMatmul", TARGET, "CPU matmul",
+                           include_dirs=[openblas.get_include_dir()],
+                           link_args=[f"-L{lib}", f"-l{openblas.get_library()}", f"-Wl,-rpath,{lib}"])

@@ -1,0 +1,53 @@
+"""The CPU's projection matmuls through OpenBLAS (kernels/matmul) against NumPy, and where they serve."""
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxengine.kernels.matmul import cpu_matmul, dense, xla_dense
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernel")
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (3, 40, 17), (17, 96, 200), (64, 128, 33)])
+def test_the_kernel_matches_numpy_for_every_layer_of_a_stack(rows, k, n):
+    # rows 1 is OpenBLAS's gemv; N off the 16-column blocks leaves a short last block
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, k), np.float32)
+    w = rng.standard_normal((3, k, n), np.float32)
+    call = jax.jit(cpu_matmul.matmul)
+    for layer in range(3):
+        np.testing.assert_allclose(call(x, w, layer), x @ w[layer], rtol=1e-5, atol=1e-4)
+
+
+@needs_compiler
+def test_dense_flattens_trailing_axes_with_and_without_a_layer_index():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 32), np.float32))
+    stacked = jnp.asarray(rng.standard_normal((4, 32, 3, 8), np.float32))       # [L, D, N, H] as q_proj
+    out = jax.jit(dense)(x, stacked, jnp.int32(2))
+    assert out.shape == (5, 3, 8)
+    np.testing.assert_allclose(out, np.einsum("td,dnh->tnh", x, stacked[2]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(jax.jit(dense)(x, stacked[1]), np.einsum("td,dnh->tnh", x, stacked[1]),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_compiler
+def test_the_kernel_serves_f32_on_the_cpu_only_and_falls_back_to_xla():
+    x32, w32 = jnp.ones((2, 8), jnp.float32), jnp.ones((8, 4), jnp.float32)
+    assert cpu_matmul.available() and cpu_matmul.serves(x32, w32)
+    assert not cpu_matmul.serves(x32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16))
+    hlo = jax.jit(dense).lower(x32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16)).as_text()
+    assert cpu_matmul.TARGET not in hlo and "dot" in hlo
+    assert cpu_matmul.TARGET in jax.jit(dense).lower(x32, w32).as_text()
+    np.testing.assert_array_equal(xla_dense(x32, w32), np.full((2, 4), 8.0, np.float32))
+
+
+def test_a_layer_index_out_of_range_is_an_error_not_a_stray_read():
+    if not cpu_matmul.available():
+        pytest.skip("the kernel is not built here")
+    with pytest.raises(Exception, match="layer index out of range"):
+        jax.block_until_ready(jax.jit(cpu_matmul.matmul)(jnp.ones((2, 8)), jnp.ones((3, 8, 4)), 3))
