@@ -35,12 +35,31 @@ class ModelConfig:
     attention_bias: bool = False     # Qwen2: biases on q, k, v
     qk_norm: bool = False            # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None = None
+    # Mixture of experts (0 experts: a dense MLP in every layer)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True          # renormalise the chosen experts' weights to sum to 1
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a sigmoid-gated expert every token runs
+    dense_layers: tuple[int, ...] = ()   # layers of an MoE model with a dense MLP instead
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                             f"num_experts ({self.num_experts})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is the mixture of experts."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe and i not in self.dense_layers)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -59,9 +78,6 @@ class ModelConfig:
                                   float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        window = getattr(hf, "sliding_window", None)
-        if hf.model_type != "mistral" and not getattr(hf, "use_sliding_window", False):
-            window = None
         return cls(
             architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=heads,
@@ -70,11 +86,46 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)),
             rope_scaling=scaling, max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=hf.model_type == "qwen3", sliding_window=window,
+            attention_bias=(hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+                            or bool(getattr(hf, "qkv_bias", False) and hf.model_type == "qwen2_moe")),
+            qk_norm=hf.model_type in ("qwen3", "qwen3_moe"), sliding_window=_sliding_window(hf),
+            **_experts(hf),
             bos_token_id=getattr(hf, "bos_token_id", None), eos_token_id=getattr(hf, "eos_token_id", None))
+
+
+# The model types whose attention uses ``sliding_window`` whenever it is set; the others only with
+# ``use_sliding_window``.
+_ALWAYS_SLIDING = ("mistral", "mixtral", "qwen3_moe")
+
+
+def _sliding_window(hf) -> int | None:
+    window = getattr(hf, "sliding_window", None) or None
+    if hf.model_type not in _ALWAYS_SLIDING and not getattr(hf, "use_sliding_window", False):
+        return None
+    kinds = set(getattr(hf, "layer_types", None) or []) if hf.model_type == "qwen2_moe" else set()
+    if len(kinds) > 1:
+        raise ValueError(f"layer_types: sliding and full attention layers mixed in one {hf.model_type} model are "
+                         "not supported")
+    return None if kinds == {"full_attention"} else window
+
+
+def _experts(hf) -> dict:
+    """The mixture-of-experts fields of the Mixtral / Qwen2-MoE / Qwen3-MoE configs (none for others)."""
+    if hf.model_type == "mixtral":
+        return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True)
+    if hf.model_type not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    experts = getattr(hf, "num_experts", None) or hf.num_local_experts
+    step, only = getattr(hf, "decoder_sparse_step", 1) or 1, set(getattr(hf, "mlp_only_layers", None) or [])
+    dense = tuple(i for i in range(hf.num_hidden_layers) if i in only or (i + 1) % step)
+    return dict(num_experts=experts, num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
+                shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
+                dense_layers=dense)
 
 
 def _default_architecture(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}.get(model_type, model_type)
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}.get(model_type, model_type)

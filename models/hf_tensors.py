@@ -72,6 +72,19 @@ class Transposed:
         return read_hf(index[::-1]).T
 
 
+class ExpertsTransposed:
+    """Each expert's HF [out, in] transposed: experts' gate/up [E, D, F] from [E, F, D], down [E, F, D]
+    from [E, D, F] (``models.expert_tensors`` shows every checkpoint's experts so)."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        e, a, b = shape
+        return (e, b, a)
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        e, a, b = index
+        return read_hf((e, b, a)).transpose(0, 2, 1)
+
+
 def _head_rows(heads: slice, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
@@ -168,6 +181,12 @@ def _rules(cfg: ModelConfig) -> list[tuple[re.Pattern, Callable[[re.Match], Para
         (re.compile(_LAYER + r"mlp\.gate_proj\.weight"), layer("mlp", "gate_proj"), Transposed()),
         (re.compile(_LAYER + r"mlp\.up_proj\.weight"), layer("mlp", "up_proj"), Transposed()),
         (re.compile(_LAYER + r"mlp\.down_proj\.weight"), layer("mlp", "down_proj"), Transposed()),
+        (re.compile(_LAYER + r"mlp\.gate\.weight"), layer("mlp", "router"), Transposed()),
+        (re.compile(_LAYER + r"mlp\.experts\.(gate_proj|up_proj|down_proj)"),
+         lambda m: ("layers", int(m.group(1)), "mlp", "experts", m.group(2)), ExpertsTransposed()),
+        (re.compile(_LAYER + r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight"),
+         lambda m: ("layers", int(m.group(1)), "mlp", "shared_expert", m.group(2)), Transposed()),
+        (re.compile(_LAYER + r"mlp\.shared_expert_gate\.weight"), layer("mlp", "shared_expert_gate"), Transposed()),
         (re.compile(_LAYER + r"input_layernorm\.weight"), layer("input_layernorm", "weight"), Same()),
         (re.compile(_LAYER + r"post_attention_layernorm\.weight"), layer("post_attention_layernorm", "weight"), Same()),
     ]
@@ -201,41 +220,50 @@ def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) 
 
 def check_tensors(located: Located, unexpected: list[str], source: TensorSource, flat, cfg: ModelConfig) -> None:
     """ValueError naming every missing, unexpected and misshapen tensor."""
-    expected = {q for p, _ in flat for q in _per_layer(p, cfg.num_layers)}
+    expected = {q for p, _ in flat for q in _per_layer(p, cfg)}
     missing = [_path_name(p) for p in sorted(expected - located.keys(), key=str)]
     unexpected = unexpected + [_path_name(p) for p in located.keys() - expected]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match {cfg.architecture}: missing tensors {sorted(missing)}; "
                          f"unexpected tensors {sorted(unexpected)}")
     for path, var in flat:
-        per_layer_shape = tuple(var.shape[1:]) if path[0] == "layers" else tuple(var.shape)
-        for p in _per_layer(path, cfg.num_layers):
+        per_layer_shape = tuple(var.shape[1:]) if path[0] in _STACKS else tuple(var.shape)
+        for p in _per_layer(path, cfg):
             name, layout = located[p]
             if source.shape(name) != (want := layout.hf_shape(per_layer_shape)):
-                raise ValueError(f"tensor {_path_name(p)}: shape {source.shape(name)} in the checkpoint, "
+                raise ValueError(f"tensor {name}: shape {source.shape(name)} in the checkpoint, "
                                  f"{want} expected")
 
 
-def read_param(source: TensorSource, located: Located, path: ParamPath, index: Index, dtype) -> np.ndarray:
+def read_param(source: TensorSource, located: Located, path: ParamPath, index: Index, dtype,
+               cfg: ModelConfig) -> np.ndarray:
     """The slice ``index`` of parameter ``path`` (our stacked layout, [L, ...] for layers), read
     from its HF tensors as ``dtype``. Layers are written one at a time into the result, so the
     host holds the slice plus one layer's part in flight."""
-    if path[0] != "layers":
+    if path[0] not in _STACKS:
         name, layout = located[path]
         return np.ascontiguousarray(layout.read(functools.partial(source.read, name), index), dtype)
-    layers = range(index[0].start, index[0].stop)
+    layers = _per_layer(path, cfg)[index[0]]
     out = np.empty([len(layers)] + [s.stop - s.start for s in index[1:]], dtype)
     for i, layer in enumerate(layers):
-        name, layout = located[("layers", layer, *path[1:])]
+        name, layout = located[layer]
         out[i] = layout.read(functools.partial(source.read, name), index[1:])
     return out
 
 
-def _per_layer(path: ParamPath, num_layers: int) -> list[ParamPath]:
-    """A stacked layer parameter ('layers', ...) stands for ('layers', i, ...) of every layer."""
-    if path[0] != "layers":
+# The stacked parameters: 'layers' holds every layer; with dense layers among sparse ones, the
+# MLPs are in a stack per kind ('sparse_mlp', 'dense_mlp'), each holding some layers' 'mlp'.
+_STACKS = {"layers": (lambda cfg: range(cfg.num_layers), ()),
+           "sparse_mlp": (lambda cfg: cfg.sparse_layers, ("mlp",)),
+           "dense_mlp": (lambda cfg: cfg.dense_layers, ("mlp",))}
+
+
+def _per_layer(path: ParamPath, cfg: ModelConfig) -> list[ParamPath]:
+    """A stacked parameter stands for one per-layer parameter ('layers', i, ...) of each of its layers."""
+    if path[0] not in _STACKS:
         return [path]
-    return [("layers", i, *path[1:]) for i in range(num_layers)]
+    layers, prefix = _STACKS[path[0]]
+    return [("layers", i, *prefix, *path[1:]) for i in layers(cfg)]
 
 
 def _path_name(path: ParamPath) -> str:

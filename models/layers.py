@@ -113,8 +113,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs) -> None:
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, dtype, *, intermediate_size: int | None = None, rngs: nnx.Rngs) -> None:
+        d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj = _param(rngs, (d, f), dtype, (None, M))
         self.up_proj = _param(rngs, (d, f), dtype, (None, M))
         self.down_proj = _param(rngs, (f, d), dtype, (M, None))
@@ -127,22 +127,42 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, *, rngs: nnx.Rngs) -> None:
+    """Attention and an MLP: a dense one, ``models.moe``'s mixture of experts (which takes the
+    number of real tokens too, so that the padding routes nowhere), or none, when the model
+    chooses each layer's MLP itself (``models.llama``, dense layers among sparse ones)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, mlp: nnx.Module | None, *,
+                 rngs: nnx.Rngs) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, attention_fn, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs=rngs)
+        if mlp is not None:
+            self.mlp = mlp
+
+    def attend(self, x: jax.Array, cache: KVCache, md: AttentionMetadata, inv_freq: np.ndarray,
+               layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+        """The residual after attention, the MLP's input (normalised) and the cache."""
+        attn, cache = self.self_attn(self.input_layernorm(x), cache, md, inv_freq, layer)
+        x = x + attn
+        return x, self.post_attention_layernorm(x), cache
 
     def __call__(self, x: jax.Array, cache: KVCache, md: AttentionMetadata, inv_freq: np.ndarray,
                  layer: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-        attn, cache = self.self_attn(self.input_layernorm(x), cache, md, inv_freq, layer)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), layer), cache
+        x, h, cache = self.attend(x, cache, md, inv_freq, layer)
+        return x + run_mlp(self.mlp, h, layer, md), cache
+
+
+def run_mlp(mlp: nnx.Module, h: jax.Array, layer: jax.Array | None, md: AttentionMetadata) -> jax.Array:
+    """A dense MLP of ``h``, or a mixture of experts routing only the real tokens (the padding past
+    ``md``'s last row goes nowhere)."""
+    return mlp(h, layer) if isinstance(mlp, MLP) else mlp(h, layer, md.query_start_loc[-1])
 
 
 # The projection weights of a layer: the layer scan leaves them stacked and passes the layer's
 # index (``dense`` reads the stack in place), where slicing them per layer would copy them.
-DENSE_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# A mixture of experts' router and expert stacks too (its expert weights are [L, E, ...]).
+DENSE_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router",
+                           "shared_expert_gate"})
 
 
 def is_dense_weight(path: tuple, value) -> bool:
@@ -152,6 +172,11 @@ def is_dense_weight(path: tuple, value) -> bool:
 def dense_modules(model: nnx.Module) -> list[nnx.Module]:
     """Every module of ``model`` whose projections go through a ``dense_fn``."""
     return [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and hasattr(node, "dense_fn")]
+
+
+def grouped_modules(model: nnx.Module) -> list[nnx.Module]:
+    """Every module of ``model`` whose grouped (mixture-of-experts) matmuls go through a ``grouped_fn``."""
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and hasattr(node, "grouped_fn")]
 
 
 def attention_modules(model: nnx.Module) -> list[Attention]:

@@ -1,4 +1,5 @@
-"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm)."""
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), and
+their mixtures of experts: Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,9 @@ from flax import nnx
 from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.layers import (MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, is_dense_weight,
-                                    rope_inv_freq)
+from jaxengine.models.layers import (MLP, MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, is_dense_weight,
+                                    rope_inv_freq, run_mlp)
+from jaxengine.models.moe import SparseMoeBlock
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -24,12 +26,18 @@ class LlamaForCausalLM(nnx.Module):
         self.config = cfg
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL_AXIS, None))
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})   # the layer axis: unsplit
-        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype, attention_fn, rngs=rngs)
+        mixed = bool(cfg.dense_layers)
 
-        self.layers = make_layers(rngs)
+        def layer(rngs: nnx.Rngs) -> DecoderLayer:
+            mlp = None if mixed else SparseMoeBlock(cfg, dtype, rngs=rngs) if cfg.is_moe else MLP(cfg, dtype, rngs=rngs)
+            return DecoderLayer(cfg, dtype, attention_fn, mlp, rngs=rngs)
+
+        self.layers = stacked(layer, cfg.num_layers, rngs)
+        if mixed:
+            # Dense layers among sparse ones: each kind's MLPs in a stack of their own, the layer
+            # scan choosing one per layer (models.hf_tensors maps them to the checkpoint's layers).
+            self.sparse_mlp = stacked(lambda r: SparseMoeBlock(cfg, dtype, rngs=r), len(cfg.sparse_layers), rngs)
+            self.dense_mlp = stacked(lambda r: MLP(cfg, dtype, rngs=r), len(cfg.dense_layers), rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL_AXIS))
@@ -50,17 +58,42 @@ class LlamaForCausalLM(nnx.Module):
         # as scan input/output would copy the whole cache every step).
         flat = tuple(c.reshape(num_layers * num_blocks, *shape[2:]) for c in kv_caches)
 
+        mlp = self._mlp_of_layer(md)
+
         def layer_step(carry, per_layer):
             x, k, v = carry
             rest_of_layer, layer = per_layer
             offset = layer * num_blocks
             md_layer = dataclasses.replace(md, block_tables=md.block_tables + offset,
                                            slot_mapping=md.slot_mapping + offset * block_size)
-            x, (k, v) = nnx.merge(graphdef, dense, rest_of_layer)(x, (k, v), md_layer, inv_freq, layer)
+            decoder = nnx.merge(graphdef, dense, rest_of_layer)
+            if mlp is None:
+                x, (k, v) = decoder(x, (k, v), md_layer, inv_freq, layer)
+            else:
+                x, h, (k, v) = decoder.attend(x, (k, v), md_layer, inv_freq, layer)
+                x = x + mlp(h, layer)
             return (x, k, v), None
 
         (x, k, v), _ = jax.lax.scan(layer_step, (x, *flat), (rest, jnp.arange(num_layers)))
         return self.norm(x), (k.reshape(shape), v.reshape(shape))
+
+    def _mlp_of_layer(self, md: AttentionMetadata) -> Callable | None:
+        """With dense layers among sparse ones: ``mlp(h, layer)`` running layer ``layer``'s MLP from
+        its kind's stack (weights read in place by index, as the layer's own projections)."""
+        cfg = self.config
+        if not cfg.dense_layers:
+            return None
+        sparse_def, sparse_state = nnx.split(self.sparse_mlp)
+        dense_def, dense_state = nnx.split(self.dense_mlp)
+        is_sparse = jnp.asarray([i in cfg.sparse_layers for i in range(cfg.num_layers)])
+        index = jnp.asarray([(cfg.sparse_layers if i in cfg.sparse_layers else cfg.dense_layers).index(i)
+                             for i in range(cfg.num_layers)], jnp.int32)       # within its kind's stack
+
+        def mlp(h: jax.Array, layer: jax.Array) -> jax.Array:
+            return jax.lax.cond(is_sparse[layer],
+                                lambda h: run_mlp(nnx.merge(sparse_def, sparse_state), h, index[layer], md),
+                                lambda h: run_mlp(nnx.merge(dense_def, dense_state), h, index[layer], md), h)
+        return mlp
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[R, D] -> [R, V] in f32, only for the rows the sampler needs."""
@@ -70,6 +103,16 @@ class LlamaForCausalLM(nnx.Module):
         else:
             logits = self.dense_fn(hidden, self.lm_head[...])
         return logits.astype(jnp.float32)
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``count`` modules made by ``make``, their parameters stacked on a leading axis (unsplit over
+    the mesh)."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def make_all(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+    return make_all(rngs)
 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,

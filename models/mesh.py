@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.kernels.matmul import xla_dense
-from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules
+from jaxengine.kernels.matmul import xla_dense, xla_grouped_dense
+from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules, grouped_modules
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,8 @@ def shard_kernels(model: nnx.Module, mesh: Mesh) -> None:
     if mesh.devices.size > 1:
         for module in dense_modules(model):
             module.dense_fn = xla_dense
+        for module in grouped_modules(model):
+            module.grouped_fn = xla_grouped_dense
     for attention in attention_modules(model):
         if not isinstance(attention.attention_fn, ShardedAttention):
             attention.attention_fn = ShardedAttention(attention.attention_fn, mesh)

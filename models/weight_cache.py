@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from jaxengine.models.config import ModelConfig, RopeScaling
+from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.hf_tensors import KV_HEAD_AXIS, ArraySource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
@@ -34,6 +35,8 @@ def cached_config(cached: Path) -> ModelConfig | None:
     raw = json.loads((cached / "config.json").read_text())
     if raw.get("rope_scaling"):
         raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+    if "dense_layers" in raw:
+        raw["dense_layers"] = tuple(raw["dense_layers"])
     return ModelConfig(**raw)
 
 
@@ -42,11 +45,13 @@ def save_converted(cached: Path, cfg: ModelConfig, tensors: Mapping[str, np.ndar
     import orbax.checkpoint as ocp          # here: its import takes most of a second
 
     source = ArraySource(tensors)
+    if cfg.is_moe:
+        source = ExpertTensors(source, cfg.num_experts)
     located, unexpected = locate_tensors(source, cfg)
     _, state = abstract_model(cfg, jnp.float32, {})
     flat = nnx.to_flat_state(state)
     check_tensors(located, unexpected, source, flat, cfg)
-    params = {path: read_param(source, located, path, tuple(slice(0, n) for n in var.shape), np.float32)
+    params = {path: read_param(source, located, path, tuple(slice(0, n) for n in var.shape), np.float32, cfg)
               for path, var in flat}
     cached.mkdir(parents=True, exist_ok=True)
     (cached / "config.json").unlink(missing_ok=True)

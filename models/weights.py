@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.gguf import gguf_dtype, load_gguf
 from jaxengine.models.hf_tensors import ArraySource, Index, TensorSource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
@@ -58,6 +59,8 @@ def build_model(cfg: ModelConfig, tensors: TensorSource | Mapping[str, np.ndarra
     on ``mesh`` (default: the first device), one device's slice at a time; when there are fewer
     KV heads than devices they are repeated (the model then has ``mesh_model_config``'s)."""
     source = tensors if isinstance(tensors, TensorSource) else ArraySource(tensors)
+    if cfg.is_moe:
+        source = ExpertTensors(source, cfg.num_experts)
     mesh = mesh_or_first_device(mesh)
     located, unexpected = locate_tensors(source, cfg, kv_head_repeats(cfg, mesh_size(mesh)))
     cfg = mesh_model_config(cfg, mesh_size(mesh))
@@ -65,7 +68,7 @@ def build_model(cfg: ModelConfig, tensors: TensorSource | Mapping[str, np.ndarra
     flat = nnx.to_flat_state(state)
     check_tensors(located, unexpected, source, flat, cfg)
     for (path, var), sharding in zip(flat, flat_param_shardings(state, mesh)):
-        read = functools.partial(read_param, source, located, path, dtype=dtype)
+        read = functools.partial(read_param, source, located, path, dtype=dtype, cfg=cfg)
         var.set_value(place(read, tuple(var.shape), sharding))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

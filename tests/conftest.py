@@ -45,6 +45,18 @@ VARIANTS = {
     "qwen3": ("qwen3", dict(head_dim=32)),
 }
 
+# Mixtures of experts: routing spread over several experts per prompt (initializer_range 0.3), a
+# sliding window, Qwen2-MoE's shared expert with a dense layer among the sparse ones (its MLP
+# stacks), Qwen3-MoE's q/k norm and renormalised top-k.
+MOE_VARIANTS = {
+    "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=7)),
+    "qwen2-moe-shared-dense": ("qwen2_moe", dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                 mlp_only_layers=[1])),
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=32,
+                                    norm_topk_prob=True)),
+}
+
 
 def make_checkpoint(folder, model_type: str, **overrides):
     import torch
@@ -92,6 +104,14 @@ def make_chat_checkpoint(folder):
 def checkpoint(request, tmp_path_factory):
     """(variant name, folder, the transformers model as the oracle)."""
     model_type, overrides = VARIANTS[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, folder, make_checkpoint(folder, model_type, **overrides)
+
+
+@pytest.fixture(scope="session", params=sorted(MOE_VARIANTS))
+def moe_checkpoint(request, tmp_path_factory):
+    """(variant name, folder, the transformers model as the oracle) of a tiny mixture of experts."""
+    model_type, overrides = MOE_VARIANTS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, folder, make_checkpoint(folder, model_type, **overrides)
 

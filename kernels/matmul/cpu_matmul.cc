@@ -9,9 +9,16 @@
 // holds them), layer [] or [1], out [M, N] = x @ w[layer]. Taking the stack and the index, not the
 // layer's slice, reads the weights where they lie: inside the scan a slice is a copy of them.
 // One row is a matrix-vector product (OpenBLAS's gemv).
+//
+// The grouped matmul of a mixture-of-experts layer: x [M, K] with its rows sorted by expert,
+// w [L, E, K, N], group_sizes [E] (rows of each expert, in order), layer as above; out [M, N],
+// rows of group e times w[layer, e], rows past the groups zero (padding, routed nowhere). Only
+// the experts some row chose are read, each once. XLA's CPU lowering of ragged_dot multiplies
+// every row by every expert instead.
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <vector>
 
 #include "cblas.h"
 #include "cpu_pool.h"
@@ -35,10 +42,20 @@ void MultiplyColumns(const float* x, const float* w, float* out, int64_t m, int6
                       out + first, n);
 }
 
+void SetSingleThreaded() {
+  static std::once_flag once;
+  std::call_once(once, [] { scipy_openblas_set_num_threads(1); });
+}
+
+// One block per pool thread, on 16-column boundaries.
+int64_t ColumnBlockWidth(int64_t n, int64_t threads, int64_t* blocks) {
+  *blocks = std::max<int64_t>(1, std::min<int64_t>(threads, n / kColumnAlign));
+  return ((n + *blocks - 1) / *blocks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
-  static std::once_flag single_threaded;
-  std::call_once(single_threaded, [] { scipy_openblas_set_num_threads(1); });
+  SetSingleThreaded();
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("cpu matmul: x [M, K], w [L, K, N] and one layer index");
@@ -47,12 +64,53 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("cpu matmul: the contracted sizes of x and w differ");
   if (index < 0 || index >= wd[0]) return ffi::Error::InvalidArgument("cpu matmul: layer index out of range");
   if (m == 0 || n == 0) return ffi::Error::Success();
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n / kColumnAlign));
-  const int64_t width = ((n + blocks - 1) / blocks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
+  int64_t blocks;
+  const int64_t width = ColumnBlockWidth(n, pool.num_threads(), &blocks);
   const float *xp = x.typed_data(), *wp = w.typed_data() + index * k * n;
   float* op = out->typed_data();
   jaxengine::ParallelFor(pool, blocks, [=](int64_t b) {
     MultiplyColumns(xp, wp, op, m, k, n, std::min(n, b * width), std::min(n, (b + 1) * width));
+  });
+  return ffi::Error::Success();
+}
+
+struct Group {
+  int64_t first_row, rows, expert;
+};
+
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
+                             ffi::ResultBuffer<ffi::F32> out) {
+  SetSingleThreaded();
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || layer.element_count() != 1 ||
+      group_sizes.element_count() != static_cast<size_t>(wd[1]))
+    return ffi::Error::InvalidArgument(
+        "cpu grouped matmul: x [M, K], w [L, E, K, N], group_sizes [E] and one layer index");
+  const int64_t m = xd[0], k = xd[1], experts = wd[1], n = wd[3], index = layer.typed_data()[0];
+  if (wd[2] != k) return ffi::Error::InvalidArgument("cpu grouped matmul: the contracted sizes of x and w differ");
+  if (index < 0 || index >= wd[0])
+    return ffi::Error::InvalidArgument("cpu grouped matmul: layer index out of range");
+  std::vector<Group> groups;
+  int64_t row = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = group_sizes.typed_data()[e];
+    if (rows < 0 || row + rows > m)
+      return ffi::Error::InvalidArgument("cpu grouped matmul: group sizes must be >= 0 and sum to at most M");
+    if (rows > 0) groups.push_back({row, rows, e});
+    row += rows;
+  }
+  float* op = out->typed_data();
+  std::fill(op + row * n, op + m * n, 0.0f);
+  if (groups.empty() || n == 0) return ffi::Error::Success();
+  int64_t blocks;
+  const int64_t width = ColumnBlockWidth(n, pool.num_threads(), &blocks);
+  const float *xp = x.typed_data(), *wp = w.typed_data() + index * experts * k * n;
+  jaxengine::ParallelFor(pool, groups.size() * blocks, [&](int64_t item) {
+    const Group& g = groups[item / blocks];
+    const int64_t b = item % blocks;
+    MultiplyColumns(xp + g.first_row * k, wp + g.expert * k * n, op + g.first_row * n, g.rows, k, n,
+                    std::min(n, b * width), std::min(n, (b + 1) * width));
   });
   return ffi::Error::Success();
 }
@@ -64,5 +122,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuMatmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuGroupedMatmul, GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,4 +1,4 @@
-"""The model's dense projections on the CPU through OpenBLAS (``cpu_matmul.cc``, called through
+"""The model's dense projections (and a mixture of experts' grouped ones) on the CPU through OpenBLAS (``cpu_matmul.cc``, called through
 ``jax.ffi``). XLA's CPU dot runs a step's skinny matmuls (a few to a few dozen token rows against a
 weight matrix) at a third to a half of OpenBLAS's speed (BENCHMARKS.md, "the matmuls of a step
 through OpenBLAS"). OpenBLAS comes from the ``scipy-openblas32`` wheel, the build NumPy and SciPy
@@ -24,6 +24,7 @@ from jaxengine.kernels.cpu_build import register_kernel
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxengine_cpu_matmul"
+GROUPED_TARGET = "jaxengine_cpu_grouped_matmul"
 
 
 def xla_dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
@@ -42,6 +43,23 @@ def dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Arr
     return out.reshape(x.shape[0], *stacked.shape[2:])
 
 
+def xla_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                      layer: jax.Array | None = None) -> jax.Array:
+    """Rows of x [M, K] sorted by group, group g times w[g] ([E, K, N], or stacked [L, E, K, N] with
+    ``layer``) -> [M, N]; rows past the groups are zero. XLA's ``ragged_dot``: on a CPU it is
+    rewritten densely (every row times every expert), elsewhere it is XLA's grouped matmul."""
+    return jax.lax.ragged_dot(x, w if layer is None else w[layer], group_sizes.astype(jnp.int32))
+
+
+def grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """``xla_grouped_dense``'s product, through OpenBLAS where it serves: only the experts some
+    row chose are read and multiplied, from the stack in place."""
+    if not serves(x, w):
+        return xla_grouped_dense(x, w, group_sizes, layer)
+    stacked = w if layer is not None else w[None]
+    return grouped_matmul(x, stacked, group_sizes, 0 if layer is None else layer)
+
+
 def serves(x: jax.Array, w: jax.Array) -> bool:
     return (jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32 and w.dtype == jnp.float32
             and available())
@@ -56,6 +74,16 @@ def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
     return call(x, w, jnp.asarray(layer, jnp.int32))
 
 
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
+    """x [M, K] f32 (rows sorted by group) grouped times w[layer] [E, K, N] -> [M, N] f32 through
+    the kernel; w is [L, E, K, N], group_sizes [E]."""
+    if not available():
+        raise RuntimeError("the CPU matmul kernel is not available (see the warning logged)")
+    call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[3]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w, group_sizes.astype(jnp.int32), jnp.asarray(layer, jnp.int32))
+
+
 @functools.cache
 def available() -> bool:
     if os.environ.get("JAXENGINE_CPU_MATMUL_KERNEL", "1") == "0":
@@ -66,6 +94,7 @@ def available() -> bool:
         logger.warning("the CPU matmul kernel needs the scipy-openblas32 package; using XLA's dot")
         return False
     lib = openblas.get_lib_dir()
-    return register_kernel(SOURCE, "JaxengineCpuMatmul", TARGET, "CPU matmul",
-                           include_dirs=[openblas.get_include_dir()],
-                           link_args=[f"-L{lib}", f"-l{openblas.get_library()}", f"-Wl,-rpath,{lib}"])
+    build = dict(include_dirs=[openblas.get_include_dir()],
+                 link_args=[f"-L{lib}", f"-l{openblas.get_library()}", f"-Wl,-rpath,{lib}"])
+    return (register_kernel(SOURCE, "JaxengineCpuMatmul", TARGET, "CPU matmul", **build)
+            and register_kernel(SOURCE, "JaxengineCpuGroupedMatmul", GROUPED_TARGET, "CPU grouped matmul", **build))

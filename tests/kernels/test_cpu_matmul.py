@@ -51,3 +51,30 @@ def test_a_layer_index_out_of_range_is_an_error_not_a_stray_read():
         pytest.skip("the kernel is not built here")
     with pytest.raises(Exception, match="layer index out of range"):
         jax.block_until_ready(jax.jit(cpu_matmul.matmul)(jnp.ones((2, 8)), jnp.ones((3, 8, 4)), 3))
+
+
+@needs_compiler
+@pytest.mark.parametrize("sizes, rows", [([5, 0, 7, 3, 0, 10, 2, 4], 37), ([1], 1), ([0, 0, 3], 8), ([0, 0], 4)])
+def test_the_grouped_kernel_multiplies_each_group_by_its_expert_and_zeroes_the_rest(sizes, rows):
+    # empty groups (experts no token chose), one row (gemv), and rows past the groups (padding)
+    rng = np.random.default_rng(rows)
+    k, n = 24, 40
+    x = rng.standard_normal((rows, k), np.float32)
+    w = rng.standard_normal((2, len(sizes), k, n), np.float32)
+    call = jax.jit(cpu_matmul.grouped_matmul)
+    starts = np.cumsum([0] + sizes)
+    for layer in range(2):
+        out = np.asarray(call(x, w, np.asarray(sizes, np.int32), layer))
+        for e, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+            np.testing.assert_allclose(out[a:b], x[a:b] @ w[layer, e], rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(out[starts[-1]:], 0.0)
+        np.testing.assert_allclose(out, cpu_matmul.xla_grouped_dense(x, w, jnp.asarray(sizes), layer),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_group_sizes_past_the_rows_are_an_error_not_a_stray_read():
+    if not cpu_matmul.available():
+        pytest.skip("the kernel is not built here")
+    with pytest.raises(Exception, match="group sizes must be >= 0 and sum to at most M"):
+        jax.block_until_ready(jax.jit(cpu_matmul.grouped_matmul)(jnp.ones((4, 8)), jnp.ones((1, 2, 8, 4)),
+                                                                 jnp.asarray([3, 2]), 0))

@@ -44,13 +44,14 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(llama):
     with pytest.raises(ValueError, match=r"unexpected tensors \['model\.layers\.0\.self_attn\.rotary\.weight'\]"):
         build_model(cfg, extra)
     bad = {**tensors, "model.norm.weight": np.zeros(65, np.float32)}
-    with pytest.raises(ValueError, match=r"tensor norm\.weight: shape \(65,\) in the checkpoint, \(64,\) expected"):
+    with pytest.raises(ValueError, match=r"tensor model\.norm\.weight: shape \(65,\) in the checkpoint, \(64,\) expected"):
         build_model(cfg, bad)
 
 
 def test_unknown_architecture_and_missing_config_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
-                                         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                         "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+                                         "Qwen3ForCausalLM, Qwen3MoeForCausalLM$"):
         get_model_class("GPT2LMHeadModel")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path)

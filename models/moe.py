@@ -1,0 +1,111 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k
+experts, the token-expert pairs are sorted by expert, and each expert's SwiGLU runs as one grouped
+matmul over its own rows (``kernels.matmul.grouped_dense``: ``ragged_dot``, or OpenBLAS on a CPU).
+No expert runs on a token that did not choose it, and the padding rows of a bucket choose none.
+Einsum letters as in ``models.layers``, plus E experts, F an expert's width and k the choices.
+
+Tensor parallelism splits every expert by its width, as a dense MLP (gate/up by columns, down by
+rows, an all-reduce after); the router is replicated.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.kernels.matmul import dense, grouped_dense
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.layers import MLP, M, _param
+
+
+def route(logits: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] -> (weights [T, k] f32, experts [T, k] int32): softmax over every
+    expert, the k largest, renormalised over the chosen ones when ``normalise``."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if normalise:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def group_by_expert(experts: jax.Array, num_experts: int, num_valid: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+    """The token-expert pairs [T, k] in expert order: (order [T*k], the pairs' flat indices sorted
+    by expert; group_sizes [E]). Pairs of tokens at or past ``num_valid`` (padding) sort last and
+    belong to no group."""
+    t, k = experts.shape
+    padding = jnp.arange(t)[:, None] >= num_valid
+    flat = jnp.where(padding, num_experts, experts).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")    # the padding id drops
+    return order, sizes
+
+
+def expert_counts(experts: jax.Array, num_experts: int, num_valid: jax.Array | int) -> jax.Array:
+    """[E] tokens routed to each expert this step (padding excluded)."""
+    return group_by_expert(experts, num_experts, num_valid)[1]
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts, stacked: gate/up [E, D, F], down [E, F, D]."""
+
+    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs) -> None:
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = _param(rngs, (e, d, f), dtype, (None, None, M))
+        self.up_proj = _param(rngs, (e, d, f), dtype, (None, None, M))
+        self.down_proj = _param(rngs, (e, f, d), dtype, (None, M, None))
+        self.grouped_fn = grouped_dense     # OpenBLAS on a CPU, XLA's ragged_dot elsewhere (models.mesh)
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, num_valid: jax.Array,
+                 layer: jax.Array | None = None) -> jax.Array:
+        """x [T, D], the routing [T, k] -> sum over each token's experts of weight * SwiGLU [T, D]."""
+        t, k = experts.shape
+        order, sizes = group_by_expert(experts, self.gate_proj.shape[-3], num_valid)
+        rows = x[order // k]                                          # [T*k, D], grouped by expert
+        gate = self.grouped_fn(rows, self.gate_proj[...], sizes, layer)
+        up = self.grouped_fn(rows, self.up_proj[...], sizes, layer)
+        out = self.grouped_fn(jax.nn.silu(gate) * up, self.down_proj[...], sizes, layer)     # [T*k, D]
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+        return unsorted.reshape(t, k, -1).sum(axis=1)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router, routed experts and (Qwen2-MoE) the shared expert with its sigmoid gate."""
+
+    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs) -> None:
+        self.router = _param(rngs, (cfg.hidden_size, cfg.num_experts), dtype, (None, None))
+        self.experts = Experts(cfg, dtype, rngs=rngs)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, dtype, intermediate_size=cfg.shared_expert_intermediate_size, rngs=rngs)
+            self.shared_expert_gate = _param(rngs, (cfg.hidden_size, 1), dtype, (None, None))
+        self.cfg = cfg
+        self.dense_fn = dense
+
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None, num_valid: jax.Array | None = None) -> jax.Array:
+        cfg = self.cfg
+        num_valid = x.shape[0] if num_valid is None else num_valid
+        logits = self.dense_fn(x, self.router[...], layer)
+        weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        out = self.experts(x, weights, experts, num_valid, layer)
+        if cfg.shared_expert_intermediate_size:
+            gate = jax.nn.sigmoid(self.dense_fn(x, self.shared_expert_gate[...], layer))
+            out = out + gate * self.shared_expert(x, layer)
+        return out
+
+
+def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = None) -> jax.Array:
+    """The block computed densely: every expert on every token, weighted by a [T, E] matrix that is
+    zero where a token did not choose the expert. The grouped path is checked against it."""
+    cfg = block.cfg
+    pick = (lambda w: w[...]) if layer is None else (lambda w: w[...][layer])
+    weights, experts = route(x @ pick(block.router), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    mix = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)
+    mix = mix.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)        # [T, E]
+    e = block.experts
+    h = jax.nn.silu(jnp.einsum("td,edf->etf", x, pick(e.gate_proj))) * jnp.einsum("td,edf->etf", x, pick(e.up_proj))
+    out = jnp.einsum("te,etd->td", mix.astype(x.dtype), jnp.einsum("etf,efd->etd", h, pick(e.down_proj)))
+    if cfg.shared_expert_intermediate_size:
+        s = block.shared_expert
+        shared = (jax.nn.silu(x @ pick(s.gate_proj)) * (x @ pick(s.up_proj))) @ pick(s.down_proj)
+        out = out + jax.nn.sigmoid(x @ pick(block.shared_expert_gate)) * shared
+    return out

@@ -1,0 +1,85 @@
+"""The grouped mixture-of-experts layer against its dense reference (every expert on every token),
+and the routing and grouping it is built from."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxengine.kernels.matmul import xla_grouped_dense
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.llama import stacked
+from jaxengine.models.moe import SparseMoeBlock, dense_reference, group_by_expert, route
+
+
+def moe_config(experts: int, k: int, shared: int = 0, normalise: bool = True) -> ModelConfig:
+    return ModelConfig(architecture="Qwen2MoeForCausalLM", vocab_size=16, hidden_size=24, intermediate_size=40,
+                       num_layers=1, num_heads=2, num_kv_heads=2, head_dim=12, num_experts=experts,
+                       num_experts_per_tok=k, moe_intermediate_size=20, norm_topk_prob=normalise,
+                       shared_expert_intermediate_size=shared)
+
+
+def block(cfg: ModelConfig, seed: int) -> SparseMoeBlock:
+    b = SparseMoeBlock(cfg, jnp.float32, rngs=nnx.Rngs(seed))
+    b.router[...] = b.router[...] * 40                    # routing that differs from token to token
+    return b
+
+
+def test_route_picks_the_top_k_softmax_weights_renormalised_or_not():
+    logits = jnp.log(jnp.asarray([[0.1, 0.5, 0.15, 0.25]]))
+    w, e = route(logits, 2, normalise=False)
+    np.testing.assert_array_equal(e, [[1, 3]])
+    np.testing.assert_allclose(w, [[0.5, 0.25]], rtol=1e-6)
+    w, _ = route(logits, 2, normalise=True)
+    np.testing.assert_allclose(w, [[2 / 3, 1 / 3]], rtol=1e-6)
+
+
+def test_grouping_sorts_pairs_by_expert_and_leaves_the_padding_out():
+    experts = jnp.asarray([[2, 0], [1, 2], [0, 1]])       # token 2 is padding
+    order, sizes = group_by_expert(experts, 4, num_valid=2)
+    np.testing.assert_array_equal(sizes, [1, 1, 2, 0])
+    np.testing.assert_array_equal(order[:4], [1, 2, 0, 3])         # pair (t, c) is t*2 + c
+    assert set(np.asarray(order[4:]).tolist()) == {4, 5}
+
+
+@settings(max_examples=12, deadline=None)
+@given(tokens=st.integers(1, 24), experts=st.integers(1, 8), data=st.data(), seed=st.integers(0, 3))
+def test_the_grouped_layer_equals_every_expert_on_every_token_masked(tokens, experts, data, seed):
+    k = data.draw(st.integers(1, experts))
+    shared = data.draw(st.sampled_from([0, 16]))
+    cfg = moe_config(experts, k, shared, normalise=data.draw(st.booleans()))
+    b = block(cfg, seed)
+    x = jax.random.normal(jax.random.key(seed), (tokens, cfg.hidden_size))
+    np.testing.assert_allclose(b(x), dense_reference(b, x), rtol=1e-4, atol=1e-5)
+
+
+def test_experts_no_token_chose_cost_nothing_and_padding_routes_nowhere():
+    cfg = moe_config(8, 1)
+    b = block(cfg, 0)
+    x = jax.random.normal(jax.random.key(1), (5, cfg.hidden_size))
+    _, chosen = route(x @ b.router[...], 1, True)
+    assert len(set(np.asarray(chosen).ravel().tolist())) < 8        # some experts idle
+    out = b(x, num_valid=3)
+    np.testing.assert_allclose(out[:3], dense_reference(b, x)[:3], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(out[3:], 0.0)                     # no shared expert: nothing at all
+
+
+def test_the_stacked_layer_index_picks_that_layers_experts():
+    cfg = moe_config(4, 2)
+    stack = stacked(lambda r: SparseMoeBlock(cfg, jnp.float32, rngs=r), 3, nnx.Rngs(0))
+    stack.router[...] = stack.router[...] * 40
+    x = jax.random.normal(jax.random.key(2), (6, cfg.hidden_size))
+    for layer in range(3):
+        np.testing.assert_allclose(stack(x, jnp.int32(layer)), dense_reference(stack, x, layer), rtol=1e-4, atol=1e-5)
+
+
+def test_xla_ragged_dot_path_gives_the_same_product():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 8), np.float32)
+    w = rng.standard_normal((3, 8, 5), np.float32)
+    sizes = jnp.asarray([4, 0, 3])                                 # rows 7, 8: padding
+    out = np.asarray(xla_grouped_dense(jnp.asarray(x), jnp.asarray(w), sizes))
+    np.testing.assert_allclose(out[:4], x[:4] @ w[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[4:7], x[4:7] @ w[2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[7:], 0.0)

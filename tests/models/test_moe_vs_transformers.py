@@ -1,0 +1,128 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers, and their checkpoints:
+per-expert or stacked tensors, and the errors of a bad one."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxengine.kernels.paged_attention import AttentionMetadata
+from jaxengine.models.forward import make_forward
+from jaxengine.models.llama import init_kv_caches
+from jaxengine.models.moe import expert_counts, route
+from jaxengine.models.weights import load_model
+from tests.models.test_llama_vs_transformers import BLOCK, PROMPTS, oracle_logits, run_chunks
+
+
+def test_full_sequence_logits_match_transformers(moe_checkpoint):
+    name, folder, hf_model = moe_checkpoint
+    model, cfg = load_model(folder)
+    assert cfg.is_moe
+    for ids in PROMPTS:
+        ours = run_chunks(model, cfg, ids, [len(ids)])
+        ref = oracle_logits(hf_model, ids)
+        assert ref.std() > 0.5, "logits too flat to compare argmax"
+        np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0, err_msg=f"{name}, prompt of {len(ids)}")
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_the_tiny_models_route_each_prompt_over_several_experts(moe_checkpoint):
+    # otherwise a mix-up of experts could not show in the logits
+    _, folder, _ = moe_checkpoint
+    model, cfg = load_model(folder)
+    layer = cfg.sparse_layers[0]
+    block = model.layers.mlp if not cfg.dense_layers else model.sparse_mlp
+    x = model.embed_tokens[...][jnp.asarray(PROMPTS[3])]
+    _, experts = route(x @ block.router[...][0], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    counts = np.asarray(expert_counts(experts, cfg.num_experts, len(PROMPTS[3])))
+    assert layer in cfg.sparse_layers and counts.sum() == len(PROMPTS[3]) * cfg.num_experts_per_tok
+    assert (counts > 0).sum() == cfg.num_experts, counts
+
+
+def test_chunked_prefill_and_a_padded_ragged_batch_equal_one_pass(moe_checkpoint):
+    _, folder, hf_model = moe_checkpoint
+    model, cfg = load_model(folder)
+    ids = PROMPTS[3]
+    np.testing.assert_allclose(run_chunks(model, cfg, ids, [3, 16, 1, 25]), run_chunks(model, cfg, ids, [len(ids)]),
+                               atol=1e-4, rtol=0)
+    state, forward = make_forward(model)
+    a, b = PROMPTS[1], PROMPTS[2]
+    md = AttentionMetadata.build([(0, len(a), [3, 4]), (0, len(b), [7, 8, 9, 10, 11, 12])], BLOCK,
+                                 num_tokens=64, max_blocks=16, num_rows=4)
+    last = jnp.asarray([len(a) - 1, len(a) + len(b) - 1])
+    _, logits = forward(state, init_kv_caches(cfg, 32, BLOCK), jnp.asarray(a + b + [0] * (64 - len(a) - len(b))),
+                        md, last)
+    np.testing.assert_allclose(np.asarray(logits[0]), oracle_logits(hf_model, a)[-1], atol=2e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits[1]), oracle_logits(hf_model, b)[-1], atol=2e-4, rtol=0)
+
+
+def _copy_checkpoint(folder, to, edit):
+    """``folder``'s checkpoint with its tensors passed through ``edit`` (name -> array dict)."""
+    to.mkdir()
+    (to / "config.json").write_text((folder / "config.json").read_text())
+    save_file(edit(load_file(folder / "model.safetensors")), to / "model.safetensors")
+    return to
+
+
+def _fused(tensors):
+    """Per-expert tensors -> the stacked, fused form transformers 5 holds: gate_up [E, 2F, D], down [E, D, F]."""
+    out, experts = {}, {}
+    for name, w in tensors.items():
+        parts = name.split(".")
+        if ".experts." in name:
+            prefix, e, proj = ".".join(parts[:parts.index("experts") + 1]), int(parts[-3]), parts[-2]
+            experts.setdefault(prefix, {}).setdefault(proj, {})[e] = w
+        else:
+            out[name] = w
+    for prefix, projs in experts.items():
+        stack = {p: np.stack([ws[e] for e in sorted(ws)]) for p, ws in projs.items()}
+        out[prefix + ".gate_up_proj"] = np.concatenate([stack["gate_proj"], stack["up_proj"]], axis=1)
+        out[prefix + ".down_proj"] = stack["down_proj"]
+    return out
+
+
+def test_stacked_fused_expert_tensors_load_as_the_per_expert_ones(tmp_path, checkpoints_qwen3_moe):
+    folder, hf_model = checkpoints_qwen3_moe
+    fused = _copy_checkpoint(folder, tmp_path / "fused", _fused)
+    assert any(k.endswith("experts.gate_up_proj") for k in load_file(fused / "model.safetensors"))
+    model, cfg = load_model(fused)
+    ids = PROMPTS[2]
+    np.testing.assert_allclose(run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(hf_model, ids), atol=2e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoints_qwen3_moe(tmp_path_factory):
+    from tests.conftest import MOE_VARIANTS, make_checkpoint
+
+    model_type, overrides = MOE_VARIANTS["qwen3-moe"]
+    folder = tmp_path_factory.mktemp("qwen3-moe-files")
+    return folder, make_checkpoint(folder, model_type, **overrides)
+
+
+def test_a_missing_expert_tensor_is_an_error_naming_it(tmp_path, checkpoints_qwen3_moe):
+    folder, _ = checkpoints_qwen3_moe
+    bad = _copy_checkpoint(folder, tmp_path / "bad", lambda t: {k: v for k, v in t.items()
+                                                               if k != "model.layers.1.mlp.experts.5.up_proj.weight"})
+    with pytest.raises(ValueError, match=r"missing tensors \['model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight'\]"):
+        load_model(bad)
+
+
+def test_more_experts_than_the_config_says_is_an_error_naming_the_tensor(tmp_path, checkpoints_qwen3_moe):
+    folder, _ = checkpoints_qwen3_moe
+    bad = _copy_checkpoint(folder, tmp_path / "bad", lambda t: t)
+    config = json.loads((bad / "config.json").read_text())
+    config["num_local_experts" if "num_local_experts" in config else "num_experts"] = 6
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.experts\.6\.\w+_proj\.weight: expert 6, but "
+                                         r"the config has 6 experts"):
+        load_model(bad)
+
+
+def test_a_fused_expert_tensor_of_the_wrong_expert_count_is_an_error(tmp_path, checkpoints_qwen3_moe):
+    folder, _ = checkpoints_qwen3_moe
+    bad = _copy_checkpoint(folder, tmp_path / "bad", lambda t: {
+        k: (v[:7] if k == "model.layers.0.mlp.experts.down_proj" else v) for k, v in _fused(t).items()})
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.experts\.down_proj: shape \(7, 64, 32\) in "
+                                         r"the checkpoint, \(8, 64, 32\) expected"):
+        load_model(bad)
