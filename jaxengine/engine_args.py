@@ -83,6 +83,10 @@ class EngineArgs:
     tensor_parallel_size: int = _option(
         1, "devices each model replica is split over (tensor parallelism: attention heads, MLP columns and "
            "vocabulary split across them, the KV cache split by KV heads)")
+    enable_expert_parallel: bool = _option(
+        False, "split a mixture of experts' experts whole over the --tensor-parallel-size devices (each holds "
+               "num_experts / tp of them; attention stays tensor-parallel) instead of splitting every expert by "
+               "its width")
     data_parallel_size: int = _option(
         1, "engine replicas behind one API, each on its own --tensor-parallel-size devices (replica r on "
            "devices r*tp .. r*tp + tp - 1) with its own KV cache; a new request goes to the least loaded "

@@ -141,7 +141,8 @@ class LLM:
 
         start = time.perf_counter()
         model, _ = load_model(self.model_path, self.dtype, mesh=mesh,
-                              attention_fn=select_attention(self.engine_args.attention_backend))
+                              attention_fn=select_attention(self.engine_args.attention_backend),
+                              **_layout(self.engine_args))
         if progress:
             print(f"jaxengine: loaded replica {replica} in {time.perf_counter() - start:.1f} s", flush=True)
         return model
@@ -166,7 +167,8 @@ class LLM:
         self.dtype = resolve_dtype(args.dtype, None if on_cpu or args.dtype != "auto" else checkpoint_dtype(path))
         start = time.perf_counter()
         self.model, self.model_config = load_model(path, self.dtype, mesh=self.mesh,
-                                                   attention_fn=select_attention(args.attention_backend))
+                                                   attention_fn=select_attention(args.attention_backend),
+                                                   **_layout(args))
         if progress:
             print(f"jaxengine: loaded {path.name} ({self.dtype.name}) in {time.perf_counter() - start:.1f} s",
                   flush=True)
@@ -381,6 +383,11 @@ def _token_ids(ids, what: str) -> list[int]:
 def _is_token_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and isinstance(x[0], numbers.Integral)
 
+
+
+def _layout(args: EngineArgs) -> dict:
+    """How the model lays its weights out over the mesh, beyond tensor parallelism's defaults."""
+    return {"expert_parallel": True} if args.enable_expert_parallel else {}
 
 
 def _replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list:

@@ -174,11 +174,6 @@ def dense_modules(model: nnx.Module) -> list[nnx.Module]:
     return [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and hasattr(node, "dense_fn")]
 
 
-def grouped_modules(model: nnx.Module) -> list[nnx.Module]:
-    """Every module of ``model`` whose grouped (mixture-of-experts) matmuls go through a ``grouped_fn``."""
-    return [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and hasattr(node, "grouped_fn")]
-
-
 def attention_modules(model: nnx.Module) -> list[Attention]:
     """Every attention layer of ``model``: where its attention kernel and KV write are chosen."""
     return [node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)]

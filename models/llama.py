@@ -22,21 +22,25 @@ class LlamaForCausalLM(nnx.Module):
     to compile, whatever the depth. The KV cache is (k, v), each [L, P, S, K, H]."""
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_fn: Callable = paged_attention_tiled, *,
-                 rngs: nnx.Rngs) -> None:
+                 expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
+        """``expert_parallel``: a mixture of experts' experts split over the mesh whole, not by width."""
         self.config = cfg
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL_AXIS, None))
 
         mixed = bool(cfg.dense_layers)
 
+        def experts(rngs: nnx.Rngs) -> SparseMoeBlock:
+            return SparseMoeBlock(cfg, dtype, expert_parallel=expert_parallel, rngs=rngs)
+
         def layer(rngs: nnx.Rngs) -> DecoderLayer:
-            mlp = None if mixed else SparseMoeBlock(cfg, dtype, rngs=rngs) if cfg.is_moe else MLP(cfg, dtype, rngs=rngs)
+            mlp = None if mixed else experts(rngs) if cfg.is_moe else MLP(cfg, dtype, rngs=rngs)
             return DecoderLayer(cfg, dtype, attention_fn, mlp, rngs=rngs)
 
         self.layers = stacked(layer, cfg.num_layers, rngs)
         if mixed:
             # Dense layers among sparse ones: each kind's MLPs in a stack of their own, the layer
             # scan choosing one per layer (models.hf_tensors maps them to the checkpoint's layers).
-            self.sparse_mlp = stacked(lambda r: SparseMoeBlock(cfg, dtype, rngs=r), len(cfg.sparse_layers), rngs)
+            self.sparse_mlp = stacked(experts, len(cfg.sparse_layers), rngs)
             self.dense_mlp = stacked(lambda r: MLP(cfg, dtype, rngs=r), len(cfg.dense_layers), rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:

@@ -19,14 +19,16 @@ import logging
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.kernels.matmul import xla_dense, xla_grouped_dense
-from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules, grouped_modules
+from jaxengine.kernels.matmul import xla_dense
+from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules
+from jaxengine.models.moe import Experts, routed_swiglu
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +170,52 @@ class ShardedKVWrite:
         return fn(k_cache, v_cache, k, v, slot_mapping)
 
 
+class ShardedExperts:
+    """``routed_swiglu`` run per device over its share of the experts, the per-token sums added
+    over the mesh (one all-reduce of [T, D], as after a dense MLP's row-split down projection).
+    Every device holds the step's tokens and routing (both replicated). Tensor parallelism: each
+    device has every expert's columns [F / n] and computes a partial sum for every pair.
+    Expert parallelism: each device has E / n whole experts; the pairs sorted by expert put its
+    experts' rows in one run, which it computes alone (the others' rows are zero there). Inside
+    ``shard_map`` the grouped matmul sees plain per-device arrays, so the CPU kernel serves too."""
+
+    def __init__(self, mesh: Mesh, expert_parallel: bool) -> None:
+        self.mesh, self.expert_parallel = mesh, expert_parallel
+        self.__name__ = f"{'expert' if expert_parallel else 'tensor'}-parallel experts"
+
+    def __call__(self, x, weights, order, sizes, gate, up, down, layer, grouped_fn):
+        if layer is None:                                     # one layer's experts: a stack of one
+            gate, up, down, layer = gate[None], up[None], down[None], jnp.int32(0)
+        if self.expert_parallel:
+            gate_up_spec = down_spec = P(None, MODEL_AXIS, None, None)
+        else:
+            gate_up_spec, down_spec = P(None, None, None, MODEL_AXIS), P(None, None, MODEL_AXIS, None)
+
+        def per_device(x, weights, order, sizes, gate, up, down, layer):
+            first_row = 0
+            if self.expert_parallel:
+                local = gate.shape[-3]
+                first = jax.lax.axis_index(MODEL_AXIS) * local
+                first_row = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
+                sizes = jax.lax.dynamic_slice(sizes, (first,), (local,))
+            out = routed_swiglu(x, weights, order, sizes, gate, up, down, layer, grouped_fn, first_row)
+            return jax.lax.psum(out, MODEL_AXIS)
+
+        fn = jax.shard_map(per_device, mesh=self.mesh,
+                           in_specs=(P(), P(), P(), P(), gate_up_spec, gate_up_spec, down_spec, P()),
+                           out_specs=P(), check_vma=False)
+        return fn(x, weights, order, sizes, gate, up, down, layer)
+
+
+def check_expert_parallel(cfg: ModelConfig, tp: int) -> None:
+    """ValueError naming ``enable_expert_parallel`` when the experts cannot be split ``tp`` ways."""
+    if not cfg.is_moe:
+        raise ValueError(f"enable_expert_parallel: {cfg.architecture} has no experts to split")
+    if cfg.num_experts % tp:
+        raise ValueError(f"enable_expert_parallel: the {cfg.num_experts} experts of {cfg.architecture} do not "
+                         f"split over {tp} devices (tensor_parallel_size)")
+
+
 def shard_kernels(model: nnx.Module, mesh: Mesh) -> None:
     """Have every attention layer of ``model`` run its kernels per shard of ``mesh``; over more
     than one device the projections take XLA's dot, which the partitioner splits (a custom call
@@ -175,8 +223,9 @@ def shard_kernels(model: nnx.Module, mesh: Mesh) -> None:
     if mesh.devices.size > 1:
         for module in dense_modules(model):
             module.dense_fn = xla_dense
-        for module in grouped_modules(model):
-            module.grouped_fn = xla_grouped_dense
+        for experts in [node for _, node in nnx.iter_graph(model) if isinstance(node, Experts)]:
+            if not isinstance(experts.experts_fn, ShardedExperts):
+                experts.experts_fn = ShardedExperts(mesh, experts.expert_parallel)
     for attention in attention_modules(model):
         if not isinstance(attention.attention_fn, ShardedAttention):
             attention.attention_fn = ShardedAttention(attention.attention_fn, mesh)

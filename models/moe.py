@@ -5,9 +5,13 @@ No expert runs on a token that did not choose it, and the padding rows of a buck
 Einsum letters as in ``models.layers``, plus E experts, F an expert's width and k the choices.
 
 Tensor parallelism splits every expert by its width, as a dense MLP (gate/up by columns, down by
-rows, an all-reduce after); the router is replicated.
+rows, an all-reduce after); expert parallelism gives each device whole experts instead. Either way
+the router is replicated, every device routes every token, and each computes its part of every
+token's output, summed over the devices (``models.mesh.ShardedExperts``).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,36 +49,50 @@ def expert_counts(experts: jax.Array, num_experts: int, num_valid: jax.Array | i
     return group_by_expert(experts, num_experts, num_valid)[1]
 
 
-class Experts(nnx.Module):
-    """E SwiGLU experts, stacked: gate/up [E, D, F], down [E, F, D]."""
+def routed_swiglu(x: jax.Array, weights: jax.Array, order: jax.Array, sizes: jax.Array, gate: jax.Array,
+                  up: jax.Array, down: jax.Array, layer: jax.Array | None, grouped_fn: Callable = grouped_dense,
+                  first_row: jax.Array | int = 0) -> jax.Array:
+    """The experts' SwiGLU of the token-expert pairs in ``order``, weighted and summed per token:
+    [T, D]. ``sizes`` are the groups of the experts in ``gate``/``up``/``down`` (all of them, or
+    under expert parallelism one device's, whose pairs start at sorted row ``first_row``)."""
+    t, k = weights.shape
+    rows = jnp.roll(x[order // k], -first_row, axis=0)          # [T*k, D], this device's groups first
+    h = jax.nn.silu(grouped_fn(rows, gate, sizes, layer)) * grouped_fn(rows, up, sizes, layer)
+    out = jnp.roll(grouped_fn(h, down, sizes, layer), first_row, axis=0)      # other devices' rows: 0
+    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    return unsorted.reshape(t, k, -1).sum(axis=1)
 
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs) -> None:
+
+class Experts(nnx.Module):
+    """E SwiGLU experts, stacked: gate/up [E, D, F], down [E, F, D]. Over a mesh they are split by
+    their width (tensor parallelism), or with ``expert_parallel`` by experts, each device holding
+    E / devices whole ones (``models.mesh.ShardedExperts`` runs them per device)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = _param(rngs, (e, d, f), dtype, (None, None, M))
-        self.up_proj = _param(rngs, (e, d, f), dtype, (None, None, M))
-        self.down_proj = _param(rngs, (e, f, d), dtype, (None, M, None))
-        self.grouped_fn = grouped_dense     # OpenBLAS on a CPU, XLA's ragged_dot elsewhere (models.mesh)
+        gate_up, down = ((M, None, None), (M, None, None)) if expert_parallel else ((None, None, M), (None, M, None))
+        self.gate_proj = _param(rngs, (e, d, f), dtype, gate_up)
+        self.up_proj = _param(rngs, (e, d, f), dtype, gate_up)
+        self.down_proj = _param(rngs, (e, f, d), dtype, down)
+        self.expert_parallel = expert_parallel
+        self.grouped_fn = grouped_dense     # OpenBLAS on a CPU, XLA's ragged_dot elsewhere
+        self.experts_fn = routed_swiglu     # per device over a mesh (models.mesh.shard_kernels)
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, num_valid: jax.Array,
                  layer: jax.Array | None = None) -> jax.Array:
         """x [T, D], the routing [T, k] -> sum over each token's experts of weight * SwiGLU [T, D]."""
-        t, k = experts.shape
         order, sizes = group_by_expert(experts, self.gate_proj.shape[-3], num_valid)
-        rows = x[order // k]                                          # [T*k, D], grouped by expert
-        gate = self.grouped_fn(rows, self.gate_proj[...], sizes, layer)
-        up = self.grouped_fn(rows, self.up_proj[...], sizes, layer)
-        out = self.grouped_fn(jax.nn.silu(gate) * up, self.down_proj[...], sizes, layer)     # [T*k, D]
-        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-        unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-        return unsorted.reshape(t, k, -1).sum(axis=1)
+        return self.experts_fn(x, weights, order, sizes, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+                               layer, self.grouped_fn)
 
 
 class SparseMoeBlock(nnx.Module):
     """Router, routed experts and (Qwen2-MoE) the shared expert with its sigmoid gate."""
 
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
         self.router = _param(rngs, (cfg.hidden_size, cfg.num_experts), dtype, (None, None))
-        self.experts = Experts(cfg, dtype, rngs=rngs)
+        self.experts = Experts(cfg, dtype, expert_parallel=expert_parallel, rngs=rngs)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, dtype, intermediate_size=cfg.shared_expert_intermediate_size, rngs=rngs)
             self.shared_expert_gate = _param(rngs, (cfg.hidden_size, 1), dtype, (None, None))

@@ -24,7 +24,7 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.gguf import gguf_dtype, load_gguf
 from jaxengine.models.hf_tensors import ArraySource, Index, TensorSource, check_tensors, locate_tensors, read_param
-from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
+from jaxengine.models.mesh import (check_expert_parallel, flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
 from jaxengine.models.registry import abstract_model
 
@@ -62,6 +62,8 @@ def build_model(cfg: ModelConfig, tensors: TensorSource | Mapping[str, np.ndarra
     if cfg.is_moe:
         source = ExpertTensors(source, cfg.num_experts)
     mesh = mesh_or_first_device(mesh)
+    if model_kwargs.get("expert_parallel"):
+        check_expert_parallel(cfg, mesh_size(mesh))
     located, unexpected = locate_tensors(source, cfg, kv_head_repeats(cfg, mesh_size(mesh)))
     cfg = mesh_model_config(cfg, mesh_size(mesh))
     graphdef, state = abstract_model(cfg, dtype, model_kwargs)

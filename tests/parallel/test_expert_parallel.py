@@ -1,0 +1,66 @@
+"""A mixture of experts over 8 simulated CPU devices: tensor parallelism (every expert split by its
+width) and expert parallelism (whole experts per device) give the greedy tokens of transformers,
+data parallelism on top; the experts lie where the layout says; a split that cannot be is refused."""
+import jax
+import pytest
+
+from jaxengine import LLM
+from jaxengine.parallel.data_parallel import DataParallelEngine
+from tests.e2e.test_generate_vs_transformers import reference
+from tests.parallel.test_tensor_parallel import MAX_TOKENS, PROMPTS, greedy_tokens, tp_engine
+
+# 8 experts, a shared one, and a dense layer among the sparse ones (both MLP stacks on the mesh)
+MOE = dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    from tests.conftest import make_checkpoint
+
+    folder = tmp_path_factory.mktemp("ep-qwen2-moe")
+    hf = make_checkpoint(folder, "qwen2_moe", **MOE)
+    return folder, reference(hf, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("tp, ep", [(2, False), (4, False), (2, True), (4, True), (8, True)])
+def test_greedy_tokens_equal_transformers_split_by_width_or_by_expert(moe, tp, ep):
+    folder, expected = moe
+    llm = tp_engine(folder, tp, enable_expert_parallel=ep)
+    gate = llm.runner.state["sparse_mlp"]["experts"]["gate_proj"]          # [layers, E, D, F]
+    split = gate.sharding.shard_shape(gate.shape)
+    assert split == ((2, 8 // tp, 64, 32) if ep else (2, 8, 64, 32 // tp))
+    outs = greedy_tokens(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(t.num_preemptions for t in llm.engine.traces) > 0
+
+
+def test_data_parallel_replicas_of_expert_parallel_meshes(moe):
+    folder, expected = moe
+    llm = tp_engine(folder, 2, enable_expert_parallel=True, data_parallel_size=2)
+    assert isinstance(llm.engine, DataParallelEngine)
+    outs = greedy_tokens_dp(llm)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def greedy_tokens_dp(llm):
+    from jaxengine import SamplingParams
+
+    return llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+
+
+def test_expert_parallelism_that_cannot_split_is_refused(moe, tmp_path):
+    folder, _ = moe
+    from tests.conftest import make_checkpoint
+
+    odd = tmp_path / "six"
+    make_checkpoint(odd, "qwen2_moe", **{**MOE, "num_experts": 6})
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: the 6 experts of Qwen2MoeForCausalLM do not split "
+                                         r"over 4 devices"):
+        LLM(odd, skip_tokenizer_init=True, tensor_parallel_size=4, enable_expert_parallel=True, progress=False)
+    dense = tmp_path / "dense"
+    make_checkpoint(dense, "llama", num_attention_heads=8, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no experts to split"):
+        LLM(dense, skip_tokenizer_init=True, tensor_parallel_size=2, enable_expert_parallel=True, progress=False)
+    assert jax.device_count() == 8
