@@ -180,9 +180,10 @@ class Engine:
         """The second half of ``step()``: wait for the launched step's results and apply them;
         returns the requests that finished."""
         launched, self._launched = self._launched, None
-        finished = self.scheduler.update_from_output(launched.out, launched.pending.result())
+        output = launched.pending.result()
+        finished = self.scheduler.update_from_output(launched.out, output)
         self._unapplied.remove(launched.out)
-        self._record(launched)
+        self._record(launched, output.expert_tokens)
         return finished
 
     @property
@@ -282,17 +283,17 @@ class Engine:
             finished += self.step()
         raise RuntimeError(f"requests still unfinished after {max_steps} steps")
 
-    def _record(self, launched: _Launch) -> None:
+    def _record(self, launched: _Launch, expert_tokens: tuple[int, ...]) -> None:
         step_s = self.timer() - self._cycle_start
         host_s = step_s - (self._device_wait_s() - self._wait_at_start)
-        self.last_trace = self._trace(launched, step_s, host_s)
+        self.last_trace = self._trace(launched, step_s, host_s, expert_tokens)
         if self.traces is not None:
             self.traces.append(self.last_trace)
         if self.trace_writer is not None:
             self._unwritten = self.last_trace
         self.num_steps += 1
 
-    def _trace(self, launched: _Launch, step_s: float, host_s: float) -> StepTrace:
+    def _trace(self, launched: _Launch, step_s: float, host_s: float, expert_tokens: tuple[int, ...]) -> StepTrace:
         s, out = self.scheduler, launched.out
         return StepTrace(
             step=self.num_steps, time=round_seconds(self._cycle_start - self._started), num_rows=len(out.seq_ids),
@@ -303,7 +304,8 @@ class Engine:
             num_running=len(s.running), num_swapped=len(s.swapped), step_s=round_seconds(step_s),
             host_s=round_seconds(host_s), device_idle_s=round_seconds(launched.device_idle_s),
             max_context_len=max(map(operator.add, out.num_computed_tokens, out.num_scheduled_tokens), default=0),
-            num_context_tokens=sum(out.num_computed_tokens) + sum(out.num_scheduled_tokens))
+            num_context_tokens=sum(out.num_computed_tokens) + sum(out.num_scheduled_tokens),
+            expert_tokens=expert_tokens)
 
     def _write_trace(self) -> None:
         if self._unwritten is not None:

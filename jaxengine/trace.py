@@ -45,6 +45,9 @@ class StepTrace:
     # The step's shape as a cost model reads it (0 in records written before these fields existed).
     max_context_len: int = 0        # longest context a row attends to (tokens before it + its new ones)
     num_context_tokens: int = 0     # the rows' attended contexts summed
+    # A mixture of experts: tokens routed to each expert this step, summed over the layers (empty
+    # for a dense model): the experts' load balance.
+    expert_tokens: tuple[int, ...] = ()
 
 
 def round_seconds(seconds: float) -> float:
@@ -123,7 +126,13 @@ def read_trace(path: str | Path) -> list[StepTrace]:
     """The records of a trace file. A last line without its newline is a write in progress
     (a file read while the engine runs) and is left out."""
     with open(path, encoding="utf-8") as f:
-        return [StepTrace(**json.loads(line)) for line in f if line.endswith("\n")]
+        return [_record(json.loads(line)) for line in f if line.endswith("\n")]
+
+
+def _record(fields: dict) -> StepTrace:
+    if "expert_tokens" in fields:                   # JSON has lists only
+        fields["expert_tokens"] = tuple(fields["expert_tokens"])
+    return StepTrace(**fields)
 
 
 def replica_trace_file(path: str | Path, replica: int) -> Path:

@@ -21,21 +21,25 @@ def feed_previous_tokens(input_ids: jax.Array, previous: jax.Array, index: jax.A
     return jnp.where(index >= 0, previous[jnp.maximum(index, 0)], input_ids)
 
 
-def make_forward(model: nnx.Module, head: Callable = _logits, mesh=None) -> tuple[nnx.State, Callable]:
+def make_forward(model: nnx.Module, head: Callable = _logits, mesh=None,
+                 expert_counts: bool = False) -> tuple[nnx.State, Callable]:
     """Returns (state, forward); ``forward(state, kv_caches, input_ids, md, logits_indices, *extra)``
     (``input_ids`` may be ``(ids, previous step's tokens, index into them or -1)``)
     -> (kv_caches, head(model, hidden [T, D], logits_indices, *extra)); the default head returns the
     logits [R, V] (f32) of the rows asked for; a sampler plugs in here. The caches passed in are
     donated: use the returned ones. With a ``mesh`` the caches keep their KV-head sharding and
-    what the head returns is replicated (host inputs are replicated too)."""
+    what the head returns is replicated (host inputs are replicated too). With ``expert_counts``
+    the head must return a tuple, and the step's tokens routed to each expert [E] (E = 0 for a
+    dense model) come after its items."""
     graphdef, state = nnx.split(model)
 
     def forward(state, kv_caches, input_ids, md: AttentionMetadata, logits_indices: jax.Array, *extra):
         if isinstance(input_ids, tuple):
             input_ids = feed_previous_tokens(*input_ids)
         m = nnx.merge(graphdef, state)
-        hidden, kv_caches = m(input_ids, kv_caches, md)
-        return kv_caches, head(m, hidden, logits_indices, *extra)
+        hidden, kv_caches, counts = m.forward_with_expert_counts(input_ids, kv_caches, md)
+        out = head(m, hidden, logits_indices, *extra)
+        return kv_caches, (*out, counts) if expert_counts else out
 
     if mesh is None:
         return state, jax.jit(forward, donate_argnums=(1,))

@@ -147,15 +147,21 @@ class DecoderLayer(nnx.Module):
         return x, self.post_attention_layernorm(x), cache
 
     def __call__(self, x: jax.Array, cache: KVCache, md: AttentionMetadata, inv_freq: np.ndarray,
-                 layer: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 layer: jax.Array | None = None) -> tuple[jax.Array, KVCache, jax.Array]:
+        """-> (the layer's output, the cache, tokens routed to each expert [E] (E = 0: a dense MLP))."""
         x, h, cache = self.attend(x, cache, md, inv_freq, layer)
-        return x + run_mlp(self.mlp, h, layer, md), cache
+        out, counts = run_mlp(self.mlp, h, layer, md, self.self_attn.cfg.num_experts)
+        return x + out, cache, counts
 
 
-def run_mlp(mlp: nnx.Module, h: jax.Array, layer: jax.Array | None, md: AttentionMetadata) -> jax.Array:
+def run_mlp(mlp: nnx.Module, h: jax.Array, layer: jax.Array | None, md: AttentionMetadata,
+            num_experts: int) -> tuple[jax.Array, jax.Array]:
     """A dense MLP of ``h``, or a mixture of experts routing only the real tokens (the padding past
-    ``md``'s last row goes nowhere)."""
-    return mlp(h, layer) if isinstance(mlp, MLP) else mlp(h, layer, md.query_start_loc[-1])
+    ``md``'s last row goes nowhere); with the tokens routed to each of the ``num_experts`` [E]
+    (none for a dense MLP)."""
+    if isinstance(mlp, MLP):
+        return mlp(h, layer), jnp.zeros(num_experts, jnp.int32)
+    return mlp(h, layer, md.query_start_loc[-1])
 
 
 # The projection weights of a layer: the layer scan leaves them stacked and passes the layer's

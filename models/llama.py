@@ -50,6 +50,13 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array, kv_caches: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """input_ids [T] -> final hidden states [T, D] and the updated caches."""
+        hidden, kv_caches, _ = self.forward_with_expert_counts(input_ids, kv_caches, md)
+        return hidden, kv_caches
+
+    def forward_with_expert_counts(self, input_ids: jax.Array, kv_caches: KVCache,
+                                   md: AttentionMetadata) -> tuple[jax.Array, KVCache, jax.Array]:
+        """As ``__call__``, plus the tokens routed to each expert, summed over the layers [E]
+        (E = 0 for a dense model): the step's expert load."""
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         # The projections stay stacked and go in whole with the layer's index; the rest (norms,
@@ -72,14 +79,15 @@ class LlamaForCausalLM(nnx.Module):
                                            slot_mapping=md.slot_mapping + offset * block_size)
             decoder = nnx.merge(graphdef, dense, rest_of_layer)
             if mlp is None:
-                x, (k, v) = decoder(x, (k, v), md_layer, inv_freq, layer)
+                x, (k, v), counts = decoder(x, (k, v), md_layer, inv_freq, layer)
             else:
                 x, h, (k, v) = decoder.attend(x, (k, v), md_layer, inv_freq, layer)
-                x = x + mlp(h, layer)
-            return (x, k, v), None
+                out, counts = mlp(h, layer)
+                x = x + out
+            return (x, k, v), counts
 
-        (x, k, v), _ = jax.lax.scan(layer_step, (x, *flat), (rest, jnp.arange(num_layers)))
-        return self.norm(x), (k.reshape(shape), v.reshape(shape))
+        (x, k, v), counts = jax.lax.scan(layer_step, (x, *flat), (rest, jnp.arange(num_layers)))
+        return self.norm(x), (k.reshape(shape), v.reshape(shape)), counts.sum(axis=0)
 
     def _mlp_of_layer(self, md: AttentionMetadata) -> Callable | None:
         """With dense layers among sparse ones: ``mlp(h, layer)`` running layer ``layer``'s MLP from
@@ -93,10 +101,10 @@ class LlamaForCausalLM(nnx.Module):
         index = jnp.asarray([(cfg.sparse_layers if i in cfg.sparse_layers else cfg.dense_layers).index(i)
                              for i in range(cfg.num_layers)], jnp.int32)       # within its kind's stack
 
-        def mlp(h: jax.Array, layer: jax.Array) -> jax.Array:
-            return jax.lax.cond(is_sparse[layer],
-                                lambda h: run_mlp(nnx.merge(sparse_def, sparse_state), h, index[layer], md),
-                                lambda h: run_mlp(nnx.merge(dense_def, dense_state), h, index[layer], md), h)
+        def mlp(h: jax.Array, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+            def kind(graphdef, state):
+                return lambda h: run_mlp(nnx.merge(graphdef, state), h, index[layer], md, cfg.num_experts)
+            return jax.lax.cond(is_sparse[layer], kind(sparse_def, sparse_state), kind(dense_def, dense_state), h)
         return mlp
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

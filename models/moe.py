@@ -80,11 +80,13 @@ class Experts(nnx.Module):
         self.experts_fn = routed_swiglu     # per device over a mesh (models.mesh.shard_kernels)
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, num_valid: jax.Array,
-                 layer: jax.Array | None = None) -> jax.Array:
-        """x [T, D], the routing [T, k] -> sum over each token's experts of weight * SwiGLU [T, D]."""
+                 layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x [T, D], the routing [T, k] -> (sum over each token's experts of weight * SwiGLU [T, D],
+        the tokens routed to each expert [E])."""
         order, sizes = group_by_expert(experts, self.gate_proj.shape[-3], num_valid)
-        return self.experts_fn(x, weights, order, sizes, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                               layer, self.grouped_fn)
+        out = self.experts_fn(x, weights, order, sizes, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+                              layer, self.grouped_fn)
+        return out, sizes
 
 
 class SparseMoeBlock(nnx.Module):
@@ -99,16 +101,19 @@ class SparseMoeBlock(nnx.Module):
         self.cfg = cfg
         self.dense_fn = dense
 
-    def __call__(self, x: jax.Array, layer: jax.Array | None = None, num_valid: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None,
+                 num_valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (the block's output [T, D], the tokens routed to each expert [E]); tokens at
+        or past ``num_valid`` (padding) route nowhere."""
         cfg = self.cfg
         num_valid = x.shape[0] if num_valid is None else num_valid
         logits = self.dense_fn(x, self.router[...], layer)
         weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        out = self.experts(x, weights, experts, num_valid, layer)
+        out, counts = self.experts(x, weights, experts, num_valid, layer)
         if cfg.shared_expert_intermediate_size:
             gate = jax.nn.sigmoid(self.dense_fn(x, self.shared_expert_gate[...], layer))
             out = out + gate * self.shared_expert(x, layer)
-        return out
+        return out, counts
 
 
 def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = None) -> jax.Array:

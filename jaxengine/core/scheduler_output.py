@@ -98,3 +98,5 @@ class ModelRunnerOutput:
     logprobs: list | None = None
     # None, or B entries: None, or [(position, {token id: logprob})] for prompt tokens scored.
     prompt_logprobs: list | None = None
+    # A mixture of experts: tokens routed to each expert in the step, summed over the layers.
+    expert_tokens: tuple[int, ...] = ()

@@ -192,10 +192,17 @@ class DataParallelEngine:
             num_blocks_swapped_out=total("num_blocks_swapped_out"), num_swap_fallbacks=total("num_swap_fallbacks"),
             kv_usage=s.kv_usage, num_prefix_hit_tokens=total("num_prefix_hit_tokens"), num_waiting=s.num_waiting,
             num_running=s.num_running, num_swapped=s.num_swapped, step_s=round_seconds(step_s),
-            host_s=round_seconds(step_s - device_wait_s), device_idle_s=round_seconds(total("device_idle_s")))
+            host_s=round_seconds(step_s - device_wait_s), device_idle_s=round_seconds(total("device_idle_s")),
+            expert_tokens=_summed_expert_tokens(traces))
         if self.traces is not None:
             self.traces.append(self.last_trace)
         self.num_steps += 1
+
+def _summed_expert_tokens(traces: list[StepTrace]) -> tuple[int, ...]:
+    """Each expert's tokens over the replicas (an empty step's record has none)."""
+    loads = [t.expert_tokens for t in traces if t.expert_tokens]
+    return tuple(map(sum, zip(*loads))) if loads else ()
+
 
 def _completes(replica: Engine) -> bool:
     """Complete the step a replica launched before another one failed; False if that fails."""

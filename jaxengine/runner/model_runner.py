@@ -102,7 +102,7 @@ class ModelRunner:
                                 sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
         max_rows = self.request_buckets[-1]
         self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows),
-                                                mesh=mesh)
+                                                mesh=mesh, expert_counts=True)
         self._previous_tokens = self._zero_tokens(max_rows)      # the last launched step's tokens
         self._uncollected: collections.deque[PendingStep] = collections.deque()
         self.num_compiles = 0            # compilations after start-up
@@ -320,7 +320,7 @@ class ModelRunner:
             raise RuntimeError("steps must be collected in launch order")
         self._uncollected.popleft()
         out, inputs, slots = step.out, step.inputs, step.slots
-        result, prompt_lp, _ = step.device_result
+        result, prompt_lp, _, expert_tokens = step.device_result
         wait = time.perf_counter()
         with self.channel.waiting("reading a step's results") if self.channel is not None else \
                 contextlib.nullcontext():
@@ -333,7 +333,8 @@ class ModelRunner:
         tolist = tokens.tolist()
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
         return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples),
-                                 self._prompt_logprobs(inputs, slots, out, prompt_lp))
+                                 self._prompt_logprobs(inputs, slots, out, prompt_lp),
+                                 tuple(np.asarray(expert_tokens).tolist()))
 
     def _run(self, inputs: StepInputs) -> tuple[SamplerOutput, tuple]:
         executable = self._executable(inputs)

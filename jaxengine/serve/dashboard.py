@@ -106,6 +106,7 @@ class DashboardCollector:
         self._ttft, self._itl = Samples(max_samples), Samples(max_samples)
         self._queues = {"num_waiting": 0, "num_running": 0, "num_swapped": 0, "kv_usage": 0.0}
         self._replicas: list[dict] = []
+        self._expert_tokens: list[int] = []      # a mixture of experts' routed tokens per expert, since start
 
     # ---- observer calls (engine thread) ----
     def on_step(self, engine) -> None:
@@ -121,6 +122,10 @@ class DashboardCollector:
                             "num_swapped": trace.num_swapped, "kv_usage": trace.kv_usage}
             if replicas is not None:
                 self._replicas = replicas
+            if trace.expert_tokens:
+                if not self._expert_tokens:
+                    self._expert_tokens = [0] * len(trace.expert_tokens)
+                self._expert_tokens = [a + b for a, b in zip(self._expert_tokens, trace.expert_tokens)]
 
     def on_tokens(self, request, num_tokens: int, itl: float | None) -> None:
         now, times = self.clock(), request.times
@@ -162,6 +167,7 @@ class DashboardCollector:
         with self._lock:
             steps, seconds = list(self._steps), [dict(s) for s in self._seconds]
             totals, queues, replicas = dict(self._totals), dict(self._queues), list(self._replicas)
+            expert_tokens = list(self._expert_tokens)
             ttft = self._ttft.since(now - self.window_s)
             itl = self._itl.since(now - self.window_s)
         series = self._per_second(seconds, int(now))
@@ -169,7 +175,7 @@ class DashboardCollector:
                 "totals": totals, "recent_steps": {name: [getattr(t, name) for t in steps] for name in TRACE_FIELDS},
                 "per_second": series, "last_minute": {name: sum(series[name]) for name in COUNTED},
                 "output_tokens_per_s": sum(series["output_tokens"][-RATE_S:]) / RATE_S,
-                "latency_s": {"ttft": summary(ttft), "itl": summary(itl)}}
+                "latency_s": {"ttft": summary(ttft), "itl": summary(itl)}, "expert_tokens": expert_tokens}
 
     def _per_second(self, seconds: list[dict], current: int) -> dict:
         """Each counted quantity over the last ``window_s`` whole seconds, oldest first (0 where

@@ -56,6 +56,9 @@ class EngineMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self.step_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.expert_tokens = Counter("jaxengine:expert_tokens", "Tokens routed to each expert of a mixture of "
+                                     "experts, summed over its layers (a hot expert stands out).",
+                                     ["model_name", "expert"], registry=r)
         self._seen_queries = self._seen_hits = 0
         self.replicas = ReplicaMetrics(model_name, r)
         self.dashboard = DashboardCollector()
@@ -68,6 +71,8 @@ class EngineMetrics:
         self.swap_fallbacks.inc(trace.num_swap_fallbacks)
         if tokens := trace.num_decode_tokens + trace.num_prefill_tokens:
             self.step_tokens.observe(tokens)
+        for expert, count in enumerate(trace.expert_tokens):
+            self.expert_tokens.labels(self.model_name, str(expert)).inc(count)
         self._set_state(engine)
 
     def on_tokens(self, request: Request, num_tokens: int, itl: float | None) -> None:

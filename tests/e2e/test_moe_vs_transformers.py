@@ -18,6 +18,12 @@ def test_every_moe_architecture_matches_transformers_generate(moe_checkpoint):
     outs = greedy(llm, PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == expected, name
     assert sum(t.num_preemptions for t in llm.engine.traces) > 0
+    # every token of a step is routed to k experts in each sparse layer, the padding to none
+    cfg = llm.model_config
+    for t in llm.engine.traces:
+        tokens = t.num_prefill_tokens + t.num_decode_tokens
+        assert len(t.expert_tokens) == (cfg.num_experts if tokens else 0)      # an empty step runs nothing
+        assert sum(t.expert_tokens) == tokens * cfg.num_experts_per_tok * len(cfg.sparse_layers), t
     again = greedy(llm, PROMPTS[-2:])
     assert [o.outputs[0].token_ids for o in again] == expected[-2:]
     assert [o.num_cached_tokens for o in again] == [12, 12]
