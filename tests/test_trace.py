@@ -18,7 +18,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def record(step: int, **fields) -> StepTrace:
-    zeros = {name: 0 for name in StepTrace.__dataclass_fields__}
+    zeros = {name: 0 for name in StepTrace.__dataclass_fields__ if name != "expert_tokens"}
     return StepTrace(**{**zeros, "step": step, **fields})
 
 
@@ -61,7 +61,8 @@ def test_each_line_is_the_records_fields(tmp_path):
     engine.run()
     engine.close()
     lines = path.read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [vars(t) for t in engine.traces]
+    assert [json.loads(line) for line in lines] == [{**vars(t), "expert_tokens": list(t.expert_tokens)}
+                                                    for t in engine.traces]
     assert list(json.loads(lines[0])) == list(StepTrace.__dataclass_fields__)
 
 
@@ -153,3 +154,11 @@ def test_the_option_through_llm_writes_the_model_runners_records(tiny_llm):
     assert [t.step for t in traces] == list(range(len(traces)))
     assert all(0 <= t.host_s <= t.step_s and t.device_idle_s >= 0 for t in traces)
     assert sum(t.device_idle_s for t in traces) > 0         # each step on the CPU launches on an idle device
+
+
+def test_an_experts_load_reads_back_as_it_was_written(tmp_path):
+    writer = TraceWriter(tmp_path / "steps.jsonl")
+    writer.write(record(0, expert_tokens=(3, 0, 5)))
+    writer.write(record(1))
+    writer.close()
+    assert read_trace(tmp_path / "steps.jsonl") == [record(0, expert_tokens=(3, 0, 5)), record(1)]
