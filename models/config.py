@@ -57,6 +57,37 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
+    def num_params(self) -> int:
+        """Parameters the model holds (embedding and LM head included)."""
+        return self._params(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: of a mixture of experts' routed experts only the
+        ``num_experts_per_tok`` it chose (what a step's FLOPs follow)."""
+        return self._params(active=True)
+
+    @property
+    def routed_pairs_per_token(self) -> int:
+        """Token-expert pairs one token makes (top-k times the sparse layers; 0 for a dense model)."""
+        return self.num_experts_per_tok * len(self.sparse_layers)
+
+    def _params(self, active: bool) -> int:
+        d, h = self.hidden_size, self.head_dim
+        attention = d * (self.num_heads + 2 * self.num_kv_heads) * h + self.num_heads * h * d
+        attention += (self.num_heads + 2 * self.num_kv_heads) * h if self.attention_bias else 0
+        attention += 2 * h if self.qk_norm else 0
+        dense_mlp = 3 * d * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        if self.shared_expert_intermediate_size:
+            moe += 3 * d * self.shared_expert_intermediate_size + d
+        sparse = len(self.sparse_layers)
+        layers = self.num_layers * (attention + 2 * d) + sparse * moe + (self.num_layers - sparse) * dense_mlp
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return layers + self.vocab_size * d + head + d
+
+    @property
     def sparse_layers(self) -> tuple[int, ...]:
         """The layers whose MLP is the mixture of experts."""
         return tuple(i for i in range(self.num_layers) if self.is_moe and i not in self.dense_layers)

@@ -52,7 +52,7 @@ def collector_cost() -> dict:
     from jaxengine.engine import StepTrace
     from jaxengine.serve.dashboard import MAX_SAMPLES, DashboardCollector
 
-    fields = {name: 0 for name in StepTrace.__dataclass_fields__}
+    fields = {name: 0 for name in StepTrace.__dataclass_fields__ if name != "expert_tokens"}
     engine = SimpleNamespace(last_trace=StepTrace(**{**fields, "kv_usage": 0.5}))
     request = SimpleNamespace(times=SimpleNamespace(queued=0.0, first_token=0.1))
     c, n = DashboardCollector(), 100_000

@@ -34,21 +34,29 @@ def attention_flops(model, attention_work: float) -> float:
 
 
 def step_floor_seconds(model, num_params: float, num_tokens: float, context_tokens: float, attention_work: float,
-                       *, bytes_per_param: float, bandwidth_bytes_s: float, flops_per_s: float) -> float:
+                       *, bytes_per_param: float, bandwidth_bytes_s: float, flops_per_s: float,
+                       num_active_params: float | None = None) -> float:
     """The floor of one step of a transformer (``model``: layers, heads, KV heads, head size).
-    Read: every weight once, and the KV cache of the ``context_tokens`` the rows attend to.
-    FLOPs: a multiply-add per parameter per scheduled token, and attention over
-    ``attention_work`` pairs. The KV cache is held in the weights' dtype."""
+    Read: ``num_params`` weights once (a mixture of experts: those of the experts the step's
+    tokens touch), and the KV cache of the ``context_tokens`` the rows attend to. FLOPs: a
+    multiply-add per parameter a token runs through (``num_active_params``, default all) per
+    scheduled token, and attention over ``attention_work`` pairs. The KV cache is held in the
+    weights' dtype."""
+    active = num_params if num_active_params is None else num_active_params
     bytes_read = num_params * bytes_per_param + context_tokens * kv_bytes_per_token(model, bytes_per_param)
-    flops = 2 * num_params * num_tokens + attention_flops(model, attention_work)
+    flops = 2 * active * num_tokens + attention_flops(model, attention_work)
     return floor_seconds(flops, flops_per_s, bytes_read, bandwidth_bytes_s)
 
 
 def flops_per_token(cfg) -> float:
-    """Matmul FLOPs per token outside attention (projections and MLP; logits are for one row)."""
+    """Matmul FLOPs per token outside attention (projections and MLP, of a mixture of experts the
+    experts a token runs through; logits are for one row)."""
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * f
-    return 2.0 * per_layer * cfg.num_layers
+    attention = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d
+    sparse = len(cfg.sparse_layers)
+    experts = d * cfg.num_experts + 3 * d * (cfg.num_experts_per_tok * cfg.moe_intermediate_size
+                                             + cfg.shared_expert_intermediate_size)
+    return 2.0 * (cfg.num_layers * attention + (cfg.num_layers - sparse) * 3 * d * f + sparse * experts)
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:

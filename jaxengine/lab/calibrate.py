@@ -42,7 +42,8 @@ def calibrate(model=None, *, grid: CalibrationGrid | None = None, progress: bool
     ``LLM``), measure its steps over ``grid`` and return the fitted profile. Calibrate with the
     largest ``max_num_batched_tokens`` you will simulate: larger buckets are extrapolated."""
     llm = _load(model, progress, engine_options)
-    profile = calibrate_engine(llm.engine, grid or CalibrationGrid(), progress=progress, seed=seed)
+    profile = calibrate_engine(llm.engine, grid or CalibrationGrid(), progress=progress, seed=seed,
+                               model_config=llm.model_config)
     profile.source.update(model=str(model) if model is not None else "default (SmolLM2-135M-Instruct)",
                           dtype=llm.dtype.name, engine_options=dict(engine_options))
     return profile
@@ -69,13 +70,19 @@ def _load(model, progress: bool, engine_options: dict):
     return llm
 
 
-def calibrate_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = True, seed: int = 0) -> CostProfile:
-    """Measure ``engine``'s steps over ``grid`` (the engine must be idle) and fit a profile."""
+def calibrate_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = True, seed: int = 0,
+                     model_config=None) -> CostProfile:
+    """Measure ``engine``'s steps over ``grid`` (the engine must be idle) and fit a profile; with
+    the ``model_config``, the profile holds its parameter counts, and a mixture of experts' steps
+    are fitted by their routed tokens too."""
     shapes, step_buckets, seconds = measure_engine(engine, grid, progress=progress, seed=seed)
     cc, sc = engine.config.cache, engine.config.scheduler
     source = {**machine_description(), "num_steps": len(seconds), "grid": asdict(grid)}
+    model = {} if model_config is None else dict(
+        routed_pairs_per_token=model_config.routed_pairs_per_token, num_params=model_config.num_params,
+        num_active_params=model_config.num_active_params)
     return CostProfile.fit(shapes, step_buckets, seconds, num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
-                           num_cpu_blocks=cc.num_cpu_blocks, max_model_len=sc.max_model_len, source=source)
+                           num_cpu_blocks=cc.num_cpu_blocks, max_model_len=sc.max_model_len, source=source, **model)
 
 
 def measure_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = True, seed: int = 0):

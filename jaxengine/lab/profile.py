@@ -6,13 +6,16 @@ attended contexts summed. ``CostProfile`` is fitted from measured steps (``calib
 recorded step trace): for each token bucket a non-negative linear model
 
     step_s = c0 + c_pre * prefill_step + c_rows * row_bucket + c_max * max_context + c_sum * sum_context
+             + c_moe * routed_pairs
 
 (``prefill_step`` is 1 for a step that runs prompt tokens: admissions and prompt chunks cost the
 host more than decodes. A step computes its whole padded bucket, so within a bucket the real
 token count is left out: fitted, it soaks up noise and biased predictions of served steps by
 10-15% on this project's CPU machine. On the CPU the plain-jnp attention loops over the longest context's pages for every
 padded token, so ``max_context`` carries it; a paged kernel's cost follows ``sum_context``; the
-sampler's follows the padded rows). A bucket
+sampler's follows the padded rows). A mixture of experts runs its experts on the real tokens only,
+not on the padding: ``routed_pairs`` is the step's token-expert pairs (tokens x top-k x sparse
+layers, from the profile's ``routed_pairs_per_token``; 0 for a dense model). A bucket
 that was not measured takes its coefficients by linear interpolation in the bucket size between
 the nearest measured ones (linear extrapolation past the largest, the smallest's below it). The profile keeps the spread of
 measured / predicted times, which the simulator may draw from so that tails are not too tidy.
@@ -40,7 +43,7 @@ from jaxengine.lab.step_shape import StepShape, write_json
 if TYPE_CHECKING:
     from jaxengine.lab.roofline import RooflineProfile
 
-FEATURES = ("const", "prefill_step", "row_bucket", "max_context", "sum_context")
+FEATURES = ("const", "prefill_step", "row_bucket", "max_context", "sum_context", "routed_pairs")
 NOISE_QUANTILES = 41          # measured/predicted ratios kept: the 0th, 2.5th, ..., 100th percentiles
 
 
@@ -76,9 +79,14 @@ class CostProfile:
     fit_error: FitError | None = None
     source: dict = field(default_factory=dict)    # what was measured where: model, machine, options, date
     kind: str = "measured"
+    routed_pairs_per_token: int = 0               # a mixture of experts' top-k x sparse layers (0: dense)
+    num_params: int = 0                           # the model's parameters, and those a token runs through
+    num_active_params: int = 0
 
     def __post_init__(self) -> None:
-        self.coefficients = {int(k): list(map(float, v)) for k, v in self.coefficients.items()}
+        # a profile of fewer features (a file of an earlier version): the rest cost nothing
+        self.coefficients = {int(k): list(map(float, v)) + [0.0] * (len(FEATURES) - len(v))
+                             for k, v in self.coefficients.items()}
         if not self.coefficients:
             raise ValueError("coefficients: a profile needs at least one token bucket")
         if isinstance(self.fit_error, dict):
@@ -90,8 +98,8 @@ class CostProfile:
     def step_seconds(self, shape: StepShape, token_bucket: int) -> float:
         """The predicted time of a step of ``shape`` padded to ``token_bucket`` tokens."""
         c = self._at(token_bucket)
-        f = shape.features()
-        seconds = c[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3] + c[4] * f[4]
+        f = shape.features(self.routed_pairs_per_token)
+        seconds = c[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3] + c[4] * f[4] + c[5] * f[5]
         return max(seconds, 0.0) + self.swap_s_per_block * shape.num_swapped_blocks
 
     def _at(self, bucket: int) -> np.ndarray:
@@ -126,7 +134,7 @@ class CostProfile:
         """Fit per-bucket coefficients to measured steps (``buckets``: each step's token bucket)."""
         if not shapes:
             raise ValueError("no steps to fit a profile to")
-        x = np.asarray([s.features() for s in shapes], float)
+        x = np.asarray([s.features(kwargs.get("routed_pairs_per_token", 0)) for s in shapes], float)
         y = np.asarray(seconds, float)
         b = np.asarray(buckets)
         coefficients = {int(k): nonnegative_lstsq(x[b == k], y[b == k]).tolist() for k in np.unique(b)}
@@ -191,7 +199,7 @@ class CostProfile:
         if d.get("kind") == "roofline":
             raise ValueError("a roofline profile: load it with load_profile")
         features = d.pop("features", list(FEATURES))
-        if list(features) != list(FEATURES):
+        if list(features) != list(FEATURES)[:len(features)]:
             raise ValueError(f"features: this version reads {list(FEATURES)}, the file has {features}")
         return cls(**d)
 
@@ -238,7 +246,7 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def constant_profile(step_s: float, *, num_gpu_blocks: int = 1024, **kwargs) -> CostProfile:
     """Every step takes ``step_s`` seconds (tests, hand-computed timelines)."""
-    return CostProfile({1: [step_s, 0.0, 0.0, 0.0, 0.0]}, num_gpu_blocks=num_gpu_blocks, kind="constant", **kwargs)
+    return CostProfile({1: [step_s] + [0.0] * (len(FEATURES) - 1)}, num_gpu_blocks=num_gpu_blocks, kind="constant", **kwargs)
 
 
 def machine_description() -> dict:

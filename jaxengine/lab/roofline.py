@@ -31,6 +31,20 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_model_len: int = 8192
+    # A mixture of experts: the parameters a token runs through, and the routing
+    num_active_params: float = 0.0          # 0: all of them (a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+
+    def params_read(self, num_tokens: float) -> float:
+        """Weights a step of ``num_tokens`` reads: all of a dense model's; of a mixture of experts
+        the shared part and the experts its tokens touch (each token picks k of E, independently)."""
+        if not self.num_experts:
+            return self.num_params
+        e, k = self.num_experts, self.num_experts_per_tok
+        routed = (self.num_params - self.num_active_params) * e / (e - k)      # all routed experts' weights
+        touched = 1 - (1 - k / e) ** num_tokens
+        return self.num_params - routed + routed * touched
 
 
 HARDWARE = {
@@ -41,6 +55,8 @@ MODELS = {
     "llama-3-8b": ModelShape("Llama-3-8B", 8.03e9, 32, 32, 8, 128),
     "llama-3-70b": ModelShape("Llama-3-70B", 70.6e9, 80, 64, 8, 128),
     "smollm2-135m": ModelShape("SmolLM2-135M", 0.135e9, 30, 9, 3, 64, 2048),
+    "qwen3-30b-a3b": ModelShape("Qwen3-30B-A3B", 30.5e9, 48, 32, 4, 128, 32768, 3.35e9, 128, 8),
+    "mixtral-8x7b": ModelShape("Mixtral-8x7B", 46.7e9, 32, 32, 8, 128, 32768, 12.9e9, 8, 2),
 }
 
 
@@ -86,10 +102,11 @@ class RooflineProfile:
     def step_seconds(self, shape: StepShape, token_bucket: int) -> float:
         """The predicted time of a step of ``shape`` padded to ``token_bucket`` tokens."""
         hw = self.hardware
+        model = self.model
         return self.step_overhead_s + step_floor_seconds(
-            self.model, self.model.num_params, token_bucket, shape.sum_context, shape.attention_work,
+            model, model.params_read(shape.num_tokens), token_bucket, shape.sum_context, shape.attention_work,
             bytes_per_param=self.bytes_per_param, bandwidth_bytes_s=hw.bandwidth_bytes_s * self.bandwidth_efficiency,
-            flops_per_s=hw.flops * self.flops_efficiency)
+            flops_per_s=hw.flops * self.flops_efficiency, num_active_params=model.num_active_params or None)
 
     def noise_ratio(self, u: float) -> float:
         return 1.0

@@ -43,9 +43,11 @@ class StepShape(NamedTuple):
         tokens, rows = step_bucket(self.num_tokens, self.num_rows, token_buckets, request_buckets)
         return self._replace(row_bucket=rows), tokens
 
-    def features(self) -> tuple[float, ...]:
+    def features(self, routed_pairs_per_token: int = 0) -> tuple[float, ...]:
+        """The cost model's inputs (``profile.FEATURES``); ``routed_pairs_per_token``: a mixture of
+        experts' token-expert pairs per token (its experts run on the real tokens, not the padding)."""
         return (1.0, float(self.num_prefill_tokens > 0), self.row_bucket or self.num_rows, self.max_context,
-                self.sum_context)
+                self.sum_context, float(self.num_tokens * routed_pairs_per_token))
 
 
 def write_json(d: dict, path: str | Path) -> Path:

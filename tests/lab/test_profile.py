@@ -8,7 +8,7 @@ import pytest
 from jaxengine.lab.profile import CostProfile, StepShape, load_profile, nonnegative_lstsq
 from jaxengine.trace import StepTrace
 
-TRUE = {16: [0.002, 0.003, 0.0001, 1e-6, 0.0], 64: [0.004, 0.0, 0.0001, 4e-6, 0.0]}
+TRUE = {16: [0.002, 0.003, 0.0001, 1e-6, 0.0, 0.0], 64: [0.004, 0.0, 0.0001, 4e-6, 0.0, 0.0]}
 
 
 def shapes_for(bucket, rng):
@@ -35,6 +35,18 @@ def test_fit_recovers_the_coefficients_of_each_bucket():
     assert profile.fit_error.num_steps == 80
     assert profile.fit_error.max_abs_pct < 1e-6
     assert profile.noise[0] == pytest.approx(1.0) and profile.noise[-1] == pytest.approx(1.0)
+
+
+def test_a_mixture_of_experts_fit_prices_its_routed_tokens_apart_from_the_padding():
+    # within a bucket a dense step costs the same whatever its real tokens; experts run on real ones
+    rng = np.random.default_rng(1)
+    moe = {16: [0.002, 0.0, 0.0001, 1e-6, 0.0, 2e-5]}
+    shapes = shapes_for(16, rng)
+    seconds = [float(np.dot(moe[16], s.features(6))) for s in shapes]
+    profile = CostProfile.fit(shapes, [16] * len(shapes), seconds, num_gpu_blocks=100, routed_pairs_per_token=6)
+    np.testing.assert_allclose(profile.coefficients[16], moe[16], rtol=1e-6, atol=1e-12)
+    few, many = StepShape(2, 2, 100, 200), StepShape(16, 2, 100, 200)
+    assert profile.step_seconds(many, 16) - profile.step_seconds(few, 16) == pytest.approx(14 * 6 * 2e-5)
 
 
 def test_scaled_to_restates_the_level_and_keeps_the_spread():
@@ -90,7 +102,7 @@ def test_from_trace_fits_the_recorded_steps_and_skips_the_first():
     assert profile.fit_error.num_steps == 5
     assert profile.step_seconds(StepShape(30, 12, 103, 200), 32) == pytest.approx(0.022)
     padded, bucket = StepShape(3, 3, 103, 200).bucketed([4, 16, 32], [2, 4, 8])
-    assert bucket == 4 and padded.row_bucket == 4 and padded.features() == (1.0, 0.0, 4, 103, 200)
+    assert bucket == 4 and padded.row_bucket == 4 and padded.features() == (1.0, 0.0, 4, 103, 200, 0.0)
     padded, bucket = StepShape(14, 3, 103, 200).bucketed([4, 16, 32], [2, 4, 8])
     assert bucket == 16 and padded.row_bucket == 8          # 16 tokens pad their rows to at least 8
     dicts = [vars(r) for r in records]
@@ -113,8 +125,13 @@ def test_save_and_load_give_the_same_predictions(tmp_path):
     assert loaded.step_seconds(shape, 32) == profile.step_seconds(shape, 32)
     assert (loaded.num_gpu_blocks, loaded.block_size, loaded.noise, loaded.source) == (77, 8, [0.9, 1.0, 1.2],
                                                                                       {"model": "m"})
+    earlier = json.loads(path.read_text())         # a file of the five features before routed_pairs
+    earlier["features"] = earlier["features"][:5]
+    earlier["coefficients"] = {b: c[:5] for b, c in earlier["coefficients"].items()}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    assert load_profile(tmp_path / "earlier.json").step_seconds(shape, 32) == profile.step_seconds(shape, 32)
     bad = json.loads(path.read_text())
-    bad["features"] = ["const"]
+    bad["features"] = ["const", "tokens"]
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="features"):
         load_profile(tmp_path / "bad.json")

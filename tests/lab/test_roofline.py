@@ -28,3 +28,17 @@ def test_a_saved_roofline_profile_reads_back_as_one(tmp_path):
     assert isinstance(loaded, RooflineProfile) and loaded == p
     shape = StepShape(16, 16, 300, 4000, attention_work=4000)
     assert loaded.step_seconds(shape, 16) == p.step_seconds(shape, 16)
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_touch_and_computes_the_active_ones():
+    p = roofline_profile("h200", "qwen3-30b-a3b")
+    m = p.model
+    routed = (30.5e9 - 3.35e9) * 128 / 120                       # every routed expert's weights
+    assert m.params_read(1) == pytest.approx(30.5e9 - routed + routed * 8 / 128)
+    assert m.params_read(4096) == pytest.approx(30.5e9)         # a big batch touches every expert
+    kv = 2 * 48 * 4 * 128 * 2
+    decode = StepShape(1, 1, 1024, 1024, attention_work=1024)
+    assert p.step_seconds(decode, 1) == pytest.approx(0.004 + (m.params_read(1) * 2 + 1024 * kv) / (4.8e12 * 0.75))
+    prefill = StepShape(8192, 1, 8192, 8192, attention_work=8192 * 4096)
+    flops = 2 * 3.35e9 * 8192 + 4 * 48 * 32 * 128 * 8192 * 4096      # the active parameters, not all 30.5e9
+    assert p.step_seconds(prefill, 8192) == pytest.approx(0.004 + flops / (989e12 * 0.5))

@@ -126,3 +126,12 @@ def test_a_fused_expert_tensor_of_the_wrong_expert_count_is_an_error(tmp_path, c
     with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.experts\.down_proj: shape \(7, 64, 32\) in "
                                          r"the checkpoint, \(8, 64, 32\) expected"):
         load_model(bad)
+
+
+def test_parameter_counts_match_transformers_and_the_active_ones_leave_out_unchosen_experts(moe_checkpoint):
+    _, folder, hf_model = moe_checkpoint
+    _, cfg = load_model(folder)
+    assert cfg.num_params == sum(p.numel() for p in hf_model.parameters())
+    unchosen = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert cfg.num_active_params == cfg.num_params - len(cfg.sparse_layers) * unchosen
+    assert cfg.routed_pairs_per_token == cfg.num_experts_per_tok * len(cfg.sparse_layers)
