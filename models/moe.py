@@ -56,11 +56,12 @@ def routed_swiglu(x: jax.Array, weights: jax.Array, order: jax.Array, sizes: jax
     [T, D]. ``sizes`` are the groups of the experts in ``gate``/``up``/``down`` (all of them, or
     under expert parallelism one device's, whose pairs start at sorted row ``first_row``)."""
     t, k = weights.shape
-    rows = jnp.roll(x[order // k], -first_row, axis=0)          # [T*k, D], this device's groups first
+    if not isinstance(first_row, int) or first_row:          # this device's groups first
+        order = jnp.roll(order, -first_row)
+    rows = x[order // k]                                       # [T*k, D], grouped by expert
     h = jax.nn.silu(grouped_fn(rows, gate, sizes, layer)) * grouped_fn(rows, up, sizes, layer)
-    out = jnp.roll(grouped_fn(h, down, sizes, layer), first_row, axis=0)      # other devices' rows: 0
-    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    out = grouped_fn(h, down, sizes, layer) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    unsorted = out[jnp.argsort(order)]                         # pair order again (others' rows: 0)
     return unsorted.reshape(t, k, -1).sum(axis=1)
 
 

@@ -103,8 +103,10 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   float* op = out->typed_data();
   std::fill(op + row * n, op + m * n, 0.0f);
   if (groups.empty() || n == 0) return ffi::Error::Success();
-  int64_t blocks;
-  const int64_t width = ColumnBlockWidth(n, pool.num_threads(), &blocks);
+  // Enough groups for every thread: each multiplies whole experts, reading each one's weights
+  // front to back; fewer: the columns of each are split among the threads as in the dense matmul.
+  int64_t blocks = 1, width = n;
+  if (static_cast<int64_t>(groups.size()) < pool.num_threads()) width = ColumnBlockWidth(n, pool.num_threads(), &blocks);
   const float *xp = x.typed_data(), *wp = w.typed_data() + index * experts * k * n;
   jaxengine::ParallelFor(pool, groups.size() * blocks, [&](int64_t item) {
     const Group& g = groups[item / blocks];
