@@ -1,6 +1,6 @@
 """GPU benchmarks for scripts/gpu_check.sh (``--smoke``: tiny sizes, runs on the CPU too).
 
-    python scripts/bench_gpu.py ceilings|kernel|engine --out DIR [--smoke]
+    python scripts/bench_gpu.py ceilings|kernel|engine|moe --out DIR [--smoke]
 
 ceilings: HBM copy bandwidth and bf16 matmul rate, measured here (the baselines).
 kernel:   the two Pallas ragged paged-attention kernels (Triton-lowered; Mosaic GPU on Hopper)
@@ -394,6 +394,46 @@ def decode_floor_ms(cfg, num_params: int, batch: int, context: float, ceil: dict
                               flops_per_s=ceil["bf16_matmul_tflops"] * 1e12) * 1e3
 
 
+# ---------------------------------------------------------------- moe
+def moe(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
+    """A Qwen3-30B-A3B expert layer (bf16, 128 experts, top 8) at decode batches and a prefill:
+    the grouped matmul's achieved TFLOP/s and weight-read bandwidth (the experts its tokens
+    touch), whether XLA kept ``ragged_dot`` or rewrote it densely, and the dense reference."""
+    from flax import nnx
+
+    from jaxengine.models.config import ModelConfig
+    from jaxengine.models.moe import SparseMoeBlock, dense_reference, route
+
+    d, e, k, f = (64, 8, 2, 32) if smoke else (2048, 128, 8, 768)
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=16, hidden_size=d, intermediate_size=f,
+                      num_layers=1, num_heads=4, num_kv_heads=4, head_dim=16, num_experts=e, num_experts_per_tok=k,
+                      moe_intermediate_size=f)
+    block = SparseMoeBlock(cfg, jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(block)
+    grouped = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0])
+    reference = jax.jit(lambda s, x: dense_reference(nnx.merge(graphdef, s), x))
+    x1 = jnp.ones((1, d), jnp.bfloat16)
+    hlo = grouped.lower(state, x1).compile().as_text()
+    result = {"shape": {"hidden": d, "experts": e, "top_k": k, "expert_width": f},
+              "hlo_keeps_ragged_dot": "ragged-dot" in hlo or "ragged_dot" in hlo, "rows": []}
+    for tokens in ((1, 16, 64) if smoke else (1, 16, 64, 256, 4096)):
+        x = jax.random.normal(jax.random.key(tokens), (tokens, d), jnp.bfloat16)
+        t = timed(grouped, state, x)
+        _, chosen = route(x @ block.router[...], k, True)
+        touched = len(set(jax.device_get(chosen).ravel().tolist()))
+        weight_bytes = touched * 3 * d * f * 2
+        row = {"tokens": tokens, "ms": round(t * 1e3, 4), "experts_touched": touched,
+               "tflops": float(f"{2 * tokens * k * 3 * d * f / t / 1e12:.3g}"),
+               "weight_read_gbs": float(f"{weight_bytes / t / 1e9:.3g}"),
+               "fraction_of_copy_bw": float(f"{weight_bytes / t / 1e9 / copy_gbs:.3g}"),
+               "fraction_of_matmul": float(f"{2 * tokens * k * 3 * d * f / t / 1e12 / matmul_tflops:.3g}")}
+        if tokens == 64:
+            row["dense_reference_ms"] = round(timed(reference, state, x) * 1e3, 4)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    return result
+
+
 # ---------------------------------------------------------------- summary
 TARGETS = [  # (label, file, key path, target text, passes)
     ("HBM copy bandwidth (GB/s)", "ceilings", ("copy_bandwidth_gbs",), "baseline", None),
@@ -435,6 +475,8 @@ TARGETS = [  # (label, file, key path, target text, passes)
     ("prefill step, mesh of one / unsharded", "sharding", ("mesh of 1", "prefill_vs_unsharded"), "<= 1.05",
      lambda v: v <= 1.05),
     ("mesh of one: same tokens as unsharded", "sharding", ("same_tokens",), "true", lambda v: v is True),
+    ("MoE layer: XLA keeps ragged_dot (no dense rewrite)", "kernel", ("moe", "hlo_keeps_ragged_dot"), "true",
+     lambda v: v is True),
 ]
 
 
@@ -454,6 +496,9 @@ def summary(out: Path) -> None:
         if best:                                    # what the TUNED table should say for this layout
             sizes = ", ".join(f"{k}={v}" for k, v in best["sizes"].items())
             lines.append(f"| best {label} sizes, decode (ms) | {best['ms']} ({sizes}) | - | - |")
+    for row in results.get("kernel", {}).get("moe", {}).get("rows", []):
+        lines.append(f"| MoE layer, {row['tokens']} tokens: ms, TFLOP/s, weight GB/s (share of copy) | {row['ms']}, "
+                     f"{row['tflops']}, {row['weight_read_gbs']} ({row['fraction_of_copy_bw']}) | - | - |")
     (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -461,13 +506,20 @@ def summary(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "summary"])
+    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "summary"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a dry run, also on the CPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "summary":
         return summary(args.out)
+    if args.what == "moe":            # into kernel.json: the device tool brings back 8 files at most
+        ceil = json.loads((args.out / "ceilings.json").read_text())
+        kernel_file = args.out / "kernel.json"
+        merged = json.loads(kernel_file.read_text()) if kernel_file.exists() else {}
+        merged["moe"] = moe(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"])
+        kernel_file.write_text(json.dumps(merged, indent=1))
+        return None
     info = {"device": str(jax.devices()[0]), "jax": jax.__version__}
     path = args.out / f"{args.what}.json"
 
