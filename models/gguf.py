@@ -29,7 +29,15 @@ _GGUF_NAMES = [
     (re.compile(r"blk\.(\d+)\.ffn_gate\.weight"), "model.layers.{}.mlp.gate_proj.weight"),
     (re.compile(r"blk\.(\d+)\.ffn_up\.weight"), "model.layers.{}.mlp.up_proj.weight"),
     (re.compile(r"blk\.(\d+)\.ffn_down\.weight"), "model.layers.{}.mlp.down_proj.weight"),
+    # a mixture of experts (llama.cpp's qwen3moe): the router and the experts stacked [E, out, in],
+    # the names models.expert_tensors shows every checkpoint's experts under
+    (re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight"), "model.layers.{}.mlp.gate.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_gate_exps\.weight"), "model.layers.{}.mlp.experts.gate_proj"),
+    (re.compile(r"blk\.(\d+)\.ffn_up_exps\.weight"), "model.layers.{}.mlp.experts.up_proj"),
+    (re.compile(r"blk\.(\d+)\.ffn_down_exps\.weight"), "model.layers.{}.mlp.experts.down_proj"),
 ]
+# The GGUF architectures of mixtures of experts read here (others: an error naming their tensors)
+MOE_ARCHITECTURES = ("qwen3moe",)
 
 
 def gguf_name_to_hf(name: str) -> str | None:
@@ -55,6 +63,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch in MOE_ARCHITECTURES:
+        cfg = _with_experts(cfg, reader, arch)
     tensors, unknown = {}, []
     for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
         hf_name = gguf_name_to_hf(t.name)
@@ -70,6 +80,19 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     if unknown:
         raise ValueError(f"{path.name}: tensors with no mapping: {sorted(unknown)}")
     return cfg, tensors
+
+
+def _with_experts(cfg: ModelConfig, reader, arch: str) -> ModelConfig:
+    """The experts' shape from the GGUF metadata itself (transformers' GGUF config mapping leaves
+    the expert width at its default)."""
+    def field(name: str) -> int:
+        key = f"{arch}.{name}"
+        if key not in reader.fields:
+            raise ValueError(f"GGUF metadata: {key} missing (a mixture of experts needs it)")
+        return int(reader.fields[key].parts[-1][0])
+
+    return cfg.replace(num_experts=field("expert_count"), num_experts_per_tok=field("expert_used_count"),
+                       moe_intermediate_size=field("expert_feed_forward_length"), norm_topk_prob=True)
 
 
 def gguf_dtype(path: str | os.PathLike) -> str:

@@ -135,3 +135,64 @@ def test_parameter_counts_match_transformers_and_the_active_ones_leave_out_uncho
     unchosen = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     assert cfg.num_active_params == cfg.num_params - len(cfg.sparse_layers) * unchosen
     assert cfg.routed_pairs_per_token == cfg.num_experts_per_tok * len(cfg.sparse_layers)
+
+
+def write_qwen3moe_gguf(path, hf_model):
+    """What llama.cpp's converter writes for a Qwen3-MoE: metadata, the experts stacked per layer."""
+    import gguf
+
+    c = hf_model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+             "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
+             "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
+             "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
+             "mlp.gate.weight": "ffn_gate_inp"}
+    for name, tensor in hf_model.state_dict().items():      # transformers 5 holds experts stacked, fused
+        arr = tensor.numpy().astype(np.float32)
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", arr)
+            continue
+        parts = name.split(".")
+        if parts[1] != "layers":
+            w.add_tensor(names[".".join(parts[1:])], arr)
+        elif parts[-1] == "gate_up_proj":                    # [E, 2F, D]
+            gate, up = np.split(arr, 2, axis=1)
+            w.add_tensor(f"blk.{parts[2]}.ffn_gate_exps.weight", gate)
+            w.add_tensor(f"blk.{parts[2]}.ffn_up_exps.weight", up)
+        elif parts[-1] == "down_proj" and parts[-2] == "experts":   # [E, D, F]
+            w.add_tensor(f"blk.{parts[2]}.ffn_down_exps.weight", arr)
+        else:
+            w.add_tensor(f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.weight", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_qwen3_moe_gguf_gives_the_logits_of_transformers(tmp_path, checkpoints_qwen3_moe, monkeypatch):
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))        # the converted-weights cache
+    folder, hf_model = checkpoints_qwen3_moe
+    write_qwen3moe_gguf(tmp_path / "tiny-moe.gguf", hf_model)
+    model, cfg = load_model(tmp_path / "tiny-moe.gguf")
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        "Qwen3MoeForCausalLM", 8, 3, 32)
+    ids = PROMPTS[3]
+    np.testing.assert_allclose(run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(hf_model, ids), atol=2e-4, rtol=0)
+    again, _ = load_model(tmp_path / "tiny-moe.gguf")                       # now from the converted cache
+    np.testing.assert_allclose(run_chunks(again, cfg, ids, [len(ids)]), oracle_logits(hf_model, ids), atol=2e-4, rtol=0)
