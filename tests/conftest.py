@@ -117,6 +117,17 @@ def moe_checkpoint(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def moe_chat_checkpoint(tmp_path_factory):
+    """(folder, the transformers model) of a tiny Qwen3-MoE with the byte tokenizer."""
+    folder = tmp_path_factory.mktemp("moe-chat")
+    model_type, overrides = MOE_VARIANTS["qwen3-moe"]
+    hf = make_checkpoint(folder, model_type, **{**overrides, "vocab_size": 258, "eos_token_id": 256,
+                                                "bos_token_id": 257})
+    save_byte_tokenizer(folder)
+    return folder, hf
+
+
+@pytest.fixture(scope="session")
 def chat_checkpoint(tmp_path_factory):
     """Folder of a tiny Llama with a byte tokenizer and a chat template."""
     folder = tmp_path_factory.mktemp("tiny-chat")

@@ -222,3 +222,14 @@ def test_vllm_baseline_runs_the_same_requests_in_its_own_interpreter(chat_checkp
     with pytest.raises(ValueError, match="--vllm-model: .* is not a Hugging Face folder"):    # before the engine runs
         main(["throughput", "--result-file", str(tmp_path / "r.json"), "--baseline", "vllm",
               "--vllm-python", str(python), "--model", str(tmp_path / "model.gguf")])
+
+
+def test_throughput_and_latency_on_a_mixture_of_experts(moe_chat_checkpoint, tmp_path):
+    folder, _ = moe_chat_checkpoint
+    result, _ = bench(folder, tmp_path, "throughput", "--num-prompts", "4", "--input-len", "12",
+                      "--output-len", "5")
+    assert result["metrics"]["output_tokens"] == 20
+    cfg_experts = [len(t["expert_tokens"]) for t in result["traces"] if t["num_prefill_tokens"] + t["num_decode_tokens"]]
+    assert cfg_experts and set(cfg_experts) == {8}                     # the experts' load is in every step's trace
+    result, _ = bench(folder, tmp_path, "latency", "--repeats", "1", "--context-len", "8")
+    assert all(r["reached"] and r["step_ms"] > 0 for r in result["rows"])

@@ -56,3 +56,13 @@ def test_rescale_restates_a_profile_at_this_machines_speed_now(profile, chat_che
     assert 0.02 < rescaled["factor"] < 0.5                    # host noise of a tiny model: about 0.1
     assert now.coefficients[64] == pytest.approx([rescaled["factor"] * c for c in slow.coefficients[64]])
     assert (now.num_gpu_blocks, now.max_model_len) == (128, 256)
+
+
+def test_a_mixture_of_experts_profile_holds_its_parameters_and_prices_its_routed_tokens(moe_chat_checkpoint):
+    folder, hf = moe_chat_checkpoint
+    moe = calibrate(str(folder), grid=CalibrationGrid(contexts=(16,), rows=(1, 4), decode_steps=2), progress=False,
+                    **{**ENGINE, "max_num_batched_tokens": 16})
+    assert moe.routed_pairs_per_token == 3 * 2                  # top 3 in each of 2 sparse layers
+    assert moe.num_params == sum(p.numel() for p in hf.parameters()) > moe.num_active_params
+    assert all(len(c) == 6 and min(c) >= 0 for c in moe.coefficients.values())
+    assert math.isfinite(moe.fit_error.mean_abs_pct)

@@ -9,22 +9,9 @@ import time
 
 import httpx
 import openai
-import pytest
 import torch
 
 from tests.serve.conftest import free_port
-
-
-@pytest.fixture(scope="module")
-def moe_chat_checkpoint(tmp_path_factory):
-    from tests.conftest import MOE_VARIANTS, make_checkpoint, save_byte_tokenizer
-
-    folder = tmp_path_factory.mktemp("moe-chat")
-    model_type, overrides = MOE_VARIANTS["qwen3-moe"]
-    hf = make_checkpoint(folder, model_type, **{**overrides, "vocab_size": 258, "eos_token_id": 256,
-                                                "bos_token_id": 257})
-    save_byte_tokenizer(folder)
-    return folder, hf
 
 
 def test_the_server_serves_a_mixture_of_experts_with_transformers_tokens(moe_chat_checkpoint):
