@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,21 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN: frequencies interpolated by ``factor`` below a band of rotations, kept above it, a
+    linear ramp between; cos and sin scaled by the attention factor."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None      # None: from factor (and mscale, mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -29,7 +44,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False     # Qwen2: biases on q, k, v
@@ -107,6 +122,12 @@ class ModelConfig:
         if rope_type == "llama3":
             scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
                                   float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        elif rope_type == "yarn":
+            original = int(rope["original_max_position_embeddings"])
+            factor = rope.get("factor") or hf.max_position_embeddings / original
+            scaling = YarnScaling(float(factor), original, float(rope.get("beta_fast") or 32),
+                                  float(rope.get("beta_slow") or 1), rope.get("attention_factor"), rope.get("mscale"),
+                                  rope.get("mscale_all_dim"), bool(rope.get("truncate", True)))
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         return cls(

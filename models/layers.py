@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
-from jaxengine.models.config import ModelConfig
+from jaxengine.models.config import ModelConfig, YarnScaling
 
 KVCache = tuple[jax.Array, jax.Array]       # (k, v); a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H])
 
@@ -48,12 +48,14 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [H/2], with Llama 3 scaling when configured (host-side constant)."""
+    """Inverse frequencies [H/2], with Llama 3 or YaRN scaling when configured (host-side constant)."""
     h = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
     sc = cfg.rope_scaling
     if sc is None:
         return inv.astype(np.float32)
+    if isinstance(sc, YarnScaling):
+        return _yarn_inv_freq(inv, cfg.rope_theta, h, sc).astype(np.float32)
     low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
     high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -65,10 +67,45 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate [T, n, H] by position; the half-split (rotate_half) layout of Hugging Face models."""
+def _yarn_inv_freq(inv: np.ndarray, base: float, dim: int, sc: YarnScaling) -> np.ndarray:
+    """YaRN's blend: dimensions that turn fewer than ``beta_slow`` times over the original context
+    are interpolated by ``factor``, those turning more than ``beta_fast`` times are kept, a
+    linear ramp between (the dimension bounds rounded outwards when ``truncate``)."""
+    def dimension(rotations: float) -> float:
+        return dim * math.log(sc.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(sc.beta_fast), dimension(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / ((high - low) or 0.001), 0, 1)
+    keep = 1 - ramp                                     # 1: extrapolate (keep), 0: interpolate
+    return inv / sc.factor * (1 - keep) + inv * keep
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN scales cos and sin by (1 otherwise)."""
+    sc = cfg.rope_scaling
+    if not isinstance(sc, YarnScaling):
+        return 1.0
+    if sc.attention_factor is not None:
+        return float(sc.attention_factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if sc.mscale and sc.mscale_all_dim:
+        return mscale(sc.factor, sc.mscale) / mscale(sc.factor, sc.mscale_all_dim)
+    return mscale(sc.factor)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
+    """Rotate [T, n, H] by position; the half-split (rotate_half) layout of Hugging Face models;
+    ``scale`` multiplies cos and sin (YaRN's attention factor)."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]      # [T, H/2]
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -104,7 +141,8 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, md.positions, inv_freq), apply_rope(k, md.positions, inv_freq)
+        scale = rope_attention_factor(cfg)
+        q, k = apply_rope(q, md.positions, inv_freq, scale), apply_rope(k, md.positions, inv_freq, scale)
         cache = self.kv_write_fn(*cache, k, v, md.slot_mapping)     # writes precede the reads of this step
         o = self.attention_fn(q, *cache, md, scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
         o_proj = self.o_proj[...]                                    # [(L,) N, H, D] -> [(L,) N*H, D]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from jaxengine.models.config import ModelConfig, RopeScaling
+from jaxengine.models.config import ModelConfig, RopeScaling, YarnScaling
 from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.hf_tensors import KV_HEAD_AXIS, ArraySource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
@@ -34,7 +34,8 @@ def cached_config(cached: Path) -> ModelConfig | None:
         return None
     raw = json.loads((cached / "config.json").read_text())
     if raw.get("rope_scaling"):
-        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+        kind = YarnScaling if "beta_fast" in raw["rope_scaling"] else RopeScaling
+        raw["rope_scaling"] = kind(**raw["rope_scaling"])
     if "dense_layers" in raw:
         raw["dense_layers"] = tuple(raw["dense_layers"])
     return ModelConfig(**raw)

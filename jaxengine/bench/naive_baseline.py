@@ -22,7 +22,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxengine.bench.datasets import BenchRequest
-from jaxengine.models.layers import apply_rope, rope_inv_freq
+from jaxengine.models.layers import apply_rope, rope_attention_factor, rope_inv_freq
 
 ROUND = 32
 MASKED = -1e30      # finite: a padding query row, which sees no key, then stays finite
@@ -133,8 +133,9 @@ def _attention(attn, x: jax.Array, positions: jax.Array, mask: jax.Array, k_cach
     if cfg.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     flat = positions.reshape(-1)
-    q = apply_rope(q.reshape(b * t, *q.shape[2:]), flat, inv_freq).reshape(q.shape)
-    k = apply_rope(k.reshape(b * t, *k.shape[2:]), flat, inv_freq).reshape(k.shape)
+    scale = rope_attention_factor(cfg)
+    q = apply_rope(q.reshape(b * t, *q.shape[2:]), flat, inv_freq, scale).reshape(q.shape)
+    k = apply_rope(k.reshape(b * t, *k.shape[2:]), flat, inv_freq, scale).reshape(k.shape)
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
     groups = cfg.num_heads // cfg.num_kv_heads

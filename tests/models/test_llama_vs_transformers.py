@@ -1,4 +1,7 @@
 """Full-sequence logits against transformers (PyTorch, CPU) for every supported architecture."""
+import dataclasses
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -65,3 +68,25 @@ def test_a_ragged_batch_with_padding_equals_each_request_alone(checkpoint):
     np.testing.assert_allclose(np.asarray(logits[1]), oracle_logits(hf_model, b)[-1], atol=1e-4, rtol=0)
     assert not np.isnan(np.asarray(caches[0])).any()
 
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+
+
+def test_yarn_rope_matches_transformers_past_the_original_context(tmp_path):
+    # prompts to 45 positions, past the 16 YaRN stretches; with and without an explicit attention factor
+    from jaxengine.models.layers import rope_attention_factor
+    from jaxengine.models.weight_cache import _PARAMS, cached_config
+    from tests.conftest import make_checkpoint
+
+    for name, rope in (("yarn", YARN), ("yarn-factor", {**YARN, "attention_factor": 1.3, "beta_fast": 16.0})):
+        hf = make_checkpoint(tmp_path / name, "qwen3", head_dim=32, rope_parameters=rope, max_position_embeddings=64)
+        model, cfg = load_model(tmp_path / name)
+        assert rope_attention_factor(cfg) == (1.3 if "attention_factor" in rope else 0.1 * np.log(4.0) + 1.0)
+        for ids in PROMPTS[2:]:
+            np.testing.assert_allclose(run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(hf, ids), atol=1e-4,
+                                       rtol=0, err_msg=f"{name}, prompt of {len(ids)}")
+    cached = tmp_path / "converted"                  # the converted-weights cache keeps the scaling's kind
+    (cached / _PARAMS).mkdir(parents=True)
+    (cached / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    assert cached_config(cached) == cfg
