@@ -48,8 +48,11 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False     # Qwen2: biases on q, k, v
+    output_bias: bool = False        # Llama/Qwen3/gpt-oss with attention_bias: a bias on o_proj too
     qk_norm: bool = False            # Qwen3: RMSNorm on q and k per head
+    attention_sinks: bool = False    # gpt-oss: a learned sink logit per query head
     sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()   # layers that ignore sliding_window (gpt-oss: every other)
     # Mixture of experts (0 experts: a dense MLP in every layer)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -57,6 +60,10 @@ class ModelConfig:
     norm_topk_prob: bool = True          # renormalise the chosen experts' weights to sum to 1
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a sigmoid-gated expert every token runs
     dense_layers: tuple[int, ...] = ()   # layers of an MoE model with a dense MLP instead
+    router_bias: bool = False            # gpt-oss: the router's linear layer has a bias
+    expert_bias: bool = False            # gpt-oss: biases on every expert's gate/up and down
+    swiglu_limit: float | None = None    # gpt-oss's clamped SwiGLU (None: the plain one)
+    swiglu_alpha: float = 1.702          # its sigmoid's gain
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
@@ -91,16 +98,28 @@ class ModelConfig:
         d, h = self.hidden_size, self.head_dim
         attention = d * (self.num_heads + 2 * self.num_kv_heads) * h + self.num_heads * h * d
         attention += (self.num_heads + 2 * self.num_kv_heads) * h if self.attention_bias else 0
+        attention += d if self.output_bias else 0
         attention += 2 * h if self.qk_norm else 0
+        attention += self.num_heads if self.attention_sinks else 0
         dense_mlp = 3 * d * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        moe = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        expert = 3 * d * self.moe_intermediate_size + (2 * self.moe_intermediate_size + d if self.expert_bias else 0)
+        moe = d * self.num_experts + (self.num_experts if self.router_bias else 0) + experts * expert
         if self.shared_expert_intermediate_size:
             moe += 3 * d * self.shared_expert_intermediate_size + d
         sparse = len(self.sparse_layers)
         layers = self.num_layers * (attention + 2 * d) + sparse * moe + (self.num_layers - sparse) * dense_mlp
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return layers + self.vocab_size * d + head + d
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to the whole context)."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
+    @property
+    def mixes_windows(self) -> bool:
+        """Whether some layers slide and others attend to everything (chosen per layer in the scan)."""
+        return self.sliding_window is not None and 0 < len(self.full_attention_layers) < self.num_layers
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -114,6 +133,10 @@ class ModelConfig:
     def from_hf(cls, hf) -> "ModelConfig":
         """From a ``transformers`` config object (transformers 5 keeps RoPE in ``rope_parameters``)."""
         arch = (getattr(hf, "architectures", None) or [_default_architecture(hf.model_type)])[0]
+        if quant := getattr(hf, "quantization_config", None):
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+            raise ValueError(f"quantization_config: quant_method {method!r} is not supported: this engine loads "
+                             "unquantized checkpoints (f32, bf16, f16) and GGUF files")
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -140,29 +163,47 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=(hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
                             or bool(getattr(hf, "qkv_bias", False) and hf.model_type == "qwen2_moe")),
-            qk_norm=hf.model_type in ("qwen3", "qwen3_moe"), sliding_window=_sliding_window(hf),
-            **_experts(hf),
+            output_bias=hf.model_type in _OUTPUT_BIAS and bool(getattr(hf, "attention_bias", False)),
+            qk_norm=hf.model_type in ("qwen3", "qwen3_moe"), attention_sinks=hf.model_type == "gpt_oss",
+            **_attention_windows(hf), **_experts(hf),
             bos_token_id=getattr(hf, "bos_token_id", None), eos_token_id=getattr(hf, "eos_token_id", None))
 
 
-# The model types whose attention uses ``sliding_window`` whenever it is set; the others only with
-# ``use_sliding_window``.
+# The model types whose o_proj has a bias when ``attention_bias`` is set (Qwen2's never has).
+_OUTPUT_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+# The model types whose attention uses ``sliding_window`` in every layer whenever it is set; the
+# others as their ``layer_types`` say (older configs: ``use_sliding_window``).
 _ALWAYS_SLIDING = ("mistral", "mixtral", "qwen3_moe")
+_LAYER_KINDS = ("sliding_attention", "full_attention")
 
 
-def _sliding_window(hf) -> int | None:
+def _attention_windows(hf) -> dict:
+    """``sliding_window`` and the ``full_attention_layers`` that ignore it."""
     window = getattr(hf, "sliding_window", None) or None
-    if hf.model_type not in _ALWAYS_SLIDING and not getattr(hf, "use_sliding_window", False):
-        return None
-    kinds = set(getattr(hf, "layer_types", None) or []) if hf.model_type == "qwen2_moe" else set()
-    if len(kinds) > 1:
-        raise ValueError(f"layer_types: sliding and full attention layers mixed in one {hf.model_type} model are "
-                         "not supported")
-    return None if kinds == {"full_attention"} else window
+    if window is None:
+        return {}
+    if hf.model_type in _ALWAYS_SLIDING:
+        return dict(sliding_window=window)
+    kinds = list(getattr(hf, "layer_types", None) or [])
+    if not kinds:
+        return dict(sliding_window=window) if getattr(hf, "use_sliding_window", False) else {}
+    if unknown := sorted(set(kinds) - set(_LAYER_KINDS)):
+        raise ValueError(f"layer_types: {unknown} not supported (supported: {list(_LAYER_KINDS)})")
+    full = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    if len(full) == len(kinds):
+        return {}
+    return dict(sliding_window=window, full_attention_layers=full)
 
 
 def _experts(hf) -> dict:
-    """The mixture-of-experts fields of the Mixtral / Qwen2-MoE / Qwen3-MoE configs (none for others)."""
+    """The mixture-of-experts fields of the Mixtral / Qwen2-MoE / Qwen3-MoE / gpt-oss configs (none
+    for others)."""
+    if hf.model_type == "gpt_oss":
+        # Its router takes the softmax of the top-k logits: the renormalised top-k of the softmax.
+        return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True, router_bias=True,
+                    expert_bias=True, swiglu_limit=float(hf.swiglu_limit),
+                    swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)))
     if hf.model_type == "mixtral":
         return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
                     moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True)
@@ -180,4 +221,4 @@ def _experts(hf) -> dict:
 def _default_architecture(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}.get(model_type, model_type)
+            "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}.get(model_type, model_type)

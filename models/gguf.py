@@ -2,6 +2,7 @@
 through the converted-weights cache, so a file is dequantised once, not at every start."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxengine.models.config import ModelConfig
+from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.paths import converted_cache_path
 from jaxengine.models.weight_cache import cached_config, restore_converted, save_converted
 
@@ -23,27 +24,37 @@ _GGUF_NAMES = [
     (re.compile(r"blk\.(\d+)\.attn_q\.(weight|bias)"), "model.layers.{}.self_attn.q_proj.{}"),
     (re.compile(r"blk\.(\d+)\.attn_k\.(weight|bias)"), "model.layers.{}.self_attn.k_proj.{}"),
     (re.compile(r"blk\.(\d+)\.attn_v\.(weight|bias)"), "model.layers.{}.self_attn.v_proj.{}"),
-    (re.compile(r"blk\.(\d+)\.attn_output\.weight"), "model.layers.{}.self_attn.o_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.attn_output\.(weight|bias)"), "model.layers.{}.self_attn.o_proj.{}"),
+    (re.compile(r"blk\.(\d+)\.attn_sinks\.weight"), "model.layers.{}.self_attn.sinks"),
+    (re.compile(r"blk\.(\d+)\.post_attention_norm\.weight"), "model.layers.{}.post_attention_layernorm.weight"),
     (re.compile(r"blk\.(\d+)\.attn_q_norm\.weight"), "model.layers.{}.self_attn.q_norm.weight"),
     (re.compile(r"blk\.(\d+)\.attn_k_norm\.weight"), "model.layers.{}.self_attn.k_norm.weight"),
     (re.compile(r"blk\.(\d+)\.ffn_gate\.weight"), "model.layers.{}.mlp.gate_proj.weight"),
     (re.compile(r"blk\.(\d+)\.ffn_up\.weight"), "model.layers.{}.mlp.up_proj.weight"),
     (re.compile(r"blk\.(\d+)\.ffn_down\.weight"), "model.layers.{}.mlp.down_proj.weight"),
-    # a mixture of experts (llama.cpp's qwen3moe): the router and the experts stacked [E, out, in],
-    # the names models.expert_tensors shows every checkpoint's experts under
-    (re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight"), "model.layers.{}.mlp.gate.weight"),
-    (re.compile(r"blk\.(\d+)\.ffn_gate_exps\.weight"), "model.layers.{}.mlp.experts.gate_proj"),
-    (re.compile(r"blk\.(\d+)\.ffn_up_exps\.weight"), "model.layers.{}.mlp.experts.up_proj"),
-    (re.compile(r"blk\.(\d+)\.ffn_down_exps\.weight"), "model.layers.{}.mlp.experts.down_proj"),
+    # Mixtures of experts: the router and the experts stacked [E, out, in] (gpt-oss: with biases),
+    # the names models.expert_tensors shows every checkpoint's experts under; older Mixtral files
+    # hold one tensor per expert; Qwen2-MoE's shared expert and its gate.
+    (re.compile(r"blk\.(\d+)\.ffn_gate_inp\.(weight|bias)"), "model.layers.{}.mlp.router.{}"),
+    (re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight"), "model.layers.{}.mlp.experts.{}_proj"),
+    (re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias"), "model.layers.{}.mlp.experts.{}_proj_bias"),
+    (re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight"), "model.layers.{0}.mlp.experts.{2}.{1}_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight"), "model.layers.{}.mlp.shared_expert_gate.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight"), "model.layers.{}.mlp.shared_expert.{}_proj.weight"),
 ]
-# The GGUF architectures of mixtures of experts read here (others: an error naming their tensors)
-MOE_ARCHITECTURES = ("qwen3moe",)
+# The GGUF architectures of mixtures of experts read here (a llama file with experts is a
+# Mixtral); others: an error naming their tensors.
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "gpt-oss")
+# Whether each one renormalises the chosen experts' weights (llama.cpp's choice per architecture)
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True}
 
 
-def gguf_name_to_hf(name: str) -> str | None:
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
     for pattern, template in _GGUF_NAMES:
         if m := pattern.fullmatch(name):
-            return template.format(*m.groups())
+            hf = template.format(*m.groups())
+            # The router is ``mlp.router`` in gpt-oss's checkpoints, ``mlp.gate`` in the others'.
+            return hf if arch == "gpt-oss" else hf.replace(".mlp.router.weight", ".mlp.gate.weight")
     return None
 
 
@@ -60,14 +71,17 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     from transformers import AutoConfig
 
     path = Path(path)
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    if arch in MOE_ARCHITECTURES:
+    if arch == "gpt-oss":
+        cfg = ModelConfig.from_hf(_gpt_oss_config(reader))
+    else:
+        cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    if arch in MOE_ARCHITECTURES or f"{arch}.expert_count" in reader.fields:
         cfg = _with_experts(cfg, reader, arch)
     tensors, unknown = {}, []
     for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
-        hf_name = gguf_name_to_hf(t.name)
+        hf_name = gguf_name_to_hf(t.name, arch)
         if hf_name is None:
             unknown.append(t.name)
             continue
@@ -76,6 +90,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
             w = unpermute_rope_rows(w, cfg.num_heads)
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rope_rows(w, cfg.num_kv_heads)
+        elif hf_name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)                    # a vector in the file, [1, D] in the checkpoint
         tensors[hf_name] = w
     if unknown:
         raise ValueError(f"{path.name}: tensors with no mapping: {sorted(unknown)}")
@@ -84,15 +100,56 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
 
 def _with_experts(cfg: ModelConfig, reader, arch: str) -> ModelConfig:
     """The experts' shape from the GGUF metadata itself (transformers' GGUF config mapping leaves
-    the expert width at its default)."""
-    def field(name: str) -> int:
+    the expert width, the shared expert and gpt-oss's head size at their defaults)."""
+    def field(name: str, default: int | None = None) -> int:
         key = f"{arch}.{name}"
         if key not in reader.fields:
+            if default is not None:
+                return default
             raise ValueError(f"GGUF metadata: {key} missing (a mixture of experts needs it)")
         return int(reader.fields[key].parts[-1][0])
 
-    return cfg.replace(num_experts=field("expert_count"), num_experts_per_tok=field("expert_used_count"),
-                       moe_intermediate_size=field("expert_feed_forward_length"), norm_topk_prob=True)
+    changes = dict(num_experts=field("expert_count"), num_experts_per_tok=field("expert_used_count"),
+                   moe_intermediate_size=field("expert_feed_forward_length", cfg.intermediate_size),
+                   norm_topk_prob=_NORM_TOPK.get(arch, True), dense_layers=())
+    if arch == "llama":
+        changes["architecture"] = "MixtralForCausalLM"
+    if arch == "qwen2moe":
+        changes["shared_expert_intermediate_size"] = field("expert_shared_feed_forward_length", 0)
+    if arch == "gpt-oss":
+        changes["head_dim"] = field("attention.key_length", cfg.head_dim)
+        if isinstance(cfg.rope_scaling, YarnScaling):      # gpt-oss's YaRN does not round its band
+            changes["rope_scaling"] = dataclasses.replace(cfg.rope_scaling, truncate=False)
+    return cfg.replace(**changes)
+
+
+def _gpt_oss_config(reader):
+    """gpt-oss's transformers config from the GGUF metadata, read here: transformers' own GGUF
+    reading of it fails on the YaRN keys llama.cpp writes."""
+    import gguf
+    from transformers import GptOssConfig
+
+    def value(key: str, default=None):
+        field = reader.fields.get(f"gpt-oss.{key}")
+        if field is None:
+            return default
+        raw = field.parts[field.data[0]]
+        return bytes(raw).decode() if field.types and field.types[0] == gguf.GGUFValueType.STRING else raw[0].item()
+
+    heads = value("attention.head_count")
+    rope = {"rope_type": "yarn", "factor": float(value("rope.scaling.factor", 32.0)), "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "rope_theta": float(value("rope.freq_base", 150000.0)),
+            "original_max_position_embeddings": int(value("rope.scaling.original_context_length", 4096))}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = value("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    return GptOssConfig(
+        num_hidden_layers=value("block_count"), max_position_embeddings=value("context_length"),
+        hidden_size=value("embedding_length"), intermediate_size=value("expert_feed_forward_length"),
+        num_attention_heads=heads, num_key_value_heads=value("attention.head_count_kv", heads),
+        head_dim=value("attention.key_length"), rms_norm_eps=float(value("attention.layer_norm_rms_epsilon", 1e-5)),
+        sliding_window=value("attention.sliding_window", value("sliding_window", 128)), vocab_size=vocab,
+        num_local_experts=value("expert_count"), num_experts_per_tok=value("expert_used_count"),
+        rope_parameters=rope, architectures=["GptOssForCausalLM"])
 
 
 def gguf_dtype(path: str | os.PathLike) -> str:

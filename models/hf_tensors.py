@@ -176,12 +176,18 @@ def _rules(cfg: ModelConfig) -> list[tuple[re.Pattern, Callable[[re.Match], Para
         (re.compile(_LAYER + r"self_attn\.q_proj\.bias"), layer("self_attn", "q_bias"), HeadsBias(h)),
         (re.compile(_LAYER + r"self_attn\.k_proj\.bias"), layer("self_attn", "k_bias"), HeadsBias(h)),
         (re.compile(_LAYER + r"self_attn\.v_proj\.bias"), layer("self_attn", "v_bias"), HeadsBias(h)),
+        (re.compile(_LAYER + r"self_attn\.o_proj\.bias"), layer("self_attn", "o_bias"), Same()),
+        (re.compile(_LAYER + r"self_attn\.sinks"), layer("self_attn", "sinks"), Same()),
         (re.compile(_LAYER + r"self_attn\.q_norm\.weight"), layer("self_attn", "q_norm", "weight"), Same()),
         (re.compile(_LAYER + r"self_attn\.k_norm\.weight"), layer("self_attn", "k_norm", "weight"), Same()),
         (re.compile(_LAYER + r"mlp\.gate_proj\.weight"), layer("mlp", "gate_proj"), Transposed()),
         (re.compile(_LAYER + r"mlp\.up_proj\.weight"), layer("mlp", "up_proj"), Transposed()),
         (re.compile(_LAYER + r"mlp\.down_proj\.weight"), layer("mlp", "down_proj"), Transposed()),
         (re.compile(_LAYER + r"mlp\.gate\.weight"), layer("mlp", "router"), Transposed()),
+        (re.compile(_LAYER + r"mlp\.router\.weight"), layer("mlp", "router"), Transposed()),      # gpt-oss
+        (re.compile(_LAYER + r"mlp\.router\.bias"), layer("mlp", "router_bias"), Same()),
+        (re.compile(_LAYER + r"mlp\.experts\.(gate|up|down)_proj_bias"),
+         lambda m: ("layers", int(m.group(1)), "mlp", "experts", f"{m.group(2)}_bias"), Same()),
         (re.compile(_LAYER + r"mlp\.experts\.(gate_proj|up_proj|down_proj)"),
          lambda m: ("layers", int(m.group(1)), "mlp", "experts", m.group(2)), ExpertsTransposed()),
         (re.compile(_LAYER + r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight"),
@@ -231,7 +237,8 @@ def check_tensors(located: Located, unexpected: list[str], source: TensorSource,
         for p in _per_layer(path, cfg):
             name, layout = located[p]
             if source.shape(name) != (want := layout.hf_shape(per_layer_shape)):
-                raise ValueError(f"tensor {name}: shape {source.shape(name)} in the checkpoint, "
+                described = source.describe(name) if hasattr(source, "describe") else name
+                raise ValueError(f"tensor {described}: shape {source.shape(name)} in the checkpoint, "
                                  f"{want} expected")
 
 

@@ -122,9 +122,13 @@ class Attention(nnx.Module):
             self.q_bias = _sharded(jnp.zeros((n, h), dtype), (M, None))
             self.k_bias = _sharded(jnp.zeros((k, h), dtype), (M, None))
             self.v_bias = _sharded(jnp.zeros((k, h), dtype), (M, None))
+        if cfg.output_bias:
+            self.o_bias = _sharded(jnp.zeros((d,), dtype), (None,))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        if cfg.attention_sinks:
+            self.sinks = _sharded(jnp.zeros((n,), dtype), (M,))
         self.cfg = cfg
         self.attention_fn = attention_fn
         self.kv_write_fn = write_kv       # the XLA scatter; kernels.paged_attention.kv_write has a Pallas one
@@ -144,10 +148,29 @@ class Attention(nnx.Module):
         scale = rope_attention_factor(cfg)
         q, k = apply_rope(q, md.positions, inv_freq, scale), apply_rope(k, md.positions, inv_freq, scale)
         cache = self.kv_write_fn(*cache, k, v, md.slot_mapping)     # writes precede the reads of this step
-        o = self.attention_fn(q, *cache, md, scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+        o = self._attend(q, cache, md, layer)
         o_proj = self.o_proj[...]                                    # [(L,) N, H, D] -> [(L,) N*H, D]
         o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
-        return self.dense_fn(o.reshape(o.shape[0], -1), o_proj, layer), cache
+        out = self.dense_fn(o.reshape(o.shape[0], -1), o_proj, layer)
+        return (out + self.o_bias[...] if cfg.output_bias else out), cache
+
+    def _attend(self, q: jax.Array, cache: KVCache, md: AttentionMetadata, layer: jax.Array | None) -> jax.Array:
+        """The attention kernel with this layer's window (and sinks). Where sliding and full layers
+        alternate in one scan, the layer's kind picks one of two traced kernel calls (``lax.cond``)."""
+        cfg = self.cfg
+        kw = dict(scale=cfg.head_dim ** -0.5)
+        if cfg.attention_sinks:
+            kw["sinks"] = self.sinks[...]
+
+        def attend(window: int | None) -> Callable:
+            return lambda q, k, v: self.attention_fn(q, k, v, md, sliding_window=window, **kw)
+
+        if not cfg.mixes_windows:
+            return attend(cfg.sliding_window)(q, *cache)
+        if layer is None:
+            raise ValueError("a model whose layers mix sliding and full attention needs the layer index")
+        is_full = jnp.asarray([i in cfg.full_attention_layers for i in range(cfg.num_layers)])
+        return jax.lax.cond(is_full[layer], attend(None), attend(cfg.sliding_window), q, *cache)
 
 
 class MLP(nnx.Module):

@@ -1,5 +1,6 @@
 """One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), and
-their mixtures of experts: Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE."""
+their mixtures of experts: Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE, and gpt-oss
+(attention sinks, sliding and full layers alternating, biases everywhere, a clamped SwiGLU)."""
 from __future__ import annotations
 
 import dataclasses

@@ -149,11 +149,15 @@ class ShardedAttention:
         self.inner, self.mesh = attention_fn, mesh
         self.__name__ = f"sharded {getattr(attention_fn, '__name__', type(attention_fn).__name__)}"
 
-    def __call__(self, q, k_cache, v_cache, md, **kw):
-        fn = jax.shard_map(lambda q, k, v, md: self.inner(q, k, v, md, **kw), mesh=self.mesh,
-                           in_specs=(_HEADS, _LAYER_CACHE, _LAYER_CACHE, P()), out_specs=_HEADS,
+    def __call__(self, q, k_cache, v_cache, md, *, sinks=None, **kw):
+        """``sinks`` [N] (per query head) split as the query heads are."""
+        def per_device(q, k, v, md, sinks=None):
+            return self.inner(q, k, v, md, sinks=sinks, **kw) if sinks is not None else self.inner(q, k, v, md, **kw)
+
+        specs = (_HEADS, _LAYER_CACHE, _LAYER_CACHE, P()) + (() if sinks is None else (P(MODEL_AXIS),))
+        fn = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs, out_specs=_HEADS,
                            check_vma=False)      # Pallas calls inside shard_map need it off
-        return fn(q, k_cache, v_cache, md)
+        return fn(q, k_cache, v_cache, md, *(() if sinks is None else (sinks,)))
 
 
 class ShardedKVWrite:
@@ -183,28 +187,35 @@ class ShardedExperts:
         self.mesh, self.expert_parallel = mesh, expert_parallel
         self.__name__ = f"{'expert' if expert_parallel else 'tensor'}-parallel experts"
 
-    def __call__(self, x, weights, order, sizes, gate, up, down, layer, grouped_fn):
+    def __call__(self, x, weights, order, sizes, gate, up, down, layer, grouped_fn, *, activation,
+                 gate_bias=None, up_bias=None):
         if layer is None:                                     # one layer's experts: a stack of one
             gate, up, down, layer = gate[None], up[None], down[None], jnp.int32(0)
         if self.expert_parallel:
             gate_up_spec = down_spec = P(None, MODEL_AXIS, None, None)
+            bias_spec = P(MODEL_AXIS, None)
         else:
             gate_up_spec, down_spec = P(None, None, None, MODEL_AXIS), P(None, None, MODEL_AXIS, None)
+            bias_spec = P(None, MODEL_AXIS)
+        biases = () if gate_bias is None else (gate_bias, up_bias)
 
-        def per_device(x, weights, order, sizes, gate, up, down, layer):
+        def per_device(x, weights, order, sizes, gate, up, down, layer, *biases):
             first_row = 0
             if self.expert_parallel:
                 local = gate.shape[-3]
                 first = jax.lax.axis_index(MODEL_AXIS) * local
                 first_row = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
                 sizes = jax.lax.dynamic_slice(sizes, (first,), (local,))
-            out = routed_swiglu(x, weights, order, sizes, gate, up, down, layer, grouped_fn, first_row)
+            kw = dict(zip(("gate_bias", "up_bias"), biases))
+            out = routed_swiglu(x, weights, order, sizes, gate, up, down, layer, grouped_fn, first_row,
+                                activation=activation, **kw)
             return jax.lax.psum(out, MODEL_AXIS)
 
         fn = jax.shard_map(per_device, mesh=self.mesh,
-                           in_specs=(P(), P(), P(), P(), gate_up_spec, gate_up_spec, down_spec, P()),
+                           in_specs=(P(), P(), P(), P(), gate_up_spec, gate_up_spec, down_spec, P(),
+                                     *(bias_spec,) * len(biases)),
                            out_specs=P(), check_vma=False)
-        return fn(x, weights, order, sizes, gate, up, down, layer)
+        return fn(x, weights, order, sizes, gate, up, down, layer, *biases)
 
 
 def check_expert_parallel(cfg: ModelConfig, tp: int) -> None:

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks each token's top-k
 experts, the token-expert pairs are sorted by expert, and each expert's SwiGLU runs as one grouped
 matmul over its own rows (``kernels.matmul.grouped_dense``: ``ragged_dot``, or OpenBLAS on a CPU).
 No expert runs on a token that did not choose it, and the padding rows of a bucket choose none.
@@ -11,6 +11,7 @@ token's output, summed over the devices (``models.mesh.ShardedExperts``).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -19,7 +20,7 @@ from flax import nnx
 
 from jaxengine.kernels.matmul import dense, grouped_dense
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.layers import MLP, M, _param
+from jaxengine.models.layers import MLP, M, _param, _sharded
 
 
 def route(logits: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Array]:
@@ -49,26 +50,60 @@ def expert_counts(experts: jax.Array, num_experts: int, num_valid: jax.Array | i
     return group_by_expert(experts, num_experts, num_valid)[1]
 
 
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's SwiGLU: the gate clamped above and the up projection both sides at ``limit``,
+    gate * sigmoid(alpha * gate) * (up + 1). (A value, so that models built alike compare equal.)"""
+    limit: float
+    alpha: float
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate, up = jnp.minimum(gate, self.limit), jnp.clip(up, -self.limit, self.limit)
+        return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
+
+
+def expert_activation(cfg: ModelConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    return swiglu if cfg.swiglu_limit is None else ClampedSwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha)
+
+
 def routed_swiglu(x: jax.Array, weights: jax.Array, order: jax.Array, sizes: jax.Array, gate: jax.Array,
                   up: jax.Array, down: jax.Array, layer: jax.Array | None, grouped_fn: Callable = grouped_dense,
-                  first_row: jax.Array | int = 0) -> jax.Array:
+                  first_row: jax.Array | int = 0, *, gate_bias: jax.Array | None = None,
+                  up_bias: jax.Array | None = None, activation: Callable = swiglu) -> jax.Array:
     """The experts' SwiGLU of the token-expert pairs in ``order``, weighted and summed per token:
     [T, D]. ``sizes`` are the groups of the experts in ``gate``/``up``/``down`` (all of them, or
-    under expert parallelism one device's, whose pairs start at sorted row ``first_row``)."""
+    under expert parallelism one device's, whose pairs start at sorted row ``first_row``).
+    ``gate_bias``/``up_bias`` [E, F]: per-expert biases of the same experts (gpt-oss); the down
+    projection's bias is the caller's (it must not be summed over devices)."""
     t, k = weights.shape
     if not isinstance(first_row, int) or first_row:          # this device's groups first
         order = jnp.roll(order, -first_row)
     rows = x[order // k]                                       # [T*k, D], grouped by expert
-    h = jax.nn.silu(grouped_fn(rows, gate, sizes, layer)) * grouped_fn(rows, up, sizes, layer)
-    out = grouped_fn(h, down, sizes, layer) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    g, u = grouped_fn(rows, gate, sizes, layer), grouped_fn(rows, up, sizes, layer)
+    if gate_bias is not None:
+        expert = expert_of_rows(sizes, rows.shape[0])
+        g, u = g + gate_bias[expert], u + up_bias[expert]
+    # Rows past the groups (padding, other devices' experts) come out of the down projection as 0.
+    out = grouped_fn(activation(g, u), down, sizes, layer) * weights.reshape(-1)[order][:, None].astype(x.dtype)
     unsorted = out[jnp.argsort(order)]                         # pair order again (others' rows: 0)
     return unsorted.reshape(t, k, -1).sum(axis=1)
 
 
+def expert_of_rows(sizes: jax.Array, num_rows: int) -> jax.Array:
+    """[num_rows] the group of each row of a grouped layout (rows past the groups: the last)."""
+    group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(num_rows), side="right")
+    return jnp.minimum(group, sizes.shape[0] - 1)
+
+
 class Experts(nnx.Module):
-    """E SwiGLU experts, stacked: gate/up [E, D, F], down [E, F, D]. Over a mesh they are split by
-    their width (tensor parallelism), or with ``expert_parallel`` by experts, each device holding
-    E / devices whole ones (``models.mesh.ShardedExperts`` runs them per device)."""
+    """E SwiGLU experts, stacked: gate/up [E, D, F], down [E, F, D] (gpt-oss: with biases [E, F]
+    and [E, D], and the clamped SwiGLU). Over a mesh they are split by their width (tensor
+    parallelism), or with ``expert_parallel`` by experts, each device holding E / devices whole
+    ones (``models.mesh.ShardedExperts`` runs them per device)."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -76,6 +111,13 @@ class Experts(nnx.Module):
         self.gate_proj = _param(rngs, (e, d, f), dtype, gate_up)
         self.up_proj = _param(rngs, (e, d, f), dtype, gate_up)
         self.down_proj = _param(rngs, (e, f, d), dtype, down)
+        if cfg.expert_bias:
+            bias = (M, None) if expert_parallel else (None, M)
+            self.gate_bias = _sharded(jnp.zeros((e, f), dtype), bias)
+            self.up_bias = _sharded(jnp.zeros((e, f), dtype), bias)
+            self.down_bias = _sharded(jnp.zeros((e, d), dtype), (None, None))     # added once, after the sum
+        self.has_bias = cfg.expert_bias
+        self.activation = expert_activation(cfg)
         self.expert_parallel = expert_parallel
         self.grouped_fn = grouped_dense     # OpenBLAS on a CPU, XLA's ragged_dot elsewhere
         self.experts_fn = routed_swiglu     # per device over a mesh (models.mesh.shard_kernels)
@@ -85,16 +127,24 @@ class Experts(nnx.Module):
         """x [T, D], the routing [T, k] -> (sum over each token's experts of weight * SwiGLU [T, D],
         the tokens routed to each expert [E])."""
         order, sizes = group_by_expert(experts, self.gate_proj.shape[-3], num_valid)
+        biases = dict(gate_bias=self.gate_bias[...], up_bias=self.up_bias[...]) if self.has_bias else {}
         out = self.experts_fn(x, weights, order, sizes, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                              layer, self.grouped_fn)
+                              layer, self.grouped_fn, activation=self.activation, **biases)
+        if self.has_bias:                  # sum over a token's experts of weight * down bias
+            real = (jnp.arange(x.shape[0]) < num_valid)[:, None]
+            mix = jnp.where(real, weights, 0).astype(x.dtype)
+            out = out + jnp.einsum("tk,tkd->td", mix, self.down_bias[...][experts])
         return out, sizes
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router, routed experts and (Qwen2-MoE) the shared expert with its sigmoid gate."""
+    """Router (gpt-oss: with a bias), routed experts and (Qwen2-MoE) the shared expert with its
+    sigmoid gate."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
         self.router = _param(rngs, (cfg.hidden_size, cfg.num_experts), dtype, (None, None))
+        if cfg.router_bias:
+            self.router_bias = _sharded(jnp.zeros((cfg.num_experts,), dtype), (None,))
         self.experts = Experts(cfg, dtype, expert_parallel=expert_parallel, rngs=rngs)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, dtype, intermediate_size=cfg.shared_expert_intermediate_size, rngs=rngs)
@@ -109,6 +159,8 @@ class SparseMoeBlock(nnx.Module):
         cfg = self.cfg
         num_valid = x.shape[0] if num_valid is None else num_valid
         logits = self.dense_fn(x, self.router[...], layer)
+        if cfg.router_bias:
+            logits = logits + self.router_bias[...]
         weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         out, counts = self.experts(x, weights, experts, num_valid, layer)
         if cfg.shared_expert_intermediate_size:
@@ -122,12 +174,18 @@ def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = Non
     zero where a token did not choose the expert. The grouped path is checked against it."""
     cfg = block.cfg
     pick = (lambda w: w[...]) if layer is None else (lambda w: w[...][layer])
-    weights, experts = route(x @ pick(block.router), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    logits = x @ pick(block.router) + (pick(block.router_bias) if cfg.router_bias else 0)
+    weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     mix = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)
     mix = mix.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)        # [T, E]
     e = block.experts
-    h = jax.nn.silu(jnp.einsum("td,edf->etf", x, pick(e.gate_proj))) * jnp.einsum("td,edf->etf", x, pick(e.up_proj))
-    out = jnp.einsum("te,etd->td", mix.astype(x.dtype), jnp.einsum("etf,efd->etd", h, pick(e.down_proj)))
+    g, u = jnp.einsum("td,edf->etf", x, pick(e.gate_proj)), jnp.einsum("td,edf->etf", x, pick(e.up_proj))
+    if cfg.expert_bias:
+        g, u = g + pick(e.gate_bias)[:, None], u + pick(e.up_bias)[:, None]
+    y = jnp.einsum("etf,efd->etd", expert_activation(cfg)(g, u), pick(e.down_proj))
+    if cfg.expert_bias:
+        y = y + pick(e.down_bias)[:, None]
+    out = jnp.einsum("te,etd->td", mix.astype(x.dtype), y)
     if cfg.shared_expert_intermediate_size:
         s = block.shared_expert
         shared = (jax.nn.silu(x @ pick(s.gate_proj)) * (x @ pick(s.up_proj))) @ pick(s.down_proj)

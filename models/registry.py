@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": LlamaForCausalLM,
 }
 
 

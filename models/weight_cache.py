@@ -36,8 +36,9 @@ def cached_config(cached: Path) -> ModelConfig | None:
     if raw.get("rope_scaling"):
         kind = YarnScaling if "beta_fast" in raw["rope_scaling"] else RopeScaling
         raw["rope_scaling"] = kind(**raw["rope_scaling"])
-    if "dense_layers" in raw:
-        raw["dense_layers"] = tuple(raw["dense_layers"])
+    for field in ("dense_layers", "full_attention_layers"):          # JSON lists back to tuples
+        if field in raw:
+            raw[field] = tuple(raw[field])
     return ModelConfig(**raw)
 
 
@@ -47,7 +48,7 @@ def save_converted(cached: Path, cfg: ModelConfig, tensors: Mapping[str, np.ndar
 
     source = ArraySource(tensors)
     if cfg.is_moe:
-        source = ExpertTensors(source, cfg.num_experts)
+        source = ExpertTensors.for_model(source, cfg)
     located, unexpected = locate_tensors(source, cfg)
     _, state = abstract_model(cfg, jnp.float32, {})
     flat = nnx.to_flat_state(state)

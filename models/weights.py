@@ -60,7 +60,7 @@ def build_model(cfg: ModelConfig, tensors: TensorSource | Mapping[str, np.ndarra
     KV heads than devices they are repeated (the model then has ``mesh_model_config``'s)."""
     source = tensors if isinstance(tensors, TensorSource) else ArraySource(tensors)
     if cfg.is_moe:
-        source = ExpertTensors(source, cfg.num_experts)
+        source = ExpertTensors.for_model(source, cfg)
     mesh = mesh_or_first_device(mesh)
     if model_kwargs.get("expert_parallel"):
         check_expert_parallel(cfg, mesh_size(mesh))

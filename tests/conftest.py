@@ -47,14 +47,23 @@ VARIANTS = {
 
 # Mixtures of experts: routing spread over several experts per prompt (initializer_range 0.3), a
 # sliding window, Qwen2-MoE's shared expert with a dense layer among the sparse ones (its MLP
-# stacks), Qwen3-MoE's q/k norm and renormalised top-k.
+# stacks) and sliding layers among full ones, Qwen3-MoE's q/k norm and renormalised top-k,
+# gpt-oss's attention and experts.
 MOE_VARIANTS = {
     "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=7)),
     "qwen2-moe-shared-dense": ("qwen2_moe", dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
                                                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                                 mlp_only_layers=[1])),
+                                                 mlp_only_layers=[1], use_sliding_window=True, sliding_window=6,
+                                                 max_window_layers=3)),       # layers 0 and 2 slide
     "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=32,
                                     norm_topk_prob=True)),
+    # Sliding (window 7) and full layers alternating, sinks, biases everywhere, YaRN past a short
+    # original context, and a SwiGLU limit low enough that the clamp acts.
+    "gpt-oss": ("gpt_oss", dict(num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                head_dim=16, sliding_window=7, swiglu_limit=1.0,
+                                rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
 }
 
 
@@ -65,10 +74,12 @@ def make_checkpoint(folder, model_type: str, **overrides):
     cfg = AutoConfig.for_model(model_type, **{**TINY, **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():       # norms and biases away from 1 and 0, so a mix-up shows
+    with torch.no_grad():       # norms and biases away from 1 and 0, sinks as large as scores, so a mix-up shows
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("sinks"):
+                p.add_(torch.randn_like(p) * 1.5)
     model.save_pretrained(folder)
     return model
 

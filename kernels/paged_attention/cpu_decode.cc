@@ -5,7 +5,8 @@
 // online softmax per query head, as kernels/paged_attention/reference.py defines the result.
 //
 // Shapes: q [B, N, H] (already scaled), k_cache and v_cache [NB, S, K, H], tables [B, M],
-// lens [B] (keys each row attends to: its query's position + 1; 0 for a padding row), out [B, N, H].
+// lens [B] (keys each row attends to: its query's position + 1; 0 for a padding row), sinks [N] (each
+// query head's sink logit, a key whose value is zero; -inf: none), out [B, N, H].
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,6 +32,7 @@ struct Problem {
   const float* v_cache;
   const int32_t* tables;
   const int32_t* lens;
+  const float* sinks;
   float* out;
   int64_t num_heads, kv_heads, head_size, page_size, width;
   int64_t sliding_window;         // 0: none
@@ -96,8 +98,10 @@ void attend(const Problem& p, const Item& item) {
   const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, len - p.sliding_window) : 0;
   const int64_t token_stride = kh * hs, page_stride = p.page_size * token_stride;
   float m[kMaxHeads], l[kMaxHeads], s[kMaxHeads][kMaxPage];
-  std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + heads, 0.0f);
+  for (int64_t head = head_first; head < head_last; ++head) {     // the sink: a first key of value 0
+    m[head] = p.sinks[head];
+    l[head] = p.sinks[head] == -std::numeric_limits<float>::infinity() ? 0.0f : 1.0f;
+  }
   for (int64_t page = first / p.page_size; page * p.page_size < len; ++page) {
     const int64_t block = p.tables[row * p.width + page];
     const int64_t t0 = std::max(first, page * p.page_size), t1 = std::min(len, (page + 1) * p.page_size);
@@ -143,17 +147,18 @@ void attend(const Problem& p, const Item& item) {
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
-                           ffi::Buffer<ffi::S32> lens, int64_t sliding_window, float soft_cap,
+                           ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> sinks, int64_t sliding_window,
+                           float soft_cap,
                            ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged decode: q [B, N, H], caches [NB, S, K, H], tables [B, M]");
   const int64_t rows = qd[0], num_heads = qd[1], head_size = qd[2], kv_heads = kd[2];
   if (kd[3] != head_size || num_heads % kv_heads != 0 || num_heads > kMaxHeads ||
-      kd[1] > kMaxPage || td[0] != rows)
+      kd[1] > kMaxPage || td[0] != rows || sinks.element_count() != static_cast<size_t>(num_heads))
     return ffi::Error::InvalidArgument("paged decode: shapes this kernel does not serve");
   const Problem problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), tables.typed_data(),
-                        lens.typed_data(), out->typed_data(), num_heads, kv_heads, head_size, kd[1],
+                        lens.typed_data(), sinks.typed_data(), out->typed_data(), num_heads, kv_heads, head_size, kd[1],
                         td[1], sliding_window, soft_cap};
   std::vector<int64_t> order(rows);
   std::iota(order.begin(), order.end(), 0);
@@ -181,6 +186,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxenginePagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());

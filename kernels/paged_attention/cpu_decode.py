@@ -39,11 +39,13 @@ def available() -> bool:
 
 
 def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array, lens: jax.Array, *,
-                 sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+                 sliding_window: int | None = None, soft_cap: float | None = None,
+                 sinks: jax.Array | None = None) -> jax.Array:
     """q [B, N, H] f32, already scaled; tables [B, M]; lens [B] keys each row attends to (0: a
-    padding row, whose output is zeros) -> [B, N, H] f32."""
+    padding row, whose output is zeros); sinks [N] or None -> [B, N, H] f32."""
     if not available():
         raise RuntimeError("the CPU decode-attention kernel is not available (see the warning logged)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-    return call(q.astype(jnp.float32), k_cache, v_cache, tables.astype(jnp.int32), lens.astype(jnp.int32),
+    sinks = jnp.full(q.shape[1], -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    return call(q.astype(jnp.float32), k_cache, v_cache, tables.astype(jnp.int32), lens.astype(jnp.int32), sinks,
                 sliding_window=int(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))

@@ -79,7 +79,8 @@ def validate(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: Attention
 
 def paged_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
                            scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                           interpret: bool | None = None, sizes: BlockSizes | None = None) -> jax.Array:
+                           sinks: jax.Array | None = None, interpret: bool | None = None,
+                           sizes: BlockSizes | None = None) -> jax.Array:
     """q [T, N, H], caches [P, S, K, H] -> [T, N, H]; same contract as ``reference.paged_attention``.
     ``interpret=None`` interprets on the CPU and compiles elsewhere."""
     validate(q, k_cache, v_cache, md)
@@ -94,7 +95,8 @@ def paged_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     num_tiles, rows = tiles[0].shape[0], sizes.block_q * group_p
     kernel = functools.partial(_kernel, rows=rows, group=group, group_p=group_p, page_size=k_cache.shape[1],
                                pages_per_block=sizes.pages_per_block, sliding_window=sliding_window,
-                               soft_cap=soft_cap)
+                               soft_cap=soft_cap, has_sinks=sinks is not None)
+    extra = () if sinks is None else (tile_row_sinks(sinks, num_kv_heads, group_p, sizes.block_q),)
     # Output rows per tile (disjoint: no program writes another's rows), gathered back below.
     out = pl.pallas_call(
         kernel,
@@ -103,8 +105,16 @@ def paged_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         interpret=interpret,
         compiler_params=_compiler_params(sizes, interpret),
         name="ragged_paged_attention",
-    )(*tiles, tables, qk, k_cache, v_cache)
+    )(*tiles, tables, qk, k_cache, v_cache, *extra)
     return gather_tile_outputs(out, md, num_tokens, sizes.block_q, group_p, group)
+
+
+def tile_row_sinks(sinks: jax.Array, num_kv_heads: int, group_p: int, block_q: int) -> jax.Array:
+    """Sinks [N] as the rows of a tile see them: [K, block_q * Gp], row r holding query head
+    r % Gp of its KV head's group (-inf for the padding heads: no sink)."""
+    per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, -1)
+    per_head = jnp.pad(per_head, ((0, 0), (0, group_p - per_head.shape[1])), constant_values=-jnp.inf)
+    return jnp.tile(per_head, (1, block_q))
 
 
 def prepare_tiles(q: jax.Array, md: AttentionMetadata, scale: float, group_p: int, block_q: int,
@@ -171,9 +181,10 @@ def _token_tile_rows(md: AttentionMetadata, num_tokens: int, block_q: int) -> ja
                      (first_tile[row] + within // block_q) * block_q + within % block_q, 0)
 
 
-def _kernel(row_ref, first_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *,
+def _kernel(row_ref, first_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             rows: int, group: int, group_p: int, page_size: int, pages_per_block: int,
-            sliding_window: int | None, soft_cap: float | None):
+            sliding_window: int | None, soft_cap: float | None, has_sinks: bool):
+    sinks_ref, o_ref = refs if has_sinks else (None, *refs)
     tile, head = pl.program_id(0), pl.program_id(1)
     row, first, count, first_pos = row_ref[tile], first_ref[tile], count_ref[tile], pos_ref[tile]
     span = pages_per_block * page_size
@@ -205,7 +216,9 @@ def _kernel(row_ref, first_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_
                                  preferred_element_type=jnp.float32)
         return m_new, l * correction + p.sum(axis=1), acc * correction[:, None] + pv
 
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, q.shape[1]), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(start, stop, body, init)
+    m0, l0 = jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    if has_sinks:                               # the sink: a first key of value 0 (online_softmax)
+        m0 = sinks_ref[head, :]
+        l0 = jnp.where(m0 == -jnp.inf, 0.0, 1.0)
+    _, l, acc = jax.lax.fori_loop(start, stop, body, (m0, l0, jnp.zeros((rows, q.shape[1]), jnp.float32)))
     o_ref[head, pl.ds(tile * rows, rows), :] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)

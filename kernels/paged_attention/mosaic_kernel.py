@@ -47,7 +47,8 @@ def supports(q: jax.Array, k_cache: jax.Array) -> bool:
 
 def paged_attention_mosaic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
                            scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                           interpret: bool | None = None, sizes: BlockSizes | None = None) -> jax.Array:
+                           sinks: jax.Array | None = None, interpret: bool | None = None,
+                           sizes: BlockSizes | None = None) -> jax.Array:
     """q [T, N, H], caches [P, S, K, H] -> [T, N, H]; same contract as ``reference.paged_attention``.
     ``interpret=None`` interprets on the CPU (Mosaic GPU's interpreter) and compiles elsewhere.
     ``sizes``: pages_per_block (keys per iteration / page size) and num_stages (the ring's depth)."""
@@ -70,7 +71,8 @@ def paged_attention_mosaic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         interpret = jax.devices()[0].platform == "cpu"
     body = functools.partial(_kernel, plgpu=plgpu, group=group, group_p=group_p, page_size=page_size,
                              pages_per_block=sizes.pages_per_block, stages=sizes.num_stages,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
+                             sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None)
+    extra = () if sinks is None else (sinks.astype(jnp.float32).reshape(num_kv_heads, group),)
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_kv_heads, row.shape[0] * ROWS, head_size), q.dtype),
@@ -78,7 +80,7 @@ def paged_attention_mosaic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         grid_names=("tile", "head"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params() if interpret else False,
-    )(row, count, first_pos, tables, qk, k_cache, v_cache)
+    )(row, count, first_pos, tables, qk, k_cache, v_cache, *extra)
     return gather_tile_outputs(out, md, num_tokens, block_q, group_p, group)
 
 
@@ -105,8 +107,9 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, plgpu,
-            group, group_p, page_size, pages_per_block, stages, sliding_window, soft_cap):
+def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *refs, plgpu,
+            group, group_p, page_size, pages_per_block, stages, sliding_window, soft_cap, has_sinks):
+    sinks_ref, o_ref = refs if has_sinks else (None, *refs)
     head_size, dtype = q_ref.shape[-1], q_ref.dtype
     span = pages_per_block * page_size
     swizzle = min(SWIZZLE, head_size * jnp.dtype(dtype).itemsize)
@@ -177,8 +180,16 @@ def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, o_ref,
 
             return acc + pl.run_scoped(values, plgpu.ACC((ROWS, head_size), jnp.float32)), m_new, l
 
-        init = (jnp.zeros((ROWS, head_size), jnp.float32), jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                jnp.zeros((ROWS,), jnp.float32))
+        m0, l0 = jnp.full((ROWS,), -jnp.inf, jnp.float32), jnp.zeros((ROWS,), jnp.float32)
+        if has_sinks:
+            # The sink (a first key of value 0, as online_softmax): each row's query head's logit,
+            # read as scalars and laid out as the scores' row maxima are.
+            per_row = jnp.full((ROWS, span), -jnp.inf, jnp.float32)
+            for j in range(group):
+                per_row = jnp.where(q_row % group_p == j, sinks_ref[head, j], per_row)
+            m0 = per_row.max(axis=1)
+            l0 = jnp.where(m0 == -jnp.inf, 0.0, 1.0)
+        init = (jnp.zeros((ROWS, head_size), jnp.float32), m0, l0)
         acc, _, l = jax.lax.fori_loop(start, stop, step, init)
         l = jnp.where(l > 0, l, 1.0)
         qo_smem[...] = (acc / jax.lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)

@@ -1,5 +1,9 @@
 """The online-softmax step shared by the paged-attention variants: fold one block of scores into
-running (max, normaliser, accumulator), in f32; rows with nothing to attend to end as zeros."""
+running (max, normaliser, accumulator), in f32; rows with nothing to attend to end as zeros.
+
+An attention sink (gpt-oss: one learned logit per query head) is a key of that score whose
+value is zero: it only enlarges the normaliser. Starting the running state at (sink, 1, 0)
+instead of (-inf, 0, 0) is exactly that, at no cost per key."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,9 +23,12 @@ def update(carry: tuple, s: jax.Array, mask: jax.Array, weigh_values: Callable[[
     return m_new, l * correction + p.sum(-1), acc * correction[..., None] + weigh_values(p)
 
 
-def init(shape: tuple[int, ...], head_size: int) -> tuple:
-    return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_size), jnp.float32))
+def init(shape: tuple[int, ...], head_size: int, sinks: jax.Array | None = None) -> tuple:
+    """The empty running state; ``sinks`` (broadcastable to ``shape``): each row's sink logit."""
+    acc = jnp.zeros((*shape, head_size), jnp.float32)
+    if sinks is None:
+        return jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), acc
+    return jnp.broadcast_to(sinks.astype(jnp.float32), shape), jnp.ones(shape, jnp.float32), acc
 
 
 def finish(l: jax.Array, acc: jax.Array) -> jax.Array:

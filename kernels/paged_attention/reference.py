@@ -24,8 +24,10 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
-                    scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
-    """q [T, N, H], caches [P, S, K, H] -> [T, N, H] in q's dtype."""
+                    scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                    sinks: jax.Array | None = None) -> jax.Array:
+    """q [T, N, H], caches [P, S, K, H] -> [T, N, H] in q's dtype. ``sinks`` [N]: a learned
+    logit per query head that joins every softmax as a key with a zero value (gpt-oss)."""
     num_tokens, num_heads, head_size = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -49,7 +51,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: At
         return online_softmax.update(carry, s, mask[:, None, None, :],
                                      lambda p: jnp.einsum("tkgs,tskh->tkgh", p, v))
 
-    init = online_softmax.init((num_tokens, num_kv_heads, group), head_size)
+    init = online_softmax.init((num_tokens, num_kv_heads, group), head_size,
+                               None if sinks is None else sinks.reshape(num_kv_heads, group))
     # Only the pages some row uses: the trip count follows the longest context, not the table width.
     num_pages = jnp.minimum((jnp.max(md.seq_lens) + page_size - 1) // page_size, tables.shape[1])
     _, l, acc = jax.lax.fori_loop(0, num_pages, page_step, init)

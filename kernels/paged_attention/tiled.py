@@ -29,7 +29,7 @@ from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
                           scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                          q_tile: int = 16, pages_per_step: int = 4, group_size: int = 8,
+                          sinks: jax.Array | None = None, q_tile: int = 16, pages_per_step: int = 4, group_size: int = 8,
                           decode_kernel: bool | None = None) -> jax.Array:
     """``decode_kernel``: decode tokens through ``cpu_decode`` (None: wherever it serves the
     layer; False: the jnp loop below)."""
@@ -38,15 +38,17 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, k_cache.shape[2], -1, head_size)
     out = jnp.zeros((num_tokens + 1, *qg.shape[1:]), jnp.float32)        # row T: a sink for padding
+    sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(qg.shape[1:3])     # [K, G]
     attend = dict(k_cache=k_cache, v_cache=v_cache, md=md, sliding_window=sliding_window, soft_cap=soft_cap,
-                  pages_per_step=pages_per_step, group_size=group_size)
+                  sinks=sinks, pages_per_step=pages_per_step, group_size=group_size)
 
     # Decode tokens: one query per tile, at most B of them.
     is_decode = jnp.repeat(q_lens == 1, q_lens, total_repeat_length=num_tokens)
     dec_idx = jnp.nonzero(is_decode, size=num_rows, fill_value=num_tokens)[0]
     if cpu_decode.serves(q, k_cache) if decode_kernel is None else decode_kernel:
         decode = functools.partial(_decode_in_place, qg, dec_idx, k_cache, v_cache, md,
-                                   sliding_window=sliding_window, soft_cap=soft_cap)
+                                   sliding_window=sliding_window, soft_cap=soft_cap,
+                                   sinks=None if sinks is None else sinks.reshape(-1))
     else:
         decode = lambda o: _scatter(o, *_attend(qg, dec_idx[:, None], **attend))     # noqa: E731
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)
@@ -96,7 +98,7 @@ def _attend(qg: jax.Array, idx: jax.Array, *, md: AttentionMetadata, group_size:
 
 
 def _attend_group(qg: jax.Array, idx: jax.Array, *, k_cache, v_cache, md: AttentionMetadata, sliding_window,
-                  soft_cap, pages_per_step: int) -> jax.Array:
+                  soft_cap, sinks, pages_per_step: int) -> jax.Array:
     """Online-softmax attention of query tiles idx [n, q] (index T = padding) over their row's
     pages, ``pages_per_step`` pages per loop iteration. Einsums keep (tile, KV head) as leading
     batch dimensions: plain batched matmuls."""
@@ -130,7 +132,7 @@ def _attend_group(qg: jax.Array, idx: jax.Array, *, k_cache, v_cache, md: Attent
             mask &= key_pos > pos_m - sliding_window
         return online_softmax.update(carry, s, mask, lambda p: jnp.einsum("nkms,nksh->nkmh", p, v))
 
-    init = online_softmax.init((n, kh, q * g), h)
+    init = online_softmax.init((n, kh, q * g), h, None if sinks is None else jnp.tile(sinks, (1, q)))
     last_pos = jnp.max(jnp.where(valid, pos, 0))
     _, l, acc = jax.lax.fori_loop(0, last_pos // span + 1, step, init)
     out = online_softmax.finish(l, acc)                                              # [n, K, q*G, H]

@@ -2,7 +2,7 @@
 Mosaic GPU's interpreter on the CPU with its race detector on (compiled on an sm_90 GPU):
 decode-only, prefill-only and mixed batches, chunks after a prefix-cache hit, 1-token and
 many-page contexts, GQA 1/3/4/8, pages 16/32/64, head sizes 64/128, bf16 and f16, sliding
-window, soft cap, ring depths, padding; its lowering for CUDA; the backend choice."""
+window, soft cap, attention sinks, ring depths, padding; its lowering for CUDA; the backend choice."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +13,7 @@ from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, paged_attention_pallas
 from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic, supports
 from tests.kernels.mosaic_interpret import transposed_wgmma_operands
-from tests.kernels.test_paged_attention import make_batch
+from tests.kernels.test_paged_attention import make_batch, with_sinks
 from tests.kernels.test_pallas_kernel import CASES, MIXED, assert_close, random_ragged_batch
 from tests.kernels.test_pallas_kernel import run_both as run_both_kernels
 
@@ -68,9 +68,10 @@ def test_page_sizes_head_sizes_and_f16(page_size, head_size, dtype):
     assert_close(got, want, real, 2e-2)
 
 
-@pytest.mark.parametrize("kw", [dict(sliding_window=7), dict(soft_cap=5.0), dict(sliding_window=20, soft_cap=2.0)])
-def test_sliding_window_and_soft_cap(kw):
-    got, want, real = run_both(MIXED, group=4, **kw)
+@pytest.mark.parametrize("kw", [dict(sliding_window=7), dict(soft_cap=5.0), dict(sliding_window=20, soft_cap=2.0),
+                                dict(sinks=2.0, sliding_window=9), dict(sinks=1.0, group=3, kv_heads=3)])
+def test_sliding_window_soft_cap_and_sinks(kw):
+    got, want, real = run_both(MIXED, **{"group": 4, **kw})
     assert_close(got, want, real, 2e-2)
 
 
@@ -123,11 +124,13 @@ def lower_for_hopper(q, kc, vc, md, **kw):
     (8, 4, 128, 16, {}),                                  # Llama-3-8B's layout
     (3, 3, 64, 32, dict(sliding_window=9, soft_cap=3.0)),  # SmolLM2's, with a window and a cap
     (2, 1, 64, 64, {}),
+    (8, 8, 64, 16, dict(sinks=1.0, sliding_window=128)),  # gpt-oss's: sinks, a window on every other layer
 ])
 def test_kernel_lowers_for_hopper(kv_heads, group, head_size, page_size, kw):
     """Without a GPU: the layouts that matter lower for sm_90 (the GPU check compiles and runs them)."""
     rng = np.random.default_rng(0)
     q, kc, vc, md, _ = make_batch(rng, MIXED, page_size, kv_heads, group, 80, 6, head_size=head_size)
+    kw = with_sinks(kw, kv_heads * group, 0)
     exported = lower_for_hopper(*(a.astype(jnp.bfloat16) for a in (q, kc, vc)), md, scale=0.1, **kw)
     assert "mosaic_gpu" in exported.mlir_module()
 

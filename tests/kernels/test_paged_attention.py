@@ -1,6 +1,7 @@
 """Paged attention: the plain-jnp reference against dense numpy attention, and the tiled CPU
 variant against the reference, on random ragged batches (decode-only, prefill-only, mixed,
-chunks after a prefix hit, padding rows), GQA ratios 1/4/8, page sizes 4/16, window and soft cap;
+chunks after a prefix hit, padding rows), GQA ratios 1/4/8, page sizes 4/16, window, soft cap and
+attention sinks;
 and the compiled CPU decode kernel against the jnp loop it replaces."""
 import shutil
 import subprocess
@@ -49,7 +50,7 @@ def make_batch(rng, rows, page_size, kv_heads, group, num_tokens, num_rows, head
     return jnp.asarray(q), kc, vc, md, full
 
 
-def dense(q, rows, full, group, scale, window=None, cap=None):
+def dense(q, rows, full, group, scale, window=None, cap=None, sinks=None):
     out, t = np.zeros_like(np.asarray(q)), 0
     for (c, n), (k, v) in zip(rows, full):
         for i in range(n):
@@ -61,8 +62,10 @@ def dense(q, rows, full, group, scale, window=None, cap=None):
             s = np.einsum("nh,snh->ns", np.asarray(q)[t] * scale, kk)
             if cap:
                 s = cap * np.tanh(s / cap)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            out[t] = np.einsum("ns,snh->nh", p / p.sum(-1, keepdims=True), vv)
+            top = s.max(-1, keepdims=True) if sinks is None else np.maximum(s.max(-1), sinks)[:, None]
+            p = np.exp(s - top)
+            total = p.sum(-1, keepdims=True) + (0 if sinks is None else np.exp(sinks[:, None] - top))
+            out[t] = np.einsum("ns,snh->nh", p / total, vv)
             t += 1
     return out
 
@@ -72,8 +75,10 @@ ROWS = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 20)), min_size=1, m
 
 @settings(max_examples=30, deadline=None)
 @given(rows=ROWS, kind=st.sampled_from(["mixed", "decode", "prefill"]), group=st.sampled_from([1, 4, 8]),
-       page_size=st.sampled_from([4, 16]), seed=st.integers(0, 2**16), extras=st.sampled_from([{}, {"sliding_window": 5}, {"soft_cap": 3.0}]))
+       page_size=st.sampled_from([4, 16]), seed=st.integers(0, 2**16), extras=st.sampled_from([{}, {"sliding_window": 5}, {"soft_cap": 3.0}, {"sinks": 2.0},
+                              {"sinks": 2.0, "sliding_window": 5}]))
 def test_reference_matches_dense_and_tiled_matches_reference(rows, kind, group, page_size, seed, extras):
+    """Sinks: one learned logit per query head, a key of value zero (gpt-oss)."""
     if kind == "decode":
         rows = [(c, 1) for c, _ in rows]
     elif kind == "prefill":
@@ -84,13 +89,27 @@ def test_reference_matches_dense_and_tiled_matches_reference(rows, kind, group, 
     q, kc, vc, md, full = make_batch(np.random.default_rng(seed), rows, page_size, 2, group, 144, 8,
                                      num_pages=6 * pages_per_row + 1, max_blocks=pages_per_row + 1)
     scale = H ** -0.5
+    extras = with_sinks(extras, 2 * group, seed)
     ref = np.asarray(paged_attention(q, kc, vc, md, scale=scale, **extras))
     tiled = np.asarray(jax.jit(lambda *a: paged_attention_tiled(*a, scale=scale, **extras))(q, kc, vc, md))
     real = sum(n for _, n in rows)
-    expected = dense(q, rows, full, group, scale, extras.get("sliding_window"), extras.get("soft_cap"))[:real]
+    expected = dense(q, rows, full, group, scale, extras.get("sliding_window"), extras.get("soft_cap"),
+                     _sinks(extras))[:real]
     np.testing.assert_allclose(ref[:real], expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(tiled[:real], ref[:real], rtol=1e-5, atol=1e-5)
     assert np.isfinite(tiled).all() and np.isfinite(ref).all()
+
+
+def with_sinks(extras: dict, num_heads: int, seed: int) -> dict:
+    """``extras`` with ``sinks: std`` replaced by random sink logits [N] of that spread."""
+    if "sinks" not in extras:
+        return extras
+    sinks = np.random.default_rng(seed + 1).normal(0, extras["sinks"], num_heads).astype(np.float32)
+    return {**extras, "sinks": jnp.asarray(sinks)}
+
+
+def _sinks(extras: dict):
+    return None if extras.get("sinks") is None else np.asarray(extras["sinks"])
 
 
 def test_bf16_inputs_stay_close_and_finite():
@@ -141,6 +160,8 @@ def test_a_failed_kernel_build_is_an_error_naming_the_compiler(monkeypatch, tmp_
     (2, 4, 12, 4, {"sliding_window": 7}),                  # a head size off the 8-float lanes
     (1, 8, 128, 16, {"soft_cap": 3.0}),
     (4, 1, 32, 64, {}),
+    (2, 4, 64, 16, {"sinks": 2.0}),
+    (3, 3, 64, 16, {"sinks": 1.0, "sliding_window": 9}),
 ])
 def test_the_cpu_decode_kernel_matches_the_jnp_loop(kv_heads, group, head_size, page_size, extras):
     """Decodes of many lengths beside a prompt chunk and padding rows: the kernel's decode
@@ -149,11 +170,13 @@ def test_the_cpu_decode_kernel_matches_the_jnp_loop(kv_heads, group, head_size, 
     q, kc, vc, md, full = make_batch(np.random.default_rng(7), rows, page_size, kv_heads, group, 40, 10,
                                      head_size=head_size)
     scale = head_size ** -0.5
+    extras = with_sinks(extras, kv_heads * group, 7)
     run = lambda flag: np.asarray(jax.jit(lambda *a: paged_attention_tiled(       # noqa: E731
         *a, scale=scale, decode_kernel=flag, **extras))(q, kc, vc, md))
     kernel, loop = run(True), run(False)
     real = sum(n for _, n in rows)
-    expected = dense(q, rows, full, group, scale, extras.get("sliding_window"), extras.get("soft_cap"))
+    expected = dense(q, rows, full, group, scale, extras.get("sliding_window"), extras.get("soft_cap"),
+                     _sinks(extras))
     np.testing.assert_allclose(kernel[:real], loop[:real], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(kernel[:real], expected[:real], rtol=1e-5, atol=1e-5)
     assert not np.abs(kernel[real:]).any()

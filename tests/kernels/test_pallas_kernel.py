@@ -1,14 +1,14 @@
 """The Pallas ragged paged-attention kernel (interpret mode on the CPU) against the plain-jnp
 reference: decode-only, prefill-only and mixed batches, chunks after a prefix-cache hit, pages
 crossed, 1-token and many-page contexts, GQA 1/4/8, page sizes 16/32, head sizes 64/128,
-f32 and bf16, sliding window, soft cap, padding rows and tokens."""
+f32 and bf16, sliding window, soft cap, attention sinks, padding rows and tokens."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxengine.kernels.paged_attention import paged_attention
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, paged_attention_pallas, validate
-from tests.kernels.test_paged_attention import make_batch
+from tests.kernels.test_paged_attention import make_batch, with_sinks
 
 DECODE = [(0, 1), (15, 1), (16, 1), (40, 1), (95, 1)]
 PREFILL = [(0, 5), (0, 33), (0, 17)]
@@ -29,6 +29,7 @@ def run_both(rows, *, page_size=16, kv_heads=2, group=4, head_size=64, dtype=jnp
                                   num_pages=round_up(sum(pages) + 1, 16), max_blocks=round_up(max(pages) + 1, 16))
     q, kc, vc = q.astype(dtype), kc.astype(dtype), vc.astype(dtype)
     scale = head_size ** -0.5
+    kw = with_sinks(kw, kv_heads * group, seed)
     want = paged_attention(q, kc, vc, md, scale=scale, **kw)
     got = kernel(q, kc, vc, md, scale=scale, **kw, **(kernel_kw or {}))
     return np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in rows)
@@ -63,7 +64,8 @@ def test_bf16_within_2e_2():
     assert_close(got, want, real, 2e-2)
 
 
-@pytest.mark.parametrize("kw", [dict(sliding_window=7), dict(soft_cap=5.0), dict(sliding_window=20, soft_cap=2.0)])
+@pytest.mark.parametrize("kw", [dict(sliding_window=7), dict(soft_cap=5.0), dict(sliding_window=20, soft_cap=2.0),
+                                dict(sinks=2.0), dict(sinks=1.0, sliding_window=9)])
 def test_sliding_window_and_soft_cap(kw):
     got, want, real = run_both(MIXED, group=4, **kw)
     assert_close(got, want, real, 1e-5)
@@ -104,6 +106,7 @@ def test_validation_names_the_problem():
     (jnp.bfloat16, 8, 4, 128, 16),        # Llama-3-8B's layout
     (jnp.float32, 3, 3, 64, 16),          # SmolLM2's
     (jnp.bfloat16, 2, 1, 64, 32),
+    (jnp.bfloat16, 8, 8, 64, 16),         # gpt-oss's, with sinks
 ])
 def test_kernel_lowers_to_triton_for_cuda(dtype, kv_heads, group, head_size, page_size):
     """Without a GPU: the Pallas -> Triton lowering accepts every op of the kernel (cross-platform
@@ -113,8 +116,9 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, kv_heads, group, head_size, pag
 
     rng = np.random.default_rng(0)
     q, kc, vc, md, _ = make_batch(rng, MIXED, page_size, kv_heads, group, 80, 6, head_size=head_size)
+    sinks = with_sinks({"sinks": 1.0}, kv_heads * group, 0)["sinks"] if group == 8 else None
     fn = jax.jit(lambda q, kc, vc, md: paged_attention_pallas(q, kc, vc, md, scale=0.1, interpret=False,
-                                                             sliding_window=9, soft_cap=3.0))
+                                                             sliding_window=9, soft_cap=3.0, sinks=sinks))
     from jax.experimental.pallas import triton as plgpu
 
     target = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")     # named from JAX 0.11

@@ -10,19 +10,27 @@ from hypothesis import strategies as st
 from jaxengine.kernels.matmul import xla_grouped_dense
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.llama import stacked
-from jaxengine.models.moe import SparseMoeBlock, dense_reference, group_by_expert, route
+from jaxengine.models.moe import ClampedSwiGLU, SparseMoeBlock, dense_reference, group_by_expert, route
 
 
-def moe_config(experts: int, k: int, shared: int = 0, normalise: bool = True) -> ModelConfig:
+def moe_config(experts: int, k: int, shared: int = 0, normalise: bool = True, gpt_oss: bool = False) -> ModelConfig:
+    """``gpt_oss``: router and expert biases, the clamped SwiGLU (a limit low enough to clamp)."""
+    extra = dict(router_bias=True, expert_bias=True, swiglu_limit=0.05, swiglu_alpha=1.702) if gpt_oss else {}
     return ModelConfig(architecture="Qwen2MoeForCausalLM", vocab_size=16, hidden_size=24, intermediate_size=40,
                        num_layers=1, num_heads=2, num_kv_heads=2, head_dim=12, num_experts=experts,
                        num_experts_per_tok=k, moe_intermediate_size=20, norm_topk_prob=normalise,
-                       shared_expert_intermediate_size=shared)
+                       shared_expert_intermediate_size=shared, **extra)
 
 
 def block(cfg: ModelConfig, seed: int) -> SparseMoeBlock:
     b = SparseMoeBlock(cfg, jnp.float32, rngs=nnx.Rngs(seed))
     b.router[...] = b.router[...] * 40                    # routing that differs from token to token
+    if cfg.expert_bias:                                   # biases start at zero: make them count
+        keys = iter(jax.random.split(jax.random.key(seed + 100), 4))
+        for module, name in ((b, "router_bias"), (b.experts, "gate_bias"), (b.experts, "up_bias"),
+                             (b.experts, "down_bias")):
+            param = getattr(module, name)
+            param[...] = jax.random.normal(next(keys), param.shape) * 0.05
     return b
 
 
@@ -48,7 +56,7 @@ def test_grouping_sorts_pairs_by_expert_and_leaves_the_padding_out():
 def test_the_grouped_layer_equals_every_expert_on_every_token_masked(tokens, experts, data, seed):
     k = data.draw(st.integers(1, experts))
     shared = data.draw(st.sampled_from([0, 16]))
-    cfg = moe_config(experts, k, shared, normalise=data.draw(st.booleans()))
+    cfg = moe_config(experts, k, shared, normalise=data.draw(st.booleans()), gpt_oss=data.draw(st.booleans()))
     b = block(cfg, seed)
     x = jax.random.normal(jax.random.key(seed), (tokens, cfg.hidden_size))
     out, counts = b(x)
@@ -66,6 +74,26 @@ def test_experts_no_token_chose_cost_nothing_and_padding_routes_nowhere():
     assert int(counts.sum()) == 3
     np.testing.assert_allclose(out[:3], dense_reference(b, x)[:3], rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(out[3:], 0.0)                     # no shared expert: nothing at all
+
+
+def test_the_clamped_swiglu_clamps_the_gate_above_and_up_both_sides():
+    act = ClampedSwiGLU(limit=1.0, alpha=2.0)
+    gate, up = jnp.asarray([3.0, -3.0, 0.5]), jnp.asarray([-5.0, 5.0, 0.25])
+    sig = lambda z: 1 / (1 + np.exp(-z))                      # noqa: E731
+    want = [1.0 * sig(2.0) * 0.0, -3.0 * sig(-6.0) * 2.0, 0.5 * sig(1.0) * 1.25]
+    np.testing.assert_allclose(act(gate, up), want, rtol=1e-6)
+
+
+def test_gpt_oss_experts_clamp_and_their_biases_count_and_the_padding_still_routes_nowhere():
+    cfg = moe_config(6, 2, gpt_oss=True)
+    b = block(cfg, 3)
+    x = jax.random.normal(jax.random.key(4), (7, cfg.hidden_size))
+    out, counts = b(x, num_valid=5)
+    np.testing.assert_allclose(out[:5], dense_reference(b, x)[:5], rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(out[5:], 0.0)
+    assert int(counts.sum()) == 10
+    b.experts.down_bias[...] = jnp.zeros_like(b.experts.down_bias[...])
+    assert not np.allclose(b(x, num_valid=5)[0][:5], out[:5])      # the down bias was in the output
 
 
 def test_the_stacked_layer_index_picks_that_layers_experts():

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers, and their checkpoints:
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) against transformers, and their checkpoints:
 per-expert or stacked tensors, and the errors of a bad one."""
 import json
 
@@ -12,6 +12,7 @@ from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.moe import expert_counts, route
 from jaxengine.models.weights import load_model
+from tests.conftest import MOE_VARIANTS
 from tests.models.test_llama_vs_transformers import BLOCK, PROMPTS, oracle_logits, run_chunks
 
 
@@ -132,53 +133,102 @@ def test_parameter_counts_match_transformers_and_the_active_ones_leave_out_uncho
     _, folder, hf_model = moe_checkpoint
     _, cfg = load_model(folder)
     assert cfg.num_params == sum(p.numel() for p in hf_model.parameters())
-    unchosen = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    expert += 2 * cfg.moe_intermediate_size + cfg.hidden_size if cfg.expert_bias else 0     # gpt-oss's biases
+    unchosen = (cfg.num_experts - cfg.num_experts_per_tok) * expert
     assert cfg.num_active_params == cfg.num_params - len(cfg.sparse_layers) * unchosen
     assert cfg.routed_pairs_per_token == cfg.num_experts_per_tok * len(cfg.sparse_layers)
 
 
-def write_qwen3moe_gguf(path, hf_model):
-    """What llama.cpp's converter writes for a Qwen3-MoE: metadata, the experts stacked per layer."""
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    **{f"self_attn.{p}_proj.{k}": f"attn_{g}.{k}" for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
+       for k in ("weight", "bias")},
+    **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
+}
+
+
+def write_moe_gguf(path, hf_model, per_expert: bool = False):
+    """What llama.cpp's converter writes for a mixture of experts: metadata, the experts stacked per
+    layer as [E, out, in] (gpt-oss's de-interleaved, with their biases; ``per_expert``: one tensor
+    per expert, as older Mixtral files), a llama file's Q/K rows permuted."""
     import gguf
 
+    from tests.models.test_weights import permute_like_llama_cpp
+
     c = hf_model.config
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    arch = GGUF_ARCH[c.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_count(c.num_experts)
+    if arch != "llama":                 # Mixtral's experts are its intermediate_size wide
+        w.add_expert_feed_forward_length(getattr(c, "moe_intermediate_size", c.intermediate_size))
+    w.add_expert_count(c.num_local_experts if hasattr(c, "num_local_experts") else c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
+    if getattr(c, "shared_expert_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-             "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
-             "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
-             "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
-             "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
-             "mlp.gate.weight": "ffn_gate_inp"}
+    if arch == "gpt-oss":
+        w.add_sliding_window(c.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(c.rope_parameters["factor"])
+        w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer_names = {**_GGUF_LAYER_NAMES, **({"post_attention_layernorm.weight": "post_attention_norm.weight"}
+                                           if arch == "gpt-oss" else {})}
     for name, tensor in hf_model.state_dict().items():      # transformers 5 holds experts stacked, fused
         arr = tensor.numpy().astype(np.float32)
-        if name == "lm_head.weight":
-            w.add_tensor("output.weight", arr)
+        if name in names:
+            w.add_tensor(names[name], arr)
             continue
-        parts = name.split(".")
-        if parts[1] != "layers":
-            w.add_tensor(names[".".join(parts[1:])], arr)
-        elif parts[-1] == "gate_up_proj":                    # [E, 2F, D]
-            gate, up = np.split(arr, 2, axis=1)
-            w.add_tensor(f"blk.{parts[2]}.ffn_gate_exps.weight", gate)
-            w.add_tensor(f"blk.{parts[2]}.ffn_up_exps.weight", up)
-        elif parts[-1] == "down_proj" and parts[-2] == "experts":   # [E, D, F]
-            w.add_tensor(f"blk.{parts[2]}.ffn_down_exps.weight", arr)
+        layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+        blk = f"blk.{layer}"
+        if rest == "mlp.experts.gate_up_proj":
+            # [E, 2F, D] gate then up; gpt-oss: [E, D, 2F] interleaved column by column
+            gate, up = ((arr[..., 0::2].transpose(0, 2, 1), arr[..., 1::2].transpose(0, 2, 1)) if arch == "gpt-oss"
+                        else np.split(arr, 2, axis=1))
+            for proj, value in (("gate", gate), ("up", up)):
+                if per_expert:
+                    for e in range(value.shape[0]):
+                        w.add_tensor(f"{blk}.ffn_{proj}.{e}.weight", np.ascontiguousarray(value[e]))
+                else:
+                    w.add_tensor(f"{blk}.ffn_{proj}_exps.weight", np.ascontiguousarray(value))
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            w.add_tensor(f"{blk}.ffn_gate_exps.bias", np.ascontiguousarray(arr[:, 0::2]))
+            w.add_tensor(f"{blk}.ffn_up_exps.bias", np.ascontiguousarray(arr[:, 1::2]))
+        elif rest == "mlp.experts.down_proj":                # [E, D, F]; gpt-oss [E, F, D]
+            down = np.ascontiguousarray(arr.transpose(0, 2, 1) if arch == "gpt-oss" else arr)
+            if per_expert:
+                for e in range(down.shape[0]):
+                    w.add_tensor(f"{blk}.ffn_down.{e}.weight", np.ascontiguousarray(down[e]))
+            else:
+                w.add_tensor(f"{blk}.ffn_down_exps.weight", down)
+        elif rest == "mlp.experts.down_proj_bias":
+            w.add_tensor(f"{blk}.ffn_down_exps.bias", arr)
         else:
-            w.add_tensor(f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.weight", arr)
+            if arch == "llama" and rest == "self_attn.q_proj.weight":
+                arr = permute_like_llama_cpp(arr, c.num_attention_heads)
+            elif arch == "llama" and rest == "self_attn.k_proj.weight":
+                arr = permute_like_llama_cpp(arr, c.num_key_value_heads)
+            elif rest == "mlp.shared_expert_gate.weight":
+                arr = arr.reshape(-1)
+            w.add_tensor(f"{blk}.{layer_names[rest]}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -188,7 +238,7 @@ def write_qwen3moe_gguf(path, hf_model):
 def test_a_qwen3_moe_gguf_gives_the_logits_of_transformers(tmp_path, checkpoints_qwen3_moe, monkeypatch):
     monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))        # the converted-weights cache
     folder, hf_model = checkpoints_qwen3_moe
-    write_qwen3moe_gguf(tmp_path / "tiny-moe.gguf", hf_model)
+    write_moe_gguf(tmp_path / "tiny-moe.gguf", hf_model)
     model, cfg = load_model(tmp_path / "tiny-moe.gguf")
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
         "Qwen3MoeForCausalLM", 8, 3, 32)
@@ -196,3 +246,58 @@ def test_a_qwen3_moe_gguf_gives_the_logits_of_transformers(tmp_path, checkpoints
     np.testing.assert_allclose(run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(hf_model, ids), atol=2e-4, rtol=0)
     again, _ = load_model(tmp_path / "tiny-moe.gguf")                       # now from the converted cache
     np.testing.assert_allclose(run_chunks(again, cfg, ids, [len(ids)]), oracle_logits(hf_model, ids), atol=2e-4, rtol=0)
+
+
+GGUF_MOE = {   # llama.cpp can hold these: every layer sparse, gpt-oss's SwiGLU limit its fixed 7
+    "mixtral-per-expert": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), True, "MixtralForCausalLM"),
+    "qwen2-moe-shared": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48), False, "Qwen2MoeForCausalLM"),
+    "gpt-oss": ("gpt_oss", {**MOE_VARIANTS["gpt-oss"][1], "swiglu_limit": 7.0}, False, "GptOssForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GGUF_MOE))
+def test_mixtral_qwen2_moe_and_gpt_oss_ggufs_give_the_logits_of_transformers(tmp_path, variant, monkeypatch):
+    from tests.conftest import make_checkpoint
+
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))
+    model_type, overrides, per_expert, architecture = GGUF_MOE[variant]
+    hf_model = make_checkpoint(tmp_path / "hf", model_type, **overrides)
+    write_moe_gguf(tmp_path / "moe.gguf", hf_model, per_expert=per_expert)
+    model, cfg = load_model(tmp_path / "moe.gguf")
+    assert cfg.architecture == architecture and cfg.is_moe
+    ids = PROMPTS[3]
+    np.testing.assert_allclose(run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(hf_model, ids), atol=2e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoints_gpt_oss(tmp_path_factory):
+    from tests.conftest import MOE_VARIANTS, make_checkpoint
+
+    model_type, overrides = MOE_VARIANTS["gpt-oss"]
+    folder = tmp_path_factory.mktemp("gpt-oss-files")
+    return folder, make_checkpoint(folder, model_type, **overrides)
+
+
+def test_a_gpt_oss_checkpoint_without_its_sinks_or_with_a_narrow_gate_up_is_an_error_naming_the_tensor(
+        tmp_path, checkpoints_gpt_oss):
+    folder, _ = checkpoints_gpt_oss
+    bad = _copy_checkpoint(folder, tmp_path / "no-sinks", lambda t: {
+        k: v for k, v in t.items() if k != "model.layers.2.self_attn.sinks"})
+    with pytest.raises(ValueError, match=r"missing tensors \['layers\.2\.self_attn\.sinks'\]"):
+        load_model(bad)
+    bad = _copy_checkpoint(folder, tmp_path / "narrow", lambda t: {
+        k: (v[..., :-2] if k == "model.layers.1.mlp.experts.gate_up_proj" else v) for k, v in t.items()})
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.1\.mlp\.experts\.gate_up_proj \(its gate half, seen as "
+                                         r"model\.layers\.1\.mlp\.experts\.gate_proj\): shape \(4, 47, 64\)"):
+        load_model(bad)
+
+
+def test_a_quantized_checkpoint_is_an_error_naming_its_quantization_config(tmp_path, checkpoints_gpt_oss):
+    folder, _ = checkpoints_gpt_oss
+    quantized = _copy_checkpoint(folder, tmp_path / "mxfp4", lambda t: t)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization_config: quant_method 'mxfp4' is not supported"):
+        load_model(quantized)

@@ -35,6 +35,33 @@ def test_greedy_tokens_equal_transformers_split_by_width_or_by_expert(moe, tp, e
     assert sum(t.num_preemptions for t in llm.engine.traces) > 0
 
 
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A tiny gpt-oss (8 heads, 8 experts) and transformers' greedy tokens for it."""
+    from tests.conftest import MOE_VARIANTS, make_checkpoint
+
+    folder = tmp_path_factory.mktemp("tp-gpt-oss")
+    model_type, overrides = MOE_VARIANTS["gpt-oss"]
+    hf = make_checkpoint(folder, model_type, **{**overrides, "num_hidden_layers": 2, "num_attention_heads": 8,
+                                                "num_key_value_heads": 2, "num_local_experts": 8,
+                                                "intermediate_size": 32})
+    return folder, reference(hf, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("tp, ep", [(2, False), (4, True)])
+def test_gpt_oss_split_by_width_or_by_expert_keeps_the_tokens(gpt_oss, tp, ep):
+    """Sinks split with the query heads, expert biases with the experts' columns or whole experts,
+    the o_proj and down biases added once after the sums."""
+    folder, expected = gpt_oss
+    llm = tp_engine(folder, tp, enable_expert_parallel=ep)
+    sinks = llm.runner.state["layers"]["self_attn"]["sinks"]                 # [layers, N]
+    assert sinks.sharding.shard_shape(sinks.shape) == (2, 8 // tp)
+    bias = llm.runner.state["layers"]["mlp"]["experts"]["gate_bias"]         # [layers, E, F]
+    assert bias.sharding.shard_shape(bias.shape) == ((2, 8 // tp, 32) if ep else (2, 8, 32 // tp))
+    outs = greedy_tokens(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_data_parallel_replicas_of_expert_parallel_meshes(moe):
     folder, expected = moe
     llm = tp_engine(folder, 2, enable_expert_parallel=True, data_parallel_size=2)
