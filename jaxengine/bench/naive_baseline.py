@@ -30,6 +30,7 @@ MASKED = -1e30      # finite: a padding query row, which sees no key, then stays
 
 def run_naive(model, requests: list[BenchRequest], batch_size: int, progress: bool = True) -> tuple[dict, list]:
     """Time the requests through the naive loop; returns (figures, generated token ids per request)."""
+    check_serves(model.config)
     graphdef, state = nnx.split(model)
     step = jax.jit(functools.partial(_generate, graphdef), static_argnames="num_new")
     batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
@@ -45,6 +46,16 @@ def run_naive(model, requests: list[BenchRequest], batch_size: int, progress: bo
     seconds = time.perf_counter() - start
     return {"elapsed_s": seconds, "compile_s": compile_s, "batch_size": batch_size,
             "num_shapes": len(compiled)}, tokens
+
+
+def check_serves(cfg) -> None:
+    """ValueError naming ``--baseline naive`` for a model its dense Llama loop does not compute."""
+    unsupported = [name for name, present in (
+        ("a mixture of experts", cfg.is_moe), ("attention sinks", cfg.attention_sinks),
+        ("sliding and full layers mixed", cfg.mixes_windows), ("an o_proj bias", cfg.output_bias)) if present]
+    if unsupported:
+        raise ValueError(f"--baseline naive: the plain JAX loop runs dense Llama-family models; "
+                         f"{cfg.architecture} has {', '.join(unsupported)} (use --baseline hf or vllm)")
 
 
 def _shape(batch: list[BenchRequest]) -> tuple[int, int, int]:

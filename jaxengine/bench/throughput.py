@@ -67,6 +67,10 @@ def run(args) -> dict:
 
         check_options(args.vllm_python, args.vllm_model or args.model)     # before the engine starts
     llm, startup_s = start_engine(EngineArgs.from_cli_args(args), args.progress)
+    if "naive" in args.baseline:
+        from jaxengine.bench.naive_baseline import check_serves
+
+        check_serves(llm.model_config)                      # before the engine's run, not after
     requests = load_requests(args, llm.model_config.vocab_size, llm.encode if llm.tokenizer else None,
                              llm.config.scheduler.max_model_len)
     result = {"mode": "throughput", "engine_args": dataclasses.asdict(llm.engine_args), "model": model_info(llm),

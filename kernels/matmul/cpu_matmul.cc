@@ -17,6 +17,7 @@
 // every row by every expert instead.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <vector>
 
@@ -29,13 +30,49 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kColumnAlign = 16;      // blocks start on 64-byte boundaries of a row of w
+constexpr int64_t kFewRows = 8;           // up to this many rows: MultiplyFewRows, not sgemm
+
+// A few rows (an expert's share of a decode step): w streamed once, each group of four of its rows
+// added into every output row, which stay in the L1 cache. OpenBLAS's sgemm packs w into a buffer
+// first, which for a few rows costs as much again as the product.
+void MultiplyFewRows(const float* x, const float* w, float* out, int64_t m, int64_t k, int64_t n,
+                     int64_t first, int64_t last) {
+  for (int64_t r = 0; r < m; ++r) std::fill(out + r * n + first, out + r * n + last, 0.0f);
+  int64_t kk = 0;
+  for (; kk + 4 <= k; kk += 4) {
+    const float *w0 = w + kk * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * k + kk;
+      const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
+      float* o = out + r * n;
+      for (int64_t c = first; c < last; ++c) o[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c];
+    }
+  }
+  for (; kk < k; ++kk)
+    for (int64_t r = 0; r < m; ++r) {
+      const float a = x[r * k + kk];
+      const float* wr = w + kk * n;
+      float* o = out + r * n;
+      for (int64_t c = first; c < last; ++c) o[c] += a * wr[c];
+    }
+}
+
+int64_t FewRowsLimit() {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("JAXENGINE_FEW_ROWS");
+    return env ? std::atoll(env) : kFewRows;
+  }();
+  return limit;
+}
 
 void MultiplyColumns(const float* x, const float* w, float* out, int64_t m, int64_t k, int64_t n,
                      int64_t first, int64_t last) {
   const int64_t cols = last - first;
   if (cols <= 0) return;
   const float* block = w + first;           // columns first..last of w [K, N]
-  if (m == 1)
+  if (m > 1 && m <= FewRowsLimit())
+    MultiplyFewRows(x, w, out, m, k, n, first, last);
+  else if (m == 1)
     scipy_cblas_sgemv(CblasRowMajor, CblasTrans, k, cols, 1.0f, block, n, x, 1, 0.0f, out + first, 1);
   else
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, cols, k, 1.0f, x, k, block, n, 0.0f,

@@ -233,3 +233,11 @@ def test_throughput_and_latency_on_a_mixture_of_experts(moe_chat_checkpoint, tmp
     assert cfg_experts and set(cfg_experts) == {8}                     # the experts' load is in every step's trace
     result, _ = bench(folder, tmp_path, "latency", "--repeats", "1", "--context-len", "8")
     assert all(r["reached"] and r["step_ms"] > 0 for r in result["rows"])
+
+
+def test_the_naive_baseline_refuses_a_mixture_of_experts_before_the_engine_runs(moe_chat_checkpoint, tmp_path):
+    folder, _ = moe_chat_checkpoint
+    with pytest.raises(ValueError, match=r"--baseline naive: the plain JAX loop runs dense Llama-family models; "
+                                         r"Qwen3MoeForCausalLM has a mixture of experts"):
+        bench(folder, tmp_path, "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+              "--baseline", "naive")

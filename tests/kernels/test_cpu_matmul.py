@@ -12,9 +12,11 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ 
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (3, 40, 17), (17, 96, 200), (64, 128, 33)])
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (3, 40, 17), (6, 37, 50), (8, 64, 40), (17, 96, 200),
+                                        (64, 128, 33)])
 def test_the_kernel_matches_numpy_for_every_layer_of_a_stack(rows, k, n):
-    # rows 1 is OpenBLAS's gemv; N off the 16-column blocks leaves a short last block
+    # rows 1 is OpenBLAS's gemv, 2-8 the few-rows loop (K off its groups of 4 too), more sgemm;
+    # N off the 16-column blocks leaves a short last block
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, k), np.float32)
     w = rng.standard_normal((3, k, n), np.float32)
