@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxengine.models.config import ModelConfig
 from jaxengine.kernels.matmul import xla_dense
 from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules
-from jaxengine.models.moe import Experts, routed_swiglu
+from jaxengine.models.moe import Experts, expert_of_rows, grouped_swiglu, routed_swiglu
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,70 @@ class ShardedExperts:
                                      *(bias_spec,) * len(biases)),
                            out_specs=P(), check_vma=False)
         return fn(x, weights, order, sizes, gate, up, down, layer, *biases)
+
+
+class AllToAllExperts:
+    """Expert parallelism by dispatch, the layout the engine measures against and does not use
+    (docs/ARCHITECTURE.md, "Expert parallelism"): each device takes 1/N of the step's tokens,
+    sends each of their token-expert pairs to the device holding its expert (one all-to-all),
+    that device runs its experts' rows and sends the results back (a second all-to-all), the
+    pairs are combined per token and the tokens gathered again (an all-gather). Shapes stay
+    static, so each device's send buffer has room for all of its pairs on every device (no pair
+    is ever dropped, at N times the bytes a ragged all-to-all would move). Same call as
+    ``routed_swiglu``; the experts are split by ``E``."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.__name__ = "all-to-all expert-parallel experts"
+
+    def __call__(self, x, weights, order, sizes, gate, up, down, layer, grouped_fn, *, activation,
+                 gate_bias=None, up_bias=None):
+        if layer is None:
+            gate, up, down, layer = gate[None], up[None], down[None], jnp.int32(0)
+        n, num_experts = mesh_size(self.mesh), sizes.shape[0]
+        t, k = weights.shape
+        pair_expert = _expert_of_pairs(order, sizes, t * k).reshape(t, k)     # num_experts: no expert
+        pad = -t % n                                          # every device gets as many tokens
+        x, weights = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(weights, ((0, pad), (0, 0)))
+        pair_expert = jnp.pad(pair_expert, ((0, pad), (0, 0)), constant_values=num_experts)
+        biases = () if gate_bias is None else (gate_bias, up_bias)
+        expert_spec = P(None, MODEL_AXIS, None, None)
+
+        def per_device(x, weights, pair_expert, gate, up, down, layer, *biases):
+            rows_of = (t + pad) // n
+            first = jax.lax.axis_index(MODEL_AXIS) * rows_of
+            x, weights, pair_expert = (jax.lax.dynamic_slice_in_dim(a, first, rows_of) for a in (x, weights, pair_expert))
+            local = gate.shape[-3]
+            pe = pair_expert.reshape(-1)                                       # [Pd] this device's pairs
+            dest = jnp.where(pe < num_experts, pe // local, n)                 # n: nowhere
+            slot = jnp.cumsum(dest[:, None] == jnp.arange(n)[None, :], axis=0)[jnp.arange(pe.shape[0]),
+                                                                               jnp.minimum(dest, n - 1)] - 1
+            capacity = pe.shape[0]
+            send = jnp.zeros((n + 1, capacity, x.shape[1]), x.dtype).at[dest, slot].set(x[jnp.arange(capacity) // k])
+            send_expert = jnp.full((n + 1, capacity), local, jnp.int32).at[dest, slot].set(pe % local)
+            rows = jax.lax.all_to_all(send[:n], MODEL_AXIS, 0, 0).reshape(n * capacity, -1)
+            row_expert = jax.lax.all_to_all(send_expert[:n], MODEL_AXIS, 0, 0).reshape(-1)
+            by_expert = jnp.argsort(row_expert, stable=True)
+            local_sizes = jnp.zeros(local, jnp.int32).at[row_expert].add(1, mode="drop")
+            kw = dict(zip(("gate_bias", "up_bias"), biases))
+            done = grouped_swiglu(rows[by_expert], local_sizes, gate, up, down, layer, grouped_fn, activation, **kw)
+            done = done[jnp.argsort(by_expert)].reshape(n, capacity, -1)
+            back = jax.lax.all_to_all(done, MODEL_AXIS, 0, 0)                  # [n, capacity, D], as sent
+            got = jnp.where((dest < n)[:, None], back[jnp.minimum(dest, n - 1), slot], 0)
+            out = (got * weights.reshape(-1)[:, None].astype(x.dtype)).reshape(rows_of, k, -1).sum(axis=1)
+            return jax.lax.all_gather(out, MODEL_AXIS, tiled=True)
+
+        fn = jax.shard_map(per_device, mesh=self.mesh,
+                           in_specs=(P(), P(), P(), expert_spec, expert_spec, expert_spec, P(),
+                                     *(P(MODEL_AXIS, None),) * len(biases)),
+                           out_specs=P(), check_vma=False)
+        return fn(x, weights, pair_expert, gate, up, down, layer, *biases)[:t]
+
+
+def _expert_of_pairs(order: jax.Array, sizes: jax.Array, num_pairs: int) -> jax.Array:
+    """[T*k] each pair's expert, from its place in the expert order (E for pairs in no group)."""
+    sorted_expert = jnp.where(jnp.arange(num_pairs) < sizes.sum(), expert_of_rows(sizes, num_pairs), sizes.shape[0])
+    return jnp.zeros(num_pairs, jnp.int32).at[order].set(sorted_expert)
 
 
 def check_expert_parallel(cfg: ModelConfig, tp: int) -> None:

@@ -83,14 +83,22 @@ def routed_swiglu(x: jax.Array, weights: jax.Array, order: jax.Array, sizes: jax
     if not isinstance(first_row, int) or first_row:          # this device's groups first
         order = jnp.roll(order, -first_row)
     rows = x[order // k]                                       # [T*k, D], grouped by expert
+    out = grouped_swiglu(rows, sizes, gate, up, down, layer, grouped_fn, activation, gate_bias, up_bias)
+    out = out * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    unsorted = out[jnp.argsort(order)]                         # pair order again (others' rows: 0)
+    return unsorted.reshape(t, k, -1).sum(axis=1)
+
+
+def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                   layer: jax.Array | None, grouped_fn: Callable, activation: Callable = swiglu,
+                   gate_bias: jax.Array | None = None, up_bias: jax.Array | None = None) -> jax.Array:
+    """Each expert's SwiGLU of its rows, the rows grouped by expert (``sizes``); rows past the
+    groups (padding, other devices' experts) come out of the down projection as 0."""
     g, u = grouped_fn(rows, gate, sizes, layer), grouped_fn(rows, up, sizes, layer)
     if gate_bias is not None:
         expert = expert_of_rows(sizes, rows.shape[0])
         g, u = g + gate_bias[expert], u + up_bias[expert]
-    # Rows past the groups (padding, other devices' experts) come out of the down projection as 0.
-    out = grouped_fn(activation(g, u), down, sizes, layer) * weights.reshape(-1)[order][:, None].astype(x.dtype)
-    unsorted = out[jnp.argsort(order)]                         # pair order again (others' rows: 0)
-    return unsorted.reshape(t, k, -1).sum(axis=1)
+    return grouped_fn(activation(g, u), down, sizes, layer)
 
 
 def expert_of_rows(sizes: jax.Array, num_rows: int) -> jax.Array:

@@ -8,7 +8,9 @@
    The grouped layer reads the experts its tokens touch, the dense MLP its one matrix, so at
    decode batches that touch many experts the weights read set the floor: printed beside it.
 2. The same layer over 8 simulated CPU devices: tensor-parallel experts (each device every
-   expert's F / 8 columns) against expert-parallel ones (each device 8 whole experts). The
+   expert's F / 8 columns) against expert-parallel ones (each device 8 whole experts), these
+   with every token on every device (replicate and reduce, the engine's) or dispatched to their
+   experts' devices by all-to-all (``models.mesh.AllToAllExperts``). The
    simulated devices share this machine's cores, so this is the layout's overhead (the extra
    collectives and the per-device grouping), not a speed-up.
 """
@@ -30,7 +32,7 @@ from flax import nnx  # noqa: E402
 
 from jaxengine.models.config import ModelConfig  # noqa: E402
 from jaxengine.models.layers import MLP  # noqa: E402
-from jaxengine.models.mesh import ShardedExperts, make_mesh, place_model  # noqa: E402
+from jaxengine.models.mesh import AllToAllExperts, ShardedExperts, make_mesh, place_model  # noqa: E402
 from jaxengine.models.moe import SparseMoeBlock, dense_reference  # noqa: E402
 
 # A Qwen3-MoE-like layer scaled to this CPU: 64 experts, top 4, expert width 256, model width 1024.
@@ -112,6 +114,10 @@ def over_the_mesh(repeats: int) -> list[dict]:
         place_model(block, mesh)
         block.experts.experts_fn = ShardedExperts(mesh, ep)
         blocks["expert-parallel" if ep else "tensor-parallel"] = jitted(block, lambda m, x: m(x)[0])
+    dispatched = SparseMoeBlock(CFG, jnp.float32, expert_parallel=True, rngs=nnx.Rngs(0))
+    place_model(dispatched, mesh)
+    dispatched.experts.experts_fn = AllToAllExperts(mesh)
+    blocks["all-to-all"] = jitted(dispatched, lambda m, x: m(x)[0])
     single = SparseMoeBlock(CFG, jnp.float32, rngs=nnx.Rngs(0))
     one = jitted(single, lambda m, x: m(x)[0])
     rows = []
@@ -123,7 +129,8 @@ def over_the_mesh(repeats: int) -> list[dict]:
         s = in_turns({**calls, "one device": lambda: one(x)}, repeats)
         rows.append({"tokens": t, **{k: v * 1e3 for k, v in s.items()}})
         print(f"{t:4d} tokens on 8 simulated devices: TP {s['tensor-parallel'] * 1e3:7.2f} ms, "
-              f"EP {s['expert-parallel'] * 1e3:7.2f} ms (one device {s['one device'] * 1e3:7.2f} ms)", flush=True)
+              f"EP {s['expert-parallel'] * 1e3:7.2f} ms, EP by all-to-all {s['all-to-all'] * 1e3:7.2f} ms "
+              f"(one device {s['one device'] * 1e3:7.2f} ms)", flush=True)
     return rows
 
 

@@ -91,3 +91,29 @@ def test_expert_parallelism_that_cannot_split_is_refused(moe, tmp_path):
     with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no experts to split"):
         LLM(dense, skip_tokenizer_init=True, tensor_parallel_size=2, enable_expert_parallel=True, progress=False)
     assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("gpt_oss_experts", [False, True])
+def test_all_to_all_dispatch_equals_one_device(gpt_oss_experts):
+    """The dispatch layout the engine measures against: tokens split over 8 devices, pairs sent to
+    their experts' devices and back; token counts that do not split evenly and padding included."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxengine.models.mesh import AllToAllExperts, make_mesh, place_model
+    from jaxengine.models.moe import SparseMoeBlock
+    from tests.models.test_moe_layer import block, moe_config
+
+    cfg = moe_config(16, 3, gpt_oss=gpt_oss_experts)
+    one = block(cfg, 5)
+    spread = SparseMoeBlock(cfg, jnp.float32, expert_parallel=True, rngs=nnx.Rngs(0))
+    nnx.update(spread, nnx.state(one))
+    place_model(spread, make_mesh(jax.devices()[:8]))
+    spread.experts.experts_fn = AllToAllExperts(make_mesh(jax.devices()[:8]))
+    for tokens, valid in ((1, 1), (13, 13), (24, 20)):
+        x = jax.random.normal(jax.random.key(tokens), (tokens, cfg.hidden_size))
+        want, want_counts = one(x, num_valid=valid)
+        got, counts = jax.jit(lambda x: spread(x, num_valid=valid))(x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(counts, want_counts)
