@@ -15,6 +15,14 @@
 
 namespace jaxengine {
 
+// The width of each of ``*blocks`` column blocks of an [.., N] output: one block per pool thread,
+// each starting on a 16-column (64-byte) boundary of a row.
+inline int64_t ColumnBlockWidth(int64_t n, int64_t threads, int64_t* blocks) {
+  constexpr int64_t kColumnAlign = 16;
+  *blocks = std::max<int64_t>(1, std::min<int64_t>(threads, n / kColumnAlign));
+  return ((n + *blocks - 1) / *blocks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
+}
+
 // Runs run(i) for every i in [0, count), each exactly once, on the calling thread and up to
 // pool.num_threads() - 1 helpers; returns when all are done. Items are taken in order, so put
 // the longest first.

@@ -29,7 +29,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kColumnAlign = 16;      // blocks start on 64-byte boundaries of a row of w
 constexpr int64_t kFewRows = 8;           // up to this many rows: MultiplyFewRows, not sgemm
 
 // A few rows (an expert's share of a decode step): w streamed once, each group of four of its rows
@@ -84,12 +83,6 @@ void SetSingleThreaded() {
   std::call_once(once, [] { scipy_openblas_set_num_threads(1); });
 }
 
-// One block per pool thread, on 16-column boundaries.
-int64_t ColumnBlockWidth(int64_t n, int64_t threads, int64_t* blocks) {
-  *blocks = std::max<int64_t>(1, std::min<int64_t>(threads, n / kColumnAlign));
-  return ((n + *blocks - 1) / *blocks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
-}
-
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   SetSingleThreaded();
@@ -102,7 +95,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (index < 0 || index >= wd[0]) return ffi::Error::InvalidArgument("cpu matmul: layer index out of range");
   if (m == 0 || n == 0) return ffi::Error::Success();
   int64_t blocks;
-  const int64_t width = ColumnBlockWidth(n, pool.num_threads(), &blocks);
+  const int64_t width = jaxengine::ColumnBlockWidth(n, pool.num_threads(), &blocks);
   const float *xp = x.typed_data(), *wp = w.typed_data() + index * k * n;
   float* op = out->typed_data();
   jaxengine::ParallelFor(pool, blocks, [=](int64_t b) {
@@ -143,7 +136,7 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   // Enough groups for every thread: each multiplies whole experts, reading each one's weights
   // front to back; fewer: the columns of each are split among the threads as in the dense matmul.
   int64_t blocks = 1, width = n;
-  if (static_cast<int64_t>(groups.size()) < pool.num_threads()) width = ColumnBlockWidth(n, pool.num_threads(), &blocks);
+  if (static_cast<int64_t>(groups.size()) < pool.num_threads()) width = jaxengine::ColumnBlockWidth(n, pool.num_threads(), &blocks);
   const float *xp = x.typed_data(), *wp = w.typed_data() + index * experts * k * n;
   jaxengine::ParallelFor(pool, groups.size() * blocks, [&](int64_t item) {
     const Group& g = groups[item / blocks];

@@ -12,30 +12,35 @@ splits it over the mesh (``models.mesh.shard_kernels``).
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxengine.kernels.cpu_build import register_kernel
+from jaxengine.kernels.matmul.openblas import openblas_build
+from jaxengine.kernels.matmul.quantized import QuantizedWeight, quantized_dense, xla_quantized_dense
 
-logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxengine_cpu_matmul"
 GROUPED_TARGET = "jaxengine_cpu_grouped_matmul"
 
 
-def xla_dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-    """x [T, D] @ w [D, ...] -> [T, ...] by XLA's dot; with ``layer``, w is stacked [L, D, ...]."""
+def xla_dense(x: jax.Array, w: jax.Array | QuantizedWeight, layer: jax.Array | None = None) -> jax.Array:
+    """x [T, D] @ w [D, ...] -> [T, ...] by XLA's dot; with ``layer``, w is stacked [L, D, ...]. A
+    quantized weight is dequantised (the layer's slice only) and multiplied."""
+    if isinstance(w, QuantizedWeight):
+        return xla_quantized_dense(x, w, layer)
     return jnp.tensordot(x, w if layer is None else w[layer], axes=1)
 
 
 def dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """x [T, D] @ w [D, ...] -> [T, ...], or x @ w[layer] with w stacked [L, D, ...] (the layer
     scan's weights, read in place): through OpenBLAS where it serves, else XLA's dot. The weight's
-    trailing axes are one row-major block, so flattening them costs nothing."""
+    trailing axes are one row-major block, so flattening them costs nothing. A quantized weight
+    goes to ``quantized_dense``."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_dense(x, w, layer)
     if not serves(x, w):
         return xla_dense(x, w, layer)
     stacked = w if layer is not None else w[None]
@@ -86,15 +91,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: ja
 
 @functools.cache
 def available() -> bool:
-    if os.environ.get("JAXENGINE_CPU_MATMUL_KERNEL", "1") == "0":
-        return False
-    try:
-        import scipy_openblas32 as openblas
-    except ImportError:
-        logger.warning("the CPU matmul kernel needs the scipy-openblas32 package; using XLA's dot")
-        return False
-    lib = openblas.get_lib_dir()
-    build = dict(include_dirs=[openblas.get_include_dir()],
-                 link_args=[f"-L{lib}", f"-l{openblas.get_library()}", f"-Wl,-rpath,{lib}"])
-    return (register_kernel(SOURCE, "JaxengineCpuMatmul", TARGET, "CPU matmul", **build)
+    build = openblas_build()
+    return (build is not None
+            and register_kernel(SOURCE, "JaxengineCpuMatmul", TARGET, "CPU matmul", **build)
             and register_kernel(SOURCE, "JaxengineCpuGroupedMatmul", GROUPED_TARGET, "CPU grouped matmul", **build))

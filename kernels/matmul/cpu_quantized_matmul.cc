@@ -1,0 +1,265 @@
+// A matmul of f32 activations with quantized weights on the CPU, called from XLA through the FFI.
+// The weights stay quantized in memory; each step reads their bytes, not an f32 copy.
+//
+// Shapes: x [M, K] f32; q [L, K/P, N]: int8 values (P = 1), or int4 values 0..15 packed two rows a
+// byte (P = 2: row 2r in the low nibble, row 2r+1 in the high one); scale [L, K/G, N] f16 and
+// offset [L, K/G, N] f16 (or [0]: none), one per group of G rows and column; layer [] s32.
+// The weight is w[k, n] = scale[k/G, n] * q[k, n] + offset[k/G, n], and out [M, N] = x @ w[layer].
+//
+// A few rows (a decode step): the scales come out of the sum, group by group,
+//   out[m, n] = sum_g scale[g, n] * (sum_{k in g} x[m, k] q[k, n]) + offset[g, n] * (sum_{k in g} x[m, k]),
+// so each weight byte is converted once and multiplied into every row: the work per weight is a
+// convert and one fused multiply-add per row, and the bytes read are the quantized ones.
+// More rows (a prefill): each thread dequantises its column block to f32 once and hands it to
+// OpenBLAS's sgemm, whose blocking serves many rows better than the loop above.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "cblas.h"
+#include "cpu_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kFusedRows = 8;        // up to this many rows: the fused loop, else dequantise + sgemm
+
+struct Weights {
+  const uint8_t* q;                      // int8 values as bytes (P = 1) or packed nibbles (P = 2)
+  const _Float16* scale;
+  const _Float16* offset;                // nullptr: none
+  int64_t k, n, group;
+};
+
+typedef float Floats __attribute__((vector_size(32)));          // 8 lanes: AVX2, or two SSE halves
+typedef int8_t Bytes __attribute__((vector_size(8)));
+typedef uint8_t UBytes __attribute__((vector_size(8)));
+typedef _Float16 Halves __attribute__((vector_size(16)));
+constexpr int64_t kLanes = 8;
+
+template <int P>
+inline float Value(uint8_t byte, int half) {
+  if constexpr (P == 1) return static_cast<float>(static_cast<int8_t>(byte));
+  return static_cast<float>(half ? byte >> 4 : byte & 15);
+}
+
+template <typename V, typename T>
+inline V Load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// 8 int8 / uint8 / float16 values as floats. GCC's generic vector conversions of these are done
+// one element at a time; AVX2 and F16C convert the 8 at once.
+inline Floats SignedBytes(const uint8_t* p) {
+#ifdef __AVX2__
+  return (Floats)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(Load<Bytes>(p), Floats);
+#endif
+}
+
+#ifdef __AVX2__
+inline Floats Nibbles(__m128i bytes) { return (Floats)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+#endif
+
+inline Floats HalfFloats(const _Float16* p) {
+#ifdef __F16C__
+  return (Floats)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return __builtin_convertvector(Load<Halves>(p), Floats);
+#endif
+}
+
+// The weights of rows kk (and kk + 1 when packed) at 8 columns: (low, high).
+template <int P>
+inline void LoadValues(const uint8_t* row, Floats* low, Floats* high) {
+  if constexpr (P == 1) {
+    *low = SignedBytes(row);
+  } else {
+#ifdef __AVX2__
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row));
+    *low = Nibbles(_mm_and_si128(b, _mm_set1_epi8(15)));
+    *high = Nibbles(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)));
+#else
+    const UBytes b = Load<UBytes>(row);
+    *low = __builtin_convertvector(b & 15, Floats);
+    *high = __builtin_convertvector(b >> 4, Floats);
+#endif
+  }
+}
+
+// out[0..M) x columns [c, c + 8 T): each group's sums of x times q stay in registers (M x T of
+// them), and each row of q is read 64 bytes (or T vectors) at a time.
+template <int P, int M, int T>
+void FusedLanes(const float* x, const Weights& w, const float* sums, float* out, int64_t c) {
+  const int64_t k = w.k, n = w.n, g = w.group, groups = k / g;
+  Floats res[M][T] = {};
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    Floats acc[M][T] = {};
+    for (int64_t kk = gi * g; kk < (gi + 1) * g; kk += P) {
+      const uint8_t* row = w.q + (kk / P) * n + c;
+      for (int t = 0; t < T; ++t) {
+        Floats low, high;
+        LoadValues<P>(row + t * kLanes, &low, &high);
+        for (int r = 0; r < M; ++r) {
+          acc[r][t] += x[r * k + kk] * low;
+          if constexpr (P == 2) acc[r][t] += x[r * k + kk + 1] * high;
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const Floats s = HalfFloats(w.scale + gi * n + c + t * kLanes);
+      for (int r = 0; r < M; ++r) res[r][t] += s * acc[r][t];
+      if (w.offset != nullptr) {
+        const Floats o = HalfFloats(w.offset + gi * n + c + t * kLanes);
+        for (int r = 0; r < M; ++r) res[r][t] += o * sums[r * groups + gi];
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) std::memcpy(out + r * n + c, res[r], sizeof res[r]);
+}
+
+// Columns past the last multiple of 8 of a block, one at a time.
+template <int P>
+void FusedColumn(const float* x, const Weights& w, const float* sums, float* out, int64_t m, int64_t c) {
+  const int64_t k = w.k, n = w.n, g = w.group, groups = k / g;
+  for (int64_t r = 0; r < m; ++r) {
+    float total = 0.0f;
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      float acc = 0.0f;
+      for (int64_t kk = gi * g; kk < (gi + 1) * g; ++kk)
+        acc += x[r * k + kk] * Value<P>(w.q[(kk / P) * n + c], P == 2 ? kk & 1 : 0);
+      total += static_cast<float>(w.scale[gi * n + c]) * acc;
+      if (w.offset != nullptr) total += static_cast<float>(w.offset[gi * n + c]) * sums[r * groups + gi];
+    }
+    out[r * n + c] = total;
+  }
+}
+
+template <int P, int M>
+void FusedColumnsOf(const float* x, const Weights& w, const float* sums, float* out, int64_t first, int64_t last) {
+  constexpr int T = M >= 8 ? 1 : 8 / M;                 // vectors per row: M x T accumulators
+  int64_t c = first;
+  for (; c + T * kLanes <= last; c += T * kLanes) FusedLanes<P, M, T>(x, w, sums, out, c);
+  for (; c + kLanes <= last; c += kLanes) FusedLanes<P, M, 1>(x, w, sums, out, c);
+  for (; c < last; ++c) FusedColumn<P>(x, w, sums, out, M, c);
+}
+
+// out[0..m) x [first, last) of x @ w, m <= kFusedRows.
+template <int P>
+void FusedColumns(const float* x, const Weights& w, float* out, int64_t m, int64_t first, int64_t last) {
+  const int64_t groups = w.k / w.group;
+  std::vector<float> sums(m * groups, 0.0f);          // x summed over each group (the offsets' factor)
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t kk = 0; kk < w.k; ++kk) sums[r * groups + kk / w.group] += x[r * w.k + kk];
+  using Fn = void (*)(const float*, const Weights&, const float*, float*, int64_t, int64_t);
+  static constexpr Fn kByRows[kFusedRows] = {
+      FusedColumnsOf<P, 1>, FusedColumnsOf<P, 2>, FusedColumnsOf<P, 3>, FusedColumnsOf<P, 4>,
+      FusedColumnsOf<P, 5>, FusedColumnsOf<P, 6>, FusedColumnsOf<P, 7>, FusedColumnsOf<P, 8>};
+  kByRows[m - 1](x, w, sums.data(), out, first, last);
+}
+
+// Columns [first, last) of w as f32 [K, last - first], 8 columns at a time where it can.
+template <int P>
+void Dequantize(const Weights& w, float* buf, int64_t first, int64_t last) {
+  const int64_t cols = last - first, n = w.n;
+  for (int64_t kk = 0; kk < w.k; kk += P) {
+    const uint8_t* row = w.q + (kk / P) * n + first;
+    const _Float16* s = w.scale + (kk / w.group) * n + first;
+    const _Float16* o = w.offset ? w.offset + (kk / w.group) * n + first : nullptr;
+    float* b = buf + kk * cols;
+    int64_t c = 0;
+    for (; c + kLanes <= cols; c += kLanes) {
+      Floats low, high;
+      LoadValues<P>(row + c, &low, &high);
+      const Floats sc = HalfFloats(s + c), off = o ? HalfFloats(o + c) : Floats{};
+      const Floats lo = sc * low + off;
+      std::memcpy(b + c, &lo, sizeof lo);
+      if constexpr (P == 2) {
+        const Floats hi = sc * high + off;
+        std::memcpy(b + cols + c, &hi, sizeof hi);
+      }
+    }
+    for (; c < cols; ++c)
+      for (int half = 0; half < P; ++half)
+        b[half * cols + c] = static_cast<float>(s[c]) * Value<P>(row[c], half) + (o ? static_cast<float>(o[c]) : 0.0f);
+  }
+}
+
+template <int P>
+void MultiplyColumns(const float* x, const Weights& w, float* out, int64_t m, int64_t first, int64_t last) {
+  if (last <= first) return;
+  if (m <= kFusedRows) return FusedColumns<P>(x, w, out, m, first, last);
+  thread_local std::vector<float> buf;
+  buf.resize(w.k * (last - first));
+  Dequantize<P>(w, buf.data(), first, last);
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, last - first, w.k, 1.0f, x, w.k, buf.data(),
+                    last - first, 0.0f, out + first, w.n);
+}
+
+void SetSingleThreaded() {
+  static std::once_flag once;
+  std::call_once(once, [] { scipy_openblas_set_num_threads(1); });
+}
+
+template <int P, ffi::DataType QType>
+ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<QType> q,
+                               ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  SetSingleThreaded();
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: x [M, K], q [L, K/P, N], scale [L, K/G, N], one layer");
+  const int64_t m = xd[0], k = xd[1], n = qd[2], index = layer.typed_data()[0];
+  const bool has_offset = offset.element_count() != 0;
+  if (qd[1] * P != k || sd[0] != qd[0] || sd[2] != n || sd[1] == 0 || k % sd[1] != 0 || (k / sd[1]) % P != 0 ||
+      (has_offset && offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("cpu quantized matmul: the shapes of x, q, scale and offset disagree");
+  if (index < 0 || index >= qd[0]) return ffi::Error::InvalidArgument("cpu quantized matmul: layer index out of range");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const int64_t groups = sd[1];
+  auto half = [](void* p) { return static_cast<const _Float16*>(p); };
+  const Weights w{static_cast<const uint8_t*>(q.untyped_data()) + index * (k / P) * n,
+                  half(scale.untyped_data()) + index * groups * n,
+                  has_offset ? half(offset.untyped_data()) + index * groups * n : nullptr, k, n, k / groups};
+  int64_t blocks;
+  const int64_t width = jaxengine::ColumnBlockWidth(n, pool.num_threads(), &blocks);
+  const float* xp = x.typed_data();
+  float* op = out->typed_data();
+  jaxengine::ParallelFor(pool, blocks, [&, width](int64_t b) {
+    MultiplyColumns<P>(xp, w, op, m, std::min(n, b * width), std::min(n, (b + 1) * width));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuInt8Matmul, (QuantizedMatmulImpl<1, ffi::S8>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuInt4Matmul, (QuantizedMatmulImpl<2, ffi::U8>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

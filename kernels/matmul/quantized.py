@@ -1,0 +1,178 @@
+"""Quantized weights, kept quantized in memory, and their matmul.
+
+A ``QuantizedWeight`` stands for an f32 weight of the model's layout ([..contracted axes.., ..output
+axes..], possibly stacked [L, ...] over layers) as integer values with a scale and an optional
+offset per group of ``G`` consecutive elements along the last contracted axis:
+
+    w = scale * q + offset           (per group and output column)
+
+int8 values are signed (-127..127, no offset: symmetric); int4 values are 0..15 packed two a byte
+along the grouped axis (element 2i in the low nibble, 2i+1 in the high one), with an offset (an
+asymmetric range, as GGUF's Q4_1; a symmetric one such as Q4_0 is offset = -8 * scale). Scales
+and offsets are float16, as GGUF stores them, so a GGUF block converts exactly.
+
+The matmul applies the scales in its epilogue: on a CPU through ``cpu_quantized_matmul.cc`` (the
+bytes read per step are the quantized ones), elsewhere, and on a mesh, by XLA: the layer's weight
+dequantised then multiplied (``xla_quantized_dense``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.kernels.cpu_build import register_kernel
+from jaxengine.kernels.matmul.openblas import openblas_build
+
+SOURCE = Path(__file__).with_name("cpu_quantized_matmul.cc")
+TARGETS = {8: "jaxengine_cpu_int8_matmul", 4: "jaxengine_cpu_int4_matmul"}
+SYMBOLS = {8: "JaxengineCpuInt8Matmul", 4: "JaxengineCpuInt4Matmul"}
+SCALE_DTYPE = np.float16
+BITS = (8, 4)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """``q``: int8 [.., K, ..] (bits 8) or uint8 [.., K/2, ..] (bits 4, packed along the grouped
+    axis); ``scale`` / ``offset``: float16 [.., K/G, ..]; ``offset`` None: none. ``out_axes``: how
+    many trailing axes are the matmul's output; the axes before them (after a stacking axis, if
+    any) are contracted, and the last contracted one is grouped."""
+    q: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    out_axes: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    def layer(self, index) -> "QuantizedWeight":
+        """The weight of one layer of a stacked [L, ...] weight."""
+        return jax.tree.map(lambda a: a[index], self)
+
+    @property
+    def group(self) -> int:
+        axis = -1 - self.out_axes
+        return self.q.shape[axis] * (8 // self.bits) // self.scale.shape[axis]
+
+
+# ---------------------------------------------------------------- host side: quantize, pack
+def quantize(w: np.ndarray, bits: int, group: int, axis: int = -1, offset: bool | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The engine's reference quantization of ``w`` in groups of ``group`` along ``axis``:
+    -> (values, scale, offset or None), values unpacked (int8; int4 as uint8 0..15). int8 is
+    symmetric (scale = max|w| / 127); int4 asymmetric (scale = (max - min) / 15, offset = min),
+    or symmetric with ``offset=False`` (values -8..7 shifted to 0..15, offset = -8 * scale). Scales
+    are rounded to float16 before the values are computed, so dequantising reproduces them."""
+    if bits not in BITS:
+        raise ValueError(f"quantization to {bits} bits: supported {BITS}")
+    w = np.moveaxis(np.asarray(w, np.float32), axis, -1)
+    if w.shape[-1] % group or (bits == 4 and group % 2):
+        raise ValueError(f"a group of {group} does not divide the axis of {w.shape[-1]} (int4: an even group)")
+    g = w.reshape(*w.shape[:-1], w.shape[-1] // group, group)
+    offset = bits == 4 if offset is None else offset
+    if offset:
+        low, high = g.min(-1), g.max(-1)
+        levels = 2 ** bits - 1
+        scale, zero = _f16((high - low) / levels), _f16(low)
+        values = np.clip(np.rint((g - zero[..., None]) / _nonzero(scale)[..., None]), 0, levels)
+        if bits == 8:           # int8 values are signed: the range and the offset shift by 128 steps
+            values, zero = values - 128, _f16(zero.astype(np.float32) + 128 * scale.astype(np.float32))
+        values = values.astype(np.uint8 if bits == 4 else np.int8)
+    else:
+        top = 2 ** (bits - 1) - 1
+        scale = _f16(np.abs(g).max(-1) / top)
+        values = np.clip(np.rint(g / _nonzero(scale)[..., None]), -top - 1, top)
+        if bits == 4:
+            values, zero = (values + 8).astype(np.uint8), _f16(-8 * scale.astype(np.float32))
+        else:
+            values, zero = values.astype(np.int8), None
+    back = functools.partial(np.moveaxis, source=-1, destination=axis)
+    return (back(values.reshape(w.shape)), back(scale), None if zero is None else back(zero))
+
+
+def dequantize_reference(values: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
+                         axis: int = -1) -> np.ndarray:
+    """f32 of unpacked ``values`` with their scales (and offsets) per group along ``axis``."""
+    group = values.shape[axis] // scale.shape[axis]
+    w = values.astype(np.float32) * np.repeat(scale.astype(np.float32), group, axis=axis)
+    return w if offset is None else w + np.repeat(offset.astype(np.float32), group, axis=axis)
+
+
+def pack_int4(values: np.ndarray, axis: int) -> np.ndarray:
+    """Values 0..15 -> bytes, two consecutive elements along ``axis`` a byte (low nibble first)."""
+    v = np.moveaxis(np.asarray(values, np.uint8), axis, 0)
+    if v.shape[0] % 2:
+        raise ValueError(f"int4 packing needs an even axis, not {v.shape[0]}")
+    return np.moveaxis(v[0::2] | (v[1::2] << 4), 0, axis)
+
+
+def unpack_int4_host(packed: np.ndarray, axis: int) -> np.ndarray:
+    p = np.moveaxis(np.asarray(packed, np.uint8), axis, 0)
+    out = np.empty((2 * p.shape[0], *p.shape[1:]), np.uint8)
+    out[0::2], out[1::2] = p & 15, p >> 4
+    return np.moveaxis(out, 0, axis)
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, np.float32).astype(SCALE_DTYPE)
+
+
+def _nonzero(scale: np.ndarray) -> np.ndarray:
+    s = scale.astype(np.float32)
+    return np.where(s == 0, 1.0, s)
+
+
+# ---------------------------------------------------------------- device side: the matmul
+def unpack_int4(q: jax.Array, axis: int) -> jax.Array:
+    """uint8 bytes -> the int4 values 0..15 (uint8), the axis doubled."""
+    axis %= q.ndim
+    both = jnp.stack([q & 15, q >> 4], axis=axis + 1)
+    return both.reshape(*q.shape[:axis], 2 * q.shape[axis], *q.shape[axis + 1:])
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The f32 weight (one layer's, or a stack's) that ``w`` stands for."""
+    axis = -1 - w.out_axes                          # from the end: a stacking axis may lead
+    values = unpack_int4(w.q, axis) if w.bits == 4 else w.q
+    group = values.shape[axis] // w.scale.shape[axis]
+    out = values.astype(dtype) * jnp.repeat(w.scale.astype(dtype), group, axis=axis)
+    if w.offset is not None:
+        out = out + jnp.repeat(w.offset.astype(dtype), group, axis=axis)
+    return out
+
+
+def xla_quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = None) -> jax.Array:
+    """x [T, K] @ the layer's weight, dequantised by XLA (only the layer's slice of a stack)."""
+    weight = dequantize(w if layer is None else w.layer(layer), x.dtype)
+    out_axes = weight.shape[weight.ndim - w.out_axes:]
+    return jnp.tensordot(x, weight.reshape(-1, *out_axes), axes=1)
+
+
+def quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = None) -> jax.Array:
+    """x [T, K] @ w (w[layer] when stacked) -> [T, ..output axes..]: the CPU kernel where it
+    serves, else XLA's dequantise-and-dot."""
+    if not serves(x):
+        return xla_quantized_dense(x, w, layer)
+    stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
+    out_axes = stacked.q.shape[stacked.q.ndim - w.out_axes:]
+    flat = functools.partial(lambda a: a.reshape(a.shape[0], -1, math.prod(out_axes)))
+    offset = jnp.zeros((0,), SCALE_DTYPE) if w.offset is None else flat(stacked.offset)
+    call = jax.ffi.ffi_call(TARGETS[w.bits], jax.ShapeDtypeStruct((x.shape[0], math.prod(out_axes)), jnp.float32),
+                            vmap_method="sequential")
+    out = call(x, flat(stacked.q), flat(stacked.scale), offset, jnp.asarray(0 if layer is None else layer, jnp.int32))
+    return out.reshape(x.shape[0], *out_axes)
+
+
+def serves(x: jax.Array) -> bool:
+    return jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32 and available()
+
+
+@functools.cache
+def available() -> bool:
+    build = openblas_build()
+    return build is not None and all(register_kernel(SOURCE, SYMBOLS[b], TARGETS[b], f"CPU int{b} matmul", **build)
+                                     for b in BITS)
