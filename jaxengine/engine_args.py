@@ -22,6 +22,7 @@ from jaxengine.runner.compile import COMPILE_MODES
 
 GiB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+QUANTIZATION_CHOICES = ("int8", "int4", "none")
 
 
 def _option(default, help: str, **extra):
@@ -40,6 +41,12 @@ class EngineArgs:
                 "on an accelerator the checkpoint's dtype (torch_dtype / dtype in config.json, else the "
                 "safetensors tensors'), with float16 checkpoints run in bfloat16 and quantised GGUF files "
                 "in bfloat16", choices=DTYPE_CHOICES)
+    quantization: str | None = _option(
+        None, "weights kept quantized (default: as the checkpoint stores them, a GGUF's Q8_0, Q4_0 and Q4_1 "
+              "projections and embedding kept as int8 / int4 with their scales, other block types "
+              "dequantised); int8 (per output channel) or int4 (groups of up to 128, with offsets): quantize "
+              "an unquantized checkpoint while it loads; none: dequantise everything to --dtype",
+        choices=QUANTIZATION_CHOICES)
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's, at most 2048)")
     max_num_batched_tokens: int = _option(512, "token budget of one engine step (prefills are chunked to fit)")
     max_num_seqs: int = _option(64, "most sequences in one step")
@@ -128,7 +135,8 @@ class EngineArgs:
             raise ValueError(f"distributed_timeout: must be > 0 seconds, got {self.distributed_timeout!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices is not None and getattr(self, f.name) not in choices:
+            if choices is not None and getattr(self, f.name) not in choices and not (
+                    f.default is None and getattr(self, f.name) is None):
                 raise ValueError(f"{f.name}: must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         resolve_policy(self.scheduling_policy, field="scheduling_policy")
         self.step_buckets()                 # refused now, naming the option, not when the runner starts

@@ -386,8 +386,9 @@ def _is_token_ids(x) -> bool:
 
 
 def _layout(args: EngineArgs) -> dict:
-    """How the model lays its weights out over the mesh, beyond tensor parallelism's defaults."""
-    return {"expert_parallel": True} if args.enable_expert_parallel else {}
+    """How the model lays its weights out (over the mesh, beyond tensor parallelism's defaults;
+    quantized or not)."""
+    return {"expert_parallel": args.enable_expert_parallel, "quantization": args.quantization}
 
 
 def _replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list:

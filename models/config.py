@@ -66,6 +66,9 @@ class ModelConfig:
     swiglu_alpha: float = 1.702          # its sigmoid's gain
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Weights kept quantized: (kind, bits, group, offset) per kind of weight (q_proj, ..., down_proj,
+    # embed_tokens, lm_head) that is; ``models.quantization`` says how (empty: none is).
+    quantization: tuple[tuple[str, int, int, bool], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -125,6 +128,10 @@ class ModelConfig:
     def sparse_layers(self) -> tuple[int, ...]:
         """The layers whose MLP is the mixture of experts."""
         return tuple(i for i in range(self.num_layers) if self.is_moe and i not in self.dense_layers)
+
+    def quant_spec(self, kind: str) -> tuple[int, int, bool] | None:
+        """(bits, group, offset) of weights of ``kind`` when they are kept quantized, else None."""
+        return next(((b, g, o) for k, b, g, o in self.quantization if k == kind), None)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -2,6 +2,7 @@
 through the converted-weights cache, so a file is dequantised once, not at every start."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 
 from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.paths import converted_cache_path
+from jaxengine.models.quantization import kind_of
 from jaxengine.models.weight_cache import cached_config, restore_converted, save_converted
 
 _GGUF_NAMES = [
@@ -64,8 +66,10 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """A GGUF file -> (config, HF-named float32 tensors), dequantised with the ``gguf`` package."""
+def read_gguf(path: str | os.PathLike, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """A GGUF file -> (config, HF-named tensors): float32, dequantised with the ``gguf`` package,
+    or with ``keep_quantized`` the projections and embedding whose blocks the engine's layout
+    holds exactly (``_KEPT``) as their values, scales and offsets (``models.quantization``)."""
     import gguf
     from gguf import quants
     from transformers import AutoConfig
@@ -79,23 +83,84 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
         cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
     if arch in MOE_ARCHITECTURES or f"{arch}.expert_count" in reader.fields:
         cfg = _with_experts(cfg, reader, arch)
+    if keep_quantized:
+        cfg = cfg.replace(quantization=_kept_plan(reader, arch, cfg))
     tensors, unknown = {}, []
     for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
         hf_name = gguf_name_to_hf(t.name, arch)
         if hf_name is None:
             unknown.append(t.name)
             continue
-        w = quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rope_rows(w, cfg.num_heads)
-        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rope_rows(w, cfg.num_kv_heads)
-        elif hf_name.endswith("shared_expert_gate.weight"):
-            w = w.reshape(1, -1)                    # a vector in the file, [1, D] in the checkpoint
-        tensors[hf_name] = w
+        spec = cfg.quant_spec(kind) if (kind := kind_of(hf_name)) else None
+        if spec is None:
+            parts = {"": quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
+                tuple(reversed(t.shape.tolist())))}
+        else:
+            parts = dict(zip(("", ":scale", ":offset"), _kept_blocks(t, spec)))
+        for suffix, w in parts.items():
+            if w is not None:
+                tensors[hf_name + suffix] = _to_checkpoint_layout(w, hf_name, arch, cfg)
     if unknown:
         raise ValueError(f"{path.name}: tensors with no mapping: {sorted(unknown)}")
     return cfg, tensors
+
+
+def _to_checkpoint_layout(w: np.ndarray, hf_name: str, arch: str, cfg: ModelConfig) -> np.ndarray:
+    """A tensor (or its quantized values, scales, offsets: rows are output rows all the same) as
+    the Hugging Face checkpoint holds it."""
+    if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_rope_rows(w, cfg.num_heads)
+    if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_rope_rows(w, cfg.num_kv_heads)
+    if hf_name.endswith("shared_expert_gate.weight"):
+        return w.reshape(1, -1)                    # a vector in the file, [1, D] in the checkpoint
+    return w
+
+
+# GGUF block types whose every weight the engine's layout holds exactly -> (bits, group, offset):
+# Q8_0 (int8, a scale per 32), Q4_0 (int4 - 8, a scale per 32: offset -8 * scale, exact in f16)
+# and Q4_1 (int4, a scale and a minimum per 32).
+_KEPT = {"Q8_0": (8, 32, False), "Q4_0": (4, 32, True), "Q4_1": (4, 32, True)}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def _kept_plan(reader, arch: str, cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
+    """The kinds of weight kept quantized: those all of whose tensors are of ``_KEPT``'s types.
+    Q8_0 beside Q4 in one kind: int8 with offsets (the Q4 values 0..15 held as int8, exact).
+    o_proj only where a block of 32 stays within a head (``models.quantization``)."""
+    types = collections.defaultdict(set)
+    for t in reader.tensors:
+        if (hf_name := gguf_name_to_hf(t.name, arch)) and (kind := kind_of(hf_name)):
+            types[kind].add(t.tensor_type.name)
+    plan = []
+    for kind, names in sorted(types.items()):
+        if names <= _KEPT.keys() and (kind != "o_proj" or cfg.head_dim % 32 == 0):
+            specs = {_KEPT[n] for n in names}
+            plan.append((kind, *specs.pop()) if len(specs) == 1 else (kind, 8, 32, True))
+    return tuple(plan)
+
+
+def _kept_blocks(t, spec: tuple[int, int, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's blocks -> values [out, in] (int8, or uint8 0..15 for int4),
+    scales and offsets [out, in / 32] (float16), as ``spec`` holds them."""
+    kind = t.tensor_type.name
+    rows = t.data.shape[0]
+    blocks = np.asarray(t.data, np.uint8).reshape(rows, -1, _BLOCK_BYTES[kind])
+    scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        values, offset = np.ascontiguousarray(blocks[..., 2:]).view(np.int8), None
+    else:
+        packed = blocks[..., 2:] if kind == "Q4_0" else blocks[..., 4:]
+        values = np.concatenate([packed & 15, packed >> 4], axis=-1)     # elements 0-15 low, 16-31 high
+        offset = (-8 * scale.astype(np.float32)).astype(np.float16) if kind == "Q4_0" else \
+            np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+    values = values.reshape(rows, -1)
+    bits, _, has_offset = spec
+    if bits == 8:
+        values = values.astype(np.int8)
+    if has_offset and offset is None:
+        offset = np.zeros_like(scale)
+    return values, scale, offset
 
 
 def _with_experts(cfg: ModelConfig, reader, arch: str) -> ModelConfig:
@@ -160,15 +225,17 @@ def gguf_dtype(path: str | os.PathLike) -> str:
     return "float32" if kinds <= {"F32"} else "float16" if kinds <= {"F32", "F16"} else "quantized"
 
 
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, **model_kwargs):
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, keep_quantized: bool = True,
+              **model_kwargs):
     """A GGUF file -> (model, whether the converted-weights cache had it). The first time, the
-    file is dequantised and converted once and saved to the cache; the model always comes from
-    the cache, so the converted tensors are freed before anything is placed."""
+    file is converted once (its Q8_0/Q4_0/Q4_1 projections kept quantized with
+    ``keep_quantized``, the rest dequantised) and saved to the cache; the model always comes
+    from the cache, so the converted tensors are freed before anything is placed."""
     path = Path(path)
-    cached = converted_cache_path(path)
+    cached = converted_cache_path(path, "" if keep_quantized else "dequantized")
     hit = (cfg := cached_config(cached)) is not None
     if not hit:
-        cfg, tensors = read_gguf(path)
+        cfg, tensors = read_gguf(path, keep_quantized)
         save_converted(cached, cfg, tensors)
         del tensors
     return restore_converted(cached, cfg, dtype, mesh=mesh, **model_kwargs), hit

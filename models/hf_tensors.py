@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from jaxengine.kernels.matmul.quantized import pack_int4
 from jaxengine.models.config import ModelConfig
 
 ParamPath = tuple
@@ -155,6 +156,46 @@ class RepeatedHeads:
         return w[(slice(None),) * axis + (slice(a - first * r, b - first * r),)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """int4 values packed two a byte along ``axis`` of ours (``kernels.matmul.quantized``): rows
+    [a, b) of ours are rows [2a, 2b) of the unpacked values ``inner`` reads."""
+    inner: object
+    axis: int
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        unpacked = list(shape)
+        unpacked[self.axis] *= 2
+        return self.inner.hf_shape(tuple(unpacked))
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        a = index[self.axis]
+        unpacked = (*index[:self.axis], slice(2 * a.start, 2 * a.stop), *index[self.axis + 1:])
+        return pack_int4(self.inner.read(read_hf, unpacked), self.axis)
+
+
+# Kinds of weight that can be kept quantized -> how many trailing axes of our per-layer parameter
+# are the matmul's output (the grouped axis is the one before them).
+QUANTIZABLE = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 1, "gate_proj": 1, "up_proj": 1,
+               "down_proj": 1, "embed_tokens": 1, "lm_head": 1}
+
+
+def quantized_layout(layout, path: ParamPath, part: str, cfg: ModelConfig):
+    """The layout of part ``part`` (``q``, ``scale``, ``offset``) of the quantized weight at
+    ``path``, from the plain weight's: the embedding transposed ([D, V], models.quantization),
+    o_proj's scales by groups of its heads' columns, int4 values packed along the grouped axis."""
+    kind = path[-1]
+    bits, group, _ = cfg.quant_spec(kind)
+    if kind == "embed_tokens":
+        layout = Transposed()
+    if part != "q" and isinstance(layout, HeadsOut):
+        return HeadsOut(layout.head_dim // group)
+    if part == "q" and bits == 4:
+        ndim = 3 if kind in ("q_proj", "k_proj", "v_proj", "o_proj") else 2
+        return Packed(layout, ndim - 1 - QUANTIZABLE[kind])
+    return layout
+
+
 # Hugging Face name -> (our path, layout). The layer index is the pattern's first group.
 _LAYER = r"model\.layers\.(\d+)\."
 
@@ -208,19 +249,28 @@ def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) 
     """Where each of our per-layer parameters comes from, plus the HF names nothing maps."""
     rules = _rules(cfg)
     located, unexpected = {}, []
-    for name in source.names():
-        if _IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+    names = set(source.names())
+    for name in names:
+        base, _, part = name.partition(":")           # a quantized tensor's scale and offset: X:scale
+        if _IGNORED.match(base) or (base == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        for pattern, path, layout in rules:
-            if m := pattern.fullmatch(name):
-                p = path(m)
-                axis = KV_HEAD_AXIS.get(p[-1]) if p[0] == "layers" else None
-                if kv_repeats > 1 and axis is not None:
-                    layout = RepeatedHeads(layout, axis, kv_repeats)
-                located[p] = (name, layout)
-                break
-        else:
+        match = next(((pattern.fullmatch(base), path, layout) for pattern, path, layout in rules
+                      if pattern.fullmatch(base)), None)
+        if match is None:
             unexpected.append(name)
+            continue
+        m, path, layout = match
+        p = path(m)
+        axis = KV_HEAD_AXIS.get(p[-1]) if p[0] == "layers" else None
+        if part or f"{base}:scale" in names:
+            if cfg.quant_spec(p[-1]) is None:          # quantized, where the model keeps it plain
+                unexpected.append(name)
+                continue
+            part = part or "q"
+            layout, p = quantized_layout(layout, p, part, cfg), (*p, part)
+        if kv_repeats > 1 and axis is not None:
+            layout = RepeatedHeads(layout, axis, kv_repeats)
+        located[p] = (name, layout)
     return located, unexpected
 
 

@@ -16,8 +16,11 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.kernels.matmul import dense
+from jaxengine.kernels.matmul.quantized import QuantizedWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
 from jaxengine.models.config import ModelConfig, YarnScaling
+from jaxengine.models.hf_tensors import QUANTIZABLE
+from jaxengine.models.quantization import PARTS, QuantizedParam
 
 KVCache = tuple[jax.Array, jax.Array]       # (k, v); a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H])
 
@@ -29,6 +32,14 @@ M = MODEL_AXIS
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple, std: float = 0.02) -> nnx.Param:
     """A random-initialised parameter split over the mesh as ``axes`` says (one name or None per dim)."""
     return _sharded(nnx.initializers.normal(std)(rngs.params(), shape, dtype), axes)
+
+
+def weight(cfg: ModelConfig, kind: str, rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple):
+    """A projection weight of ``kind``: a random-initialised parameter, or kept quantized where
+    ``cfg.quantization`` says (``models.quantization``; read as ``w[...]`` either way)."""
+    if (spec := cfg.quant_spec(kind)) is None:
+        return _param(rngs, shape, dtype, axes)
+    return QuantizedParam(shape, spec, QUANTIZABLE[kind], axes)
 
 
 def _sharded(value: jax.Array, axes: tuple) -> nnx.Param:
@@ -114,10 +125,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, *, rngs: nnx.Rngs) -> None:
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _param(rngs, (d, n, h), dtype, (None, M, None))
-        self.k_proj = _param(rngs, (d, k, h), dtype, (None, M, None))
-        self.v_proj = _param(rngs, (d, k, h), dtype, (None, M, None))
-        self.o_proj = _param(rngs, (n, h, d), dtype, (M, None, None))
+        self.q_proj = weight(cfg, "q_proj", rngs, (d, n, h), dtype, (None, M, None))
+        self.k_proj = weight(cfg, "k_proj", rngs, (d, k, h), dtype, (None, M, None))
+        self.v_proj = weight(cfg, "v_proj", rngs, (d, k, h), dtype, (None, M, None))
+        self.o_proj = weight(cfg, "o_proj", rngs, (n, h, d), dtype, (M, None, None))
         if cfg.attention_bias:
             self.q_bias = _sharded(jnp.zeros((n, h), dtype), (M, None))
             self.k_bias = _sharded(jnp.zeros((k, h), dtype), (M, None))
@@ -150,7 +161,8 @@ class Attention(nnx.Module):
         cache = self.kv_write_fn(*cache, k, v, md.slot_mapping)     # writes precede the reads of this step
         o = self._attend(q, cache, md, layer)
         o_proj = self.o_proj[...]                                    # [(L,) N, H, D] -> [(L,) N*H, D]
-        o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
+        if not isinstance(o_proj, QuantizedWeight):                 # (a quantized one contracts N, H itself)
+            o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
         out = self.dense_fn(o.reshape(o.shape[0], -1), o_proj, layer)
         return (out + self.o_bias[...] if cfg.output_bias else out), cache
 
@@ -176,9 +188,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, intermediate_size: int | None = None, rngs: nnx.Rngs) -> None:
         d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_proj = _param(rngs, (d, f), dtype, (None, M))
-        self.up_proj = _param(rngs, (d, f), dtype, (None, M))
-        self.down_proj = _param(rngs, (f, d), dtype, (M, None))
+        self.gate_proj = weight(cfg, "gate_proj", rngs, (d, f), dtype, (None, M))
+        self.up_proj = weight(cfg, "up_proj", rngs, (d, f), dtype, (None, M))
+        self.down_proj = weight(cfg, "down_proj", rngs, (f, d), dtype, (M, None))
         self.dense_fn = dense
 
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
@@ -233,7 +245,9 @@ DENSE_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", 
 
 
 def is_dense_weight(path: tuple, value) -> bool:
-    return bool(path) and path[-1] in DENSE_WEIGHTS
+    """A projection weight, or a part of one kept quantized (``(..., "q_proj", "scale")``)."""
+    return bool(path) and (path[-1] in DENSE_WEIGHTS or (len(path) > 1 and path[-2] in DENSE_WEIGHTS
+                                                         and path[-1] in PARTS))
 
 
 def dense_modules(model: nnx.Module) -> list[nnx.Module]:

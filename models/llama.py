@@ -14,7 +14,8 @@ from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import (MLP, MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, is_dense_weight,
-                                    rope_inv_freq, run_mlp)
+                                    rope_inv_freq, run_mlp, weight)
+from jaxengine.models.quantization import QuantizedParam, gather_columns
 from jaxengine.models.moe import SparseMoeBlock
 
 
@@ -26,7 +27,11 @@ class LlamaForCausalLM(nnx.Module):
                  expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
         """``expert_parallel``: a mixture of experts' experts split over the mesh whole, not by width."""
         self.config = cfg
-        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL_AXIS, None))
+        if cfg.quant_spec("embed_tokens"):      # kept [D, V] (models.quantization)
+            self.embed_tokens = weight(cfg, "embed_tokens", rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
+                                       (None, MODEL_AXIS))
+        else:
+            self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL_AXIS, None))
 
         mixed = bool(cfg.dense_layers)
 
@@ -45,7 +50,7 @@ class LlamaForCausalLM(nnx.Module):
             self.dense_mlp = stacked(lambda r: MLP(cfg, dtype, rngs=r), len(cfg.dense_layers), rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL_AXIS))
+            self.lm_head = weight(cfg, "lm_head", rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL_AXIS))
         self.dense_fn = dense
 
     def __call__(self, input_ids: jax.Array, kv_caches: KVCache,
@@ -59,7 +64,7 @@ class LlamaForCausalLM(nnx.Module):
         """As ``__call__``, plus the tokens routed to each expert, summed over the layers [E]
         (E = 0 for a dense model): the step's expert load."""
         inv_freq = rope_inv_freq(self.config)
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        x = self.embed(input_ids)
         # The projections stay stacked and go in whole with the layer's index; the rest (norms,
         # biases) is sliced per layer by the scan.
         graphdef, dense, rest = nnx.split(self.layers, is_dense_weight, ...)
@@ -108,9 +113,17 @@ class LlamaForCausalLM(nnx.Module):
             return jax.lax.cond(is_sparse[layer], kind(sparse_def, sparse_state), kind(dense_def, dense_state), h)
         return mlp
 
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """input_ids [T] -> their embeddings [T, D]."""
+        if isinstance(self.embed_tokens, QuantizedParam):
+            return gather_columns(self.embed_tokens[...], input_ids)
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0)
+
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[R, D] -> [R, V] in f32, only for the rows the sampler needs."""
-        if self.config.tie_word_embeddings:
+        if isinstance(self.embed_tokens, QuantizedParam) and self.config.tie_word_embeddings:
+            logits = self.dense_fn(hidden, self.embed_tokens[...])        # kept [D, V]: the head's layout
+        elif self.config.tie_word_embeddings:
             # [V, D] used transposed: XLA's dot reads it as it lies at about OpenBLAS's speed
             logits = jnp.einsum("rd,vd->rv", hidden, self.embed_tokens[...])
         else:

@@ -12,9 +12,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JAXENGINE_CACHE", Path.home() / ".cache" / "jaxengine"))
 
 
-def converted_cache_path(path: Path) -> Path:
+def converted_cache_path(path: Path, variant: str = "") -> Path:
     """The cache folder of ``path``'s converted weights: keyed by its size and modification time
-    too, so a file replaced in place is converted again."""
+    too, so a file replaced in place is converted again; a ``variant`` (another conversion of
+    the same file) has a folder of its own."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{path.stem}-{key}"
+    return cache_dir() / "converted" / f"{path.stem}-{key}{'-' + variant if variant else ''}"

@@ -19,11 +19,12 @@ from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.hf_tensors import KV_HEAD_AXIS, ArraySource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
+from jaxengine.models.quantization import param_dtype
 from jaxengine.models.registry import abstract_model
 
 
-# In the cache folder: the parameters as an orbax checkpoint, in our stacked layout, float32, KV
-# heads as the checkpoint has them; config.json, written last, marks it complete. (A folder of
+# In the cache folder: the parameters as an orbax checkpoint, in our stacked layout, float32 (the
+# parts of weights kept quantized in their own dtypes), KV heads as the checkpoint has them; config.json, written last, marks it complete. (A folder of
 # the earlier format, model.safetensors, has no params: it is rebuilt.)
 _PARAMS = "params"
 
@@ -33,12 +34,15 @@ def cached_config(cached: Path) -> ModelConfig | None:
     if not ((cached / "config.json").exists() and (cached / _PARAMS).is_dir()):
         return None
     raw = json.loads((cached / "config.json").read_text())
+    if "quantization" not in raw:          # written before weights could be kept quantized: rebuilt
+        return None
     if raw.get("rope_scaling"):
         kind = YarnScaling if "beta_fast" in raw["rope_scaling"] else RopeScaling
         raw["rope_scaling"] = kind(**raw["rope_scaling"])
     for field in ("dense_layers", "full_attention_layers"):          # JSON lists back to tuples
         if field in raw:
             raw[field] = tuple(raw[field])
+    raw["quantization"] = tuple(tuple(entry) for entry in raw["quantization"])
     return ModelConfig(**raw)
 
 
@@ -53,7 +57,8 @@ def save_converted(cached: Path, cfg: ModelConfig, tensors: Mapping[str, np.ndar
     _, state = abstract_model(cfg, jnp.float32, {})
     flat = nnx.to_flat_state(state)
     check_tensors(located, unexpected, source, flat, cfg)
-    params = {path: read_param(source, located, path, tuple(slice(0, n) for n in var.shape), np.float32, cfg)
+    params = {path: read_param(source, located, path, tuple(slice(0, n) for n in var.shape),
+                               param_dtype(var, np.float32), cfg)
               for path, var in flat}
     cached.mkdir(parents=True, exist_ok=True)
     (cached / "config.json").unlink(missing_ok=True)
@@ -71,7 +76,7 @@ def restore_converted(cached: Path, cfg: ModelConfig, dtype=jnp.float32, *, mesh
 
     mesh = mesh_or_first_device(mesh)
     _, saved = abstract_model(cfg, dtype, {})
-    target = {path: jax.ShapeDtypeStruct(var.shape, dtype, sharding=sharding)
+    target = {path: jax.ShapeDtypeStruct(var.shape, param_dtype(var, dtype), sharding=sharding)
               for (path, var), sharding in zip(nnx.to_flat_state(saved), flat_param_shardings(saved, mesh))}
     with ocp.StandardCheckpointer() as checkpointer:
         restored = traverse_util.flatten_dict(

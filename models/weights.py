@@ -26,6 +26,7 @@ from jaxengine.models.gguf import gguf_dtype, load_gguf
 from jaxengine.models.hf_tensors import ArraySource, Index, TensorSource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (check_expert_parallel, flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
+from jaxengine.models.quantization import SCHEMES, QuantizingSource, online_plan, param_dtype
 from jaxengine.models.registry import abstract_model
 
 
@@ -70,7 +71,7 @@ def build_model(cfg: ModelConfig, tensors: TensorSource | Mapping[str, np.ndarra
     flat = nnx.to_flat_state(state)
     check_tensors(located, unexpected, source, flat, cfg)
     for (path, var), sharding in zip(flat, flat_param_shardings(state, mesh)):
-        read = functools.partial(read_param, source, located, path, dtype=dtype, cfg=cfg)
+        read = functools.partial(read_param, source, located, path, dtype=param_dtype(var, dtype), cfg=cfg)
         var.set_value(place(read, tuple(var.shape), sharding))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -132,17 +133,30 @@ def read_safetensors_folder(folder: str | os.PathLike) -> tuple[ModelConfig, dic
     return cfg, {name: w for file in files for name, w in load_file(file).items()}
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, **model_kwargs):
+def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, quantization: str | None = None,
+               **model_kwargs):
     """A checkpoint folder or a .gguf file -> (model, config); with a ``mesh``, the model and
-    config as the mesh runs them (``build_model``)."""
+    config as the mesh runs them (``build_model``). ``quantization``: None keeps the weights as
+    stored (a GGUF's quantized blocks kept quantized where the engine has their layout,
+    ``models.gguf``); ``int8`` / ``int4`` quantize an unquantized checkpoint's projections and
+    embedding while it loads; ``none`` dequantises a GGUF to ``dtype``."""
     path = Path(path)
+    if quantization not in (None, "none", *SCHEMES):
+        raise ValueError(f"quantization: {quantization!r} is not supported (supported: {[*SCHEMES, 'none']})")
     if path.suffix == ".gguf":
-        model, _ = load_gguf(path, dtype, mesh=mesh, **model_kwargs)
+        if quantization in SCHEMES:
+            raise ValueError(f"quantization: {quantization!r} quantizes an unquantized checkpoint; a GGUF file "
+                             "is served in its own quantization (or dequantised with 'none')")
+        model, _ = load_gguf(path, dtype, mesh=mesh, keep_quantized=quantization != "none", **model_kwargs)
     else:
         cfg, files = safetensors_files(path)
         with SafetensorsSource(files) as source:
+            if quantization in SCHEMES:
+                cfg = cfg.replace(quantization=online_plan(cfg, quantization, mesh_size(mesh_or_first_device(mesh))))
+                source = QuantizingSource(source, cfg)
             model = build_model(cfg, source, dtype, mesh=mesh, **model_kwargs)
     return model, model.config
+
 
 
 # ---------------------------------------------------------------- checkpoint dtype

@@ -1,6 +1,6 @@
 """GPU benchmarks for scripts/gpu_check.sh (``--smoke``: tiny sizes, runs on the CPU too).
 
-    python scripts/bench_gpu.py ceilings|kernel|engine|moe --out DIR [--smoke]
+    python scripts/bench_gpu.py ceilings|kernel|engine|moe|quantized --out DIR [--smoke]
 
 ceilings: HBM copy bandwidth and bf16 matmul rate, measured here (the baselines).
 kernel:   the two Pallas ragged paged-attention kernels (Triton-lowered; Mosaic GPU on Hopper)
@@ -14,6 +14,7 @@ engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf
           plain-jnp path's in the kernel part, at the sweeps' best (matching) block sizes:
           offline throughput for 1,000 requests of 128 prompt / 128 output tokens (ignore_eos),
           and the decode step time at batch 256 against its roofline floor.
+moe, quantized: a mixture-of-experts layer; quantized weights' matmul against bf16 (into kernel.json).
 Each writes DIR/<name>.json.
 """
 from __future__ import annotations
@@ -434,6 +435,44 @@ def moe(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
     return result
 
 
+# ---------------------------------------------------------------- quantized weights
+def quantized(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
+    """Llama-3-8B's gate projection (4096 x 14336) with int8 (per channel) and int4 (groups of
+    128) weights through XLA's dequantise-and-dot against bf16, at decode batches and a
+    prefill: ms, TFLOP/s and the weight bytes read per second; and whether XLA wrote the
+    dequantised weight to memory (an HLO value of the whole weight's shape outside the dot)."""
+    import re
+
+    from jaxengine.kernels.matmul.quantized import QuantizedWeight, pack_int4, quantize, xla_quantized_dense
+
+    k, n = (256, 512) if smoke else (4096, 14336)
+    w = np.random.default_rng(0).standard_normal((k, n), np.float32) * 0.02
+    weights = {"bf16": jnp.asarray(w, jnp.bfloat16)}
+    for bits, group in ((8, k), (4, 128)):
+        values, scale, offset = quantize(w, bits, group, axis=0)
+        q = pack_int4(values, 0) if bits == 4 else values
+        weights[f"int{bits}"] = QuantizedWeight(jnp.asarray(q), jnp.asarray(scale),
+                                                None if offset is None else jnp.asarray(offset), bits)
+    matmul = jax.jit(lambda x, w: x @ w if isinstance(w, jax.Array) else xla_quantized_dense(x, w))
+    result = {"shape": [k, n], "rows": [], "hlo_writes_dequantized_weight": {}}
+    for name, weight in weights.items():
+        hlo = matmul.lower(jnp.ones((16, k), jnp.bfloat16), weight).compile().as_text()
+        whole = re.compile(rf"= bf16\[{k},{n}\]")
+        result["hlo_writes_dequantized_weight"][name] = name != "bf16" and bool(whole.search(hlo))
+    for tokens in ((1, 16) if smoke else (1, 16, 64, 256, 4096)):
+        x = jax.random.normal(jax.random.key(tokens), (tokens, k), jnp.bfloat16)
+        row = {"tokens": tokens}
+        for name, weight in weights.items():
+            t = timed(matmul, x, weight)
+            stored = sum(a.nbytes for a in jax.tree.leaves(weight))
+            row[name] = {"ms": round(t * 1e3, 4), "tflops": float(f"{2 * tokens * k * n / t / 1e12:.3g}"),
+                         "weight_gbs": float(f"{stored / t / 1e9:.3g}"),
+                         "fraction_of_copy_bw": float(f"{stored / t / 1e9 / copy_gbs:.3g}")}
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    return result
+
+
 # ---------------------------------------------------------------- summary
 TARGETS = [  # (label, file, key path, target text, passes)
     ("HBM copy bandwidth (GB/s)", "ceilings", ("copy_bandwidth_gbs",), "baseline", None),
@@ -496,6 +535,9 @@ def summary(out: Path) -> None:
         if best:                                    # what the TUNED table should say for this layout
             sizes = ", ".join(f"{k}={v}" for k, v in best["sizes"].items())
             lines.append(f"| best {label} sizes, decode (ms) | {best['ms']} ({sizes}) | - | - |")
+    for row in results.get("kernel", {}).get("quantized", {}).get("rows", []):
+        lines.append(f"| 8B gate projection, {row['tokens']} tokens: ms bf16 / int8 / int4 | "
+                     f"{row['bf16']['ms']} / {row['int8']['ms']} / {row['int4']['ms']} | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("rows", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens: ms, TFLOP/s, weight GB/s (share of copy) | {row['ms']}, "
                      f"{row['tflops']}, {row['weight_read_gbs']} ({row['fraction_of_copy_bw']}) | - | - |")
@@ -506,18 +548,19 @@ def summary(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "summary"])
+    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "quantized", "summary"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a dry run, also on the CPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "summary":
         return summary(args.out)
-    if args.what == "moe":            # into kernel.json: the device tool brings back 8 files at most
+    if args.what in ("moe", "quantized"):      # into kernel.json: the device tool brings back 8 files at most
         ceil = json.loads((args.out / "ceilings.json").read_text())
         kernel_file = args.out / "kernel.json"
         merged = json.loads(kernel_file.read_text()) if kernel_file.exists() else {}
-        merged["moe"] = moe(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"])
+        part = moe if args.what == "moe" else quantized
+        merged[args.what] = part(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"])
         kernel_file.write_text(json.dumps(merged, indent=1))
         return None
     info = {"device": str(jax.devices()[0]), "jax": jax.__version__}

@@ -16,7 +16,10 @@
 #    random-weight Llama, bf16): prefill and decode step times, same tokens (target: <= 5% more);
 # 6. a Qwen3-30B-A3B mixture-of-experts layer (bf16): the grouped matmul's TFLOP/s and weight-read
 #    bandwidth at decode batches 1-256 and a 4096-token prefill, whether XLA kept ragged_dot, and
-#    the dense reference (in kernel.json).
+#    the dense reference (in kernel.json);
+# 7. quantized weights: Llama-3-8B's gate projection with int8 / int4 weights through XLA's
+#    dequantise-and-dot against bf16 at decode batches and a prefill, and whether XLA wrote the
+#    dequantised weight to memory (in kernel.json).
 # Each part has its own time limit (under 9.7 minutes in all at worst); results land in
 # OUT_DIR as JSON (gpu_check.json) and a table (gpu_check.md), printed last. Add --smoke to
 # dry-run tiny sizes (also on the CPU).
@@ -54,7 +57,7 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 135 $PY -P -m pytest -v -p no:cache
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
 log "kernel tests: $(grep -c ' PASSED' "$OUT_DIR/kernel_tests.txt") passed, $(grep -c ' FAILED' "$OUT_DIR/kernel_tests.txt") failed; $(tail -1 "$OUT_DIR/kernel_tests.txt")"
 
-for part in "ceilings 40" "kernel 130" "engine 175" "moe 40"; do
+for part in "ceilings 40" "kernel 125" "engine 160" "moe 35" "quantized 25"; do
   set -- $part
   log "$1"
   echo "=== $1" >> "$BENCH_LOG"

@@ -47,7 +47,7 @@ def main() -> None:
     prompts, outputs = workload(64, cfg.vocab_size)
     peak, bandwidth = matmul_gflops() * 1e9, copy_gbs() * 1e9
     flops = flops_per_token(cfg)
-    weight_bytes = 4 * sum(w.size for path, w in nnx.to_flat_state(nnx.state(model)) if path[0] != "embed_tokens")
+    weight_bytes = sum(w.nbytes for path, w in nnx.to_flat_state(nnx.state(model)) if path[0] != "embed_tokens")
     kv_per_token = kv_bytes_per_token(cfg, args.kv_bytes)
     prefill_s = floor_seconds(sum(len(x) for x in prompts) * flops, peak)
     decode_s = 0.0

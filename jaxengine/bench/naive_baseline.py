@@ -52,7 +52,8 @@ def check_serves(cfg) -> None:
     """ValueError naming ``--baseline naive`` for a model its dense Llama loop does not compute."""
     unsupported = [name for name, present in (
         ("a mixture of experts", cfg.is_moe), ("attention sinks", cfg.attention_sinks),
-        ("sliding and full layers mixed", cfg.mixes_windows), ("an o_proj bias", cfg.output_bias)) if present]
+        ("sliding and full layers mixed", cfg.mixes_windows), ("an o_proj bias", cfg.output_bias),
+        ("weights kept quantized (run it with --quantization none)", bool(cfg.quantization))) if present]
     if unsupported:
         raise ValueError(f"--baseline naive: the plain JAX loop runs dense Llama-family models; "
                          f"{cfg.architecture} has {', '.join(unsupported)} (use --baseline hf or vllm)")

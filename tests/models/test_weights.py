@@ -150,11 +150,11 @@ def test_converted_weights_cache_skips_dequantisation_on_the_second_load(tmp_pat
     _, hf_model = llama
     write_gguf(tmp_path / "tiny.gguf", hf_model, lambda n, a: Q.Q8_0 if "mlp" in n else Q.F32)
     cfg, tensors = read_gguf(tmp_path / "tiny.gguf")
-    model1, hit1 = load_gguf(tmp_path / "tiny.gguf")
-    cached = converted_cache_path(tmp_path / "tiny.gguf")
+    model1, hit1 = load_gguf(tmp_path / "tiny.gguf", keep_quantized=False)
+    cached = converted_cache_path(tmp_path / "tiny.gguf", "dequantized")
     assert (cached / "config.json").exists() and (cached / "params").is_dir()
-    monkeypatch.setattr("jaxengine.models.gguf.read_gguf", lambda path: pytest.fail("dequantised again"))
-    model2, hit2 = load_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr("jaxengine.models.gguf.read_gguf", lambda *a: pytest.fail("dequantised again"))
+    model2, hit2 = load_gguf(tmp_path / "tiny.gguf", keep_quantized=False)
     assert (hit1, hit2) == (False, True) and model1.config == model2.config == cfg
     reference = nnx.state(build_model(cfg, tensors))
     for state in (nnx.state(model1), nnx.state(model2)):

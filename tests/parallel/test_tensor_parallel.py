@@ -64,6 +64,25 @@ def test_greedy_tokens_equal_transformers_at_every_mesh_size(arch, tp):
     assert [o.num_cached_tokens for o in again] == [12, 12]
 
 
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    from tests.conftest import make_checkpoint
+
+    folder = tmp_path_factory.mktemp("tp-quantized")
+    make_checkpoint(folder, "llama", num_attention_heads=8, num_key_value_heads=2, intermediate_size=256)
+    return folder           # down_proj's share of 128 rows per device: the same groups of 128 at TP 1 and 2
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_weights_split_over_two_devices_give_one_devices_tokens(llama_folder, scheme):
+    folder = llama_folder
+    one = greedy_tokens(tp_engine(folder, 1, quantization=scheme), PROMPTS)
+    two = tp_engine(folder, 2, quantization=scheme)
+    assert two.runner.kv_caches[0].sharding.mesh.size == 2
+    assert two.model.layers.mlp.down_proj.q.sharding.spec[1] == "model"          # [L, F/P, D] split by F
+    assert [o.outputs[0].token_ids for o in greedy_tokens(two, PROMPTS)] == [o.outputs[0].token_ids for o in one]
+
+
 def test_swapped_groups_come_back_whole_from_a_sharded_cache(arch):
     folder, expected = arch
     llm = tp_engine(folder, 4, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False)

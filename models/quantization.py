@@ -1,0 +1,174 @@
+"""Weights kept quantized in the model: which ones, in which layout, and how a checkpoint's
+tensors become them.
+
+A quantized weight of kind ``q_proj`` (and so on) is a ``QuantizedParam`` module in place of the
+plain parameter: its ``q``, ``scale`` and ``offset`` parameters, each split over the mesh as the
+plain one would be, read together as a ``kernels.matmul.quantized.QuantizedWeight``. Groups run
+along the weight's last contracted axis: the model width for q/k/v, gate and up; the MLP width for
+down; the head size for o_proj (a group never crosses heads, so heads split over the mesh cleanly).
+The embedding is kept as [D, V] when quantized (the LM head's layout; a token's row is a column).
+
+Checkpoint readers present a quantized tensor ``X`` (Hugging Face name and [out, in] layout) as
+its unpacked integer values under ``X``, with ``X:scale`` and ``X:offset`` [out, in / G]
+beside it; ``models.hf_tensors`` maps the three onto the module's parameters (packing int4 there).
+A GGUF's blocks are read that way (``models.gguf``); an unquantized checkpoint is quantized while
+it loads (``QuantizingSource``, the ``quantization`` option).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.kernels.matmul.quantized import SCALE_DTYPE, QuantizedWeight, dequantize, quantize
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.hf_tensors import QUANTIZABLE, Index, TensorSource
+
+PARTS = ("q", "scale", "offset")
+SCHEMES = ("int8", "int4")          # quantized while loading; "none": whatever is stored, dequantised
+GROUP = 128                         # the largest group of online int4 (smaller where an axis needs it)
+
+
+def grouped_sizes(cfg: ModelConfig, kind: str) -> set[int]:
+    """The lengths of the grouped axis of every weight of ``kind`` in the model."""
+    if kind == "o_proj":
+        return {cfg.head_dim}
+    if kind != "down_proj":
+        return {cfg.hidden_size}
+    sizes = {cfg.intermediate_size} if not cfg.is_moe or cfg.dense_layers else set()
+    return sizes | ({cfg.shared_expert_intermediate_size} if cfg.shared_expert_intermediate_size else set())
+
+
+def online_plan(cfg: ModelConfig, scheme: str, split: int = 1) -> tuple[tuple[str, int, int, bool], ...]:
+    """``ModelConfig.quantization`` for quantizing an unquantized checkpoint while it loads: int8
+    per output channel (symmetric; o_proj per head), int4 in groups of up to 128 with an offset.
+    down_proj's grouped axis is split ``split`` ways over the mesh, so its groups are of up to 128
+    in both schemes, within a device's share: the same weights at any split where the share is a
+    multiple of 128. A mixture of experts' routed experts stay as they are."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization: {scheme!r} is not supported (supported: {[*SCHEMES, 'none']})")
+    plan = []
+    for kind in QUANTIZABLE:
+        if kind == "lm_head" and cfg.tie_word_embeddings:
+            continue
+        sizes = {size // split if kind == "down_proj" else size for size in grouped_sizes(cfg, kind)}
+        if not sizes:
+            continue
+        whole = math.gcd(*sizes)
+        if scheme == "int8" and kind != "down_proj":
+            plan.append((kind, 8, whole, False))
+            continue
+        groups = [g for g in range(2, GROUP + 1, 2) if whole % g == 0]
+        if not groups:
+            raise ValueError(f"quantization {scheme}: the {kind} axis of {whole} has no even group")
+        plan.append((kind, 8, max(groups), False) if scheme == "int8" else (kind, 4, max(groups), True))
+    return tuple(plan)
+
+
+class QuantizedParam(nnx.Module):
+    """A weight of ``shape`` (per layer) kept quantized; ``self[...]`` is its ``QuantizedWeight``."""
+
+    def __init__(self, shape: tuple[int, ...], spec: tuple[int, int, bool], out_axes: int, axes: tuple) -> None:
+        bits, group, offset = spec
+        grouped = len(shape) - 1 - out_axes
+
+        def along(divisor: int) -> tuple[int, ...]:
+            return (*shape[:grouped], shape[grouped] // divisor, *shape[grouped + 1:])
+
+        def param(shape, dtype) -> nnx.Param:
+            return nnx.Param(jnp.zeros(shape, dtype), out_sharding=axes, eager_sharding=False)
+
+        self.q = param(along(2) if bits == 4 else shape, jnp.uint8 if bits == 4 else jnp.int8)
+        self.scale = param(along(group), SCALE_DTYPE)
+        if offset:
+            self.offset = param(along(group), SCALE_DTYPE)
+        self.bits, self.out_axes = bits, out_axes
+
+    def __getitem__(self, index) -> QuantizedWeight:
+        offset = self.offset[index] if hasattr(self, "offset") else None
+        return QuantizedWeight(self.q[index], self.scale[index], offset, self.bits, self.out_axes)
+
+
+def gather_columns(w: QuantizedWeight, ids) -> jnp.ndarray:
+    """Columns ``ids`` of a quantized [D, V] embedding, dequantised -> [T, D] (f32)."""
+    picked = QuantizedWeight(jnp.take(w.q, ids, axis=-1), jnp.take(w.scale, ids, axis=-1),
+                             None if w.offset is None else jnp.take(w.offset, ids, axis=-1), w.bits, w.out_axes)
+    return dequantize(picked).T
+
+
+# ---------------------------------------------------------------- quantizing while loading
+_KIND = re.compile(r"(?:.*\.)?(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight|"
+                   r"model\.(embed_tokens)\.weight|(lm_head)\.weight")
+
+
+def kind_of(name: str) -> str | None:
+    """The kind of weight a Hugging Face tensor name is, if it is one that can be quantized."""
+    m = None if ".experts." in name else _KIND.fullmatch(name)       # routed experts stay as they are
+    return next(g for g in m.groups() if g) if m else None
+
+
+def split_part(name: str) -> tuple[str, str]:
+    """``X:scale`` -> (``X``, ``scale``); ``X`` -> (``X``, "")."""
+    base, _, part = name.partition(":")
+    return base, part
+
+
+class QuantizingSource:
+    """An unquantized checkpoint's tensors with those ``cfg.quantization`` names quantized on
+    read, presented as a quantized checkpoint's (values, ``:scale``, ``:offset``). A slice reads
+    the whole groups it touches; the last slice's quantization is kept for its other parts."""
+
+    def __init__(self, source: TensorSource, cfg: ModelConfig) -> None:
+        self.source = source
+        self.specs = {name: spec for name in source.names()
+                      if (kind := kind_of(name)) and (spec := cfg.quant_spec(kind))}
+        self._last: tuple | None = None
+
+    def names(self) -> Iterable[str]:
+        for name in self.source.names():
+            yield name
+            if spec := self.specs.get(name):
+                yield f"{name}:scale"
+                if spec[2]:
+                    yield f"{name}:offset"
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        base, part = split_part(name)
+        shape = self.source.shape(base)
+        return (*shape[:-1], shape[-1] // self.specs[base][1]) if part else shape
+
+    def describe(self, name: str) -> str:
+        base, part = split_part(name)
+        inner = self.source.describe(base) if hasattr(self.source, "describe") else base
+        return f"{inner} ({part or 'values'} of its quantization)" if base in self.specs else inner
+
+    def read(self, name: str, index: Index) -> np.ndarray:
+        base, part = split_part(name)
+        if base not in self.specs:
+            return self.source.read(name, index)
+        bits, group, offset = self.specs[base]
+        *lead, cols = index
+        first, last = (cols.start, cols.stop) if part else (cols.start // group, -(-cols.stop // group))
+        key = (base, tuple((s.start, s.stop) for s in lead), first, last)
+        if self._last is None or self._last[0] != key:
+            w = self.source.read(base, (*lead, slice(first * group, last * group)))
+            self._last = (key, quantize(w, bits, group, axis=-1, offset=offset))
+        values, scale, zero = self._last[1]
+        if part == "scale":
+            return scale
+        if part == "offset":
+            return zero
+        return values[..., cols.start - first * group:cols.stop - first * group]
+
+
+def param_dtype(var, dtype):
+    """The dtype a parameter is placed in: the model's, except the parts of a quantized weight."""
+    return var.dtype if jnp.issubdtype(var.dtype, jnp.integer) or var.dtype == SCALE_DTYPE else dtype
+
+
+def kept_quantized(model: nnx.Module) -> bool:
+    return any(isinstance(node, QuantizedParam) for _, node in nnx.iter_graph(model))

@@ -1,0 +1,114 @@
+"""Models with weights kept quantized: online int8 / int4 against transformers running the same
+quantization's dequantised weights, GGUF Q8_0 / Q4_0 / Q4_1 kept as stored against the same file
+dequantised, the converted-weights cache holding the repacked form, and clear errors."""
+import copy
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from gguf import GGMLQuantizationType as Q
+
+from jaxengine.kernels.matmul.quantized import dequantize_reference, quantize
+from jaxengine.models.gguf import load_gguf
+from jaxengine.models.paths import converted_cache_path
+from jaxengine.models.quantization import QuantizedParam, kind_of, online_plan
+from jaxengine.models.weights import load_model
+
+from tests.conftest import make_checkpoint
+from tests.models.test_llama_vs_transformers import PROMPTS, oracle_logits, run_chunks
+from tests.models.test_weights import write_gguf
+
+
+@pytest.fixture(scope="module", params=["untied", "tied-gqa4"])
+def llama(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    extra = dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True) if "tied" in request.param else {}
+    return folder, make_checkpoint(folder, "llama", **extra)
+
+
+def dequantised_oracle(hf_model, cfg):
+    """The transformers model with each weight ``cfg`` keeps quantized replaced by the reference
+    quantization's dequantised values."""
+    ref = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, w in ref.state_dict().items():
+            if (kind := kind_of(name)) and (spec := cfg.quant_spec(kind)):
+                bits, group, offset = spec
+                values, scale, zero = quantize(w.numpy(), bits, group, axis=-1, offset=offset)
+                w.copy_(torch.from_numpy(dequantize_reference(values, scale, zero, axis=-1)))
+    return ref
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_online_quantization_matches_transformers_on_the_dequantised_weights(llama, scheme):
+    folder, hf_model = llama
+    model, cfg = load_model(folder, quantization=scheme)
+    tied = hf_model.config.tie_word_embeddings
+    kinds = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"}
+    assert {k for k, *_ in cfg.quantization} == kinds | (set() if tied else {"lm_head"})
+    head = cfg.head_dim
+    assert cfg.quant_spec("o_proj") == ((8, head, False) if scheme == "int8" else (4, head, True))
+    assert cfg.quant_spec("down_proj") == ((8, 128, False) if scheme == "int8" else (4, 128, True))
+    assert isinstance(model.layers.self_attn.q_proj, QuantizedParam)
+    assert model.embed_tokens.q.shape == ((64, 256) if scheme == "int8" else (32, 256))     # kept [D, V]
+    oracle = dequantised_oracle(hf_model, cfg)
+    for ids in PROMPTS:
+        ours, ref = run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(oracle, ids)
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=f"{scheme}, prompt of {len(ids)}")
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_a_quantized_model_holds_a_fraction_of_the_f32_bytes(llama):
+    folder, _ = llama
+    sizes = {q: sum(x.nbytes for x in jax.tree.leaves(nnx.state(load_model(folder, quantization=q)[0])))
+             for q in (None, "int8", "int4")}
+    # tiny model: norms and the f16 scales of short groups weigh more than in a real one
+    assert sizes["int8"] < 0.3 * sizes[None] and sizes["int4"] < 0.2 * sizes[None]
+
+
+KEPT_TYPES = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q8_0, "o_proj": Q.Q8_0, "gate_proj": Q.Q8_0,
+              "up_proj": Q.Q4_1, "down_proj": Q.F16}
+
+
+def kept_type(name: str, arr) -> Q:
+    if "layers.1.mlp.gate_proj" in name:
+        return Q.Q4_1                  # gate_proj: Q8_0 in layer 0, Q4_1 in layer 1 (int8 with offsets)
+    return next((q for key, q in KEPT_TYPES.items() if key in name), Q.Q8_0 if "embed" in name else Q.F32)
+
+
+def test_gguf_blocks_are_kept_quantized_and_compute_as_the_file_dequantised(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))
+    hf_model = make_checkpoint(tmp_path / "hf", "llama", num_attention_heads=2, num_key_value_heads=1,
+                               tie_word_embeddings=True)              # head size 32: o_proj's blocks fit a head
+    write_gguf(tmp_path / "tiny.gguf", hf_model, kept_type)
+    kept, hit = load_gguf(tmp_path / "tiny.gguf")
+    cfg = kept.config
+    assert not hit and dict((k, (b, g, o)) for k, b, g, o in cfg.quantization) == {
+        "q_proj": (4, 32, True), "k_proj": (4, 32, True), "v_proj": (8, 32, False), "o_proj": (8, 32, False),
+        "gate_proj": (8, 32, True), "up_proj": (4, 32, True), "embed_tokens": (8, 32, False)}    # down: F16
+    plain, _ = load_model(tmp_path / "tiny.gguf", quantization="none")
+    assert not plain.config.quantization
+    for ids in PROMPTS:
+        ours, ref = run_chunks(kept, cfg, ids, [len(ids)]), run_chunks(plain, plain.config, ids, [len(ids)])
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    # the cache holds the repacked form: a second load reads no block and restores the same bytes
+    monkeypatch.setattr("jaxengine.models.gguf.read_gguf", lambda *a: pytest.fail("converted again"))
+    again, hit = load_gguf(tmp_path / "tiny.gguf")
+    assert hit and again.config == cfg
+    assert again.layers.self_attn.q_proj.q.dtype == np.uint8 and again.embed_tokens.q.dtype == np.int8
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(kept))
+    assert (converted_cache_path(tmp_path / "tiny.gguf", "dequantized") / "params").is_dir()
+
+
+def test_unsupported_quantization_requests_are_clear_errors(llama, tmp_path):
+    folder, hf_model = llama
+    with pytest.raises(ValueError, match=r"quantization: 'fp4' is not supported \(supported: \['int8', 'int4', 'none'\]\)"):
+        load_model(folder, quantization="fp4")
+    write_gguf(tmp_path / "tiny.gguf", hf_model)
+    with pytest.raises(ValueError, match="quantization: 'int8' quantizes an unquantized checkpoint; a GGUF file"):
+        load_model(tmp_path / "tiny.gguf", quantization="int8")
+    with pytest.raises(ValueError, match="quantization: 'int3' is not supported"):
+        online_plan(load_model(folder)[1], "int3")
