@@ -54,7 +54,7 @@ def quantized(rng, layers: int, k: int, n: int, bits: int, group: int, offset: b
 
 
 @needs_compiler
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(rows=st.sampled_from([1, 2, 5, 8, 9, 33]), groups=st.integers(1, 3), n=st.sampled_from([8, 16, 40, 72, 100]),
        scheme=st.sampled_from([(8, 16, False), (8, 32, True), (4, 16, True), (4, 32, False)]), seed=st.integers(0, 99))
 def test_the_cpu_kernel_and_xla_match_numpy_on_the_dequantised_weights(rows, groups, n, scheme, seed):
