@@ -254,8 +254,7 @@ def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) 
         base, _, part = name.partition(":")           # a quantized tensor's scale and offset: X:scale
         if _IGNORED.match(base) or (base == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        match = next(((pattern.fullmatch(base), path, layout) for pattern, path, layout in rules
-                      if pattern.fullmatch(base)), None)
+        match = next(((m, path, layout) for pattern, path, layout in rules if (m := pattern.fullmatch(base))), None)
         if match is None:
             unexpected.append(name)
             continue

@@ -169,6 +169,3 @@ def param_dtype(var, dtype):
     """The dtype a parameter is placed in: the model's, except the parts of a quantized weight."""
     return var.dtype if jnp.issubdtype(var.dtype, jnp.integer) or var.dtype == SCALE_DTYPE else dtype
 
-
-def kept_quantized(model: nnx.Module) -> bool:
-    return any(isinstance(node, QuantizedParam) for _, node in nnx.iter_graph(model))

@@ -159,7 +159,9 @@ def quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = 
         return xla_quantized_dense(x, w, layer)
     stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
     out_axes = stacked.q.shape[stacked.q.ndim - w.out_axes:]
-    flat = functools.partial(lambda a: a.reshape(a.shape[0], -1, math.prod(out_axes)))
+    def flat(a: jax.Array) -> jax.Array:            # [L, ..] -> [L, K / P or K / G, N]: a bitcast
+        return a.reshape(a.shape[0], -1, math.prod(out_axes))
+
     offset = jnp.zeros((0,), SCALE_DTYPE) if w.offset is None else flat(stacked.offset)
     call = jax.ffi.ffi_call(TARGETS[w.bits], jax.ShapeDtypeStruct((x.shape[0], math.prod(out_axes)), jnp.float32),
                             vmap_method="sequential")
