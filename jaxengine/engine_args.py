@@ -22,7 +22,7 @@ from jaxengine.runner.compile import COMPILE_MODES
 
 GiB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
-QUANTIZATION_CHOICES = ("int8", "int4", "none")
+QUANTIZATION_CHOICES = ("fp8", "int8", "int4", "none")
 
 
 def _option(default, help: str, **extra):
@@ -42,10 +42,11 @@ class EngineArgs:
                 "safetensors tensors'), with float16 checkpoints run in bfloat16 and quantised GGUF files "
                 "in bfloat16", choices=DTYPE_CHOICES)
     quantization: str | None = _option(
-        None, "weights kept quantized (default: as the checkpoint stores them, a GGUF's Q8_0, Q4_0 and Q4_1 "
-              "projections and embedding kept as int8 / int4 with their scales, other block types "
-              "dequantised); int8 (per output channel) or int4 (groups of up to 128, with offsets): quantize "
-              "an unquantized checkpoint while it loads; none: dequantise everything to --dtype",
+        None, "weights kept quantized (default: as the checkpoint stores them: FP8, compressed-tensors, AWQ "
+              "and GPTQ checkpoints as their quantization_config says, a GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K "
+              "and Q6_K projections and embedding kept as int8 / int4 with their scales, other block types "
+              "dequantised); fp8 or int8 (per output channel) or int4 (groups of up to 128, with offsets): "
+              "quantize an unquantized checkpoint while it loads; none: dequantise a GGUF to --dtype",
         choices=QUANTIZATION_CHOICES)
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's, at most 2048)")
     max_num_batched_tokens: int = _option(512, "token budget of one engine step (prefills are chunked to fit)")

@@ -66,9 +66,10 @@ class ModelConfig:
     swiglu_alpha: float = 1.702          # its sigmoid's gain
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # Weights kept quantized: (kind, bits, group, offset) per kind of weight (q_proj, ..., down_proj,
-    # embed_tokens, lm_head) that is; ``models.quantization`` says how (empty: none is).
-    quantization: tuple[tuple[str, int, int, bool], ...] = ()
+    # Weights kept quantized: (kind, format, group, offset) per kind of weight (q_proj, ...,
+    # down_proj, embed_tokens, lm_head) that is, the format one of ``kernels.matmul.quantized``'s
+    # FORMATS (int8, int4, fp8); ``models.quantization`` says how (empty: none is).
+    quantization: tuple[tuple[str, str, int, bool], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -129,8 +130,8 @@ class ModelConfig:
         """The layers whose MLP is the mixture of experts."""
         return tuple(i for i in range(self.num_layers) if self.is_moe and i not in self.dense_layers)
 
-    def quant_spec(self, kind: str) -> tuple[int, int, bool] | None:
-        """(bits, group, offset) of weights of ``kind`` when they are kept quantized, else None."""
+    def quant_spec(self, kind: str) -> tuple[str, int, bool] | None:
+        """(format, group, offset) of weights of ``kind`` when they are kept quantized, else None."""
         return next(((b, g, o) for k, b, g, o in self.quantization if k == kind), None)
 
     def replace(self, **changes) -> "ModelConfig":
@@ -138,12 +139,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
-        """From a ``transformers`` config object (transformers 5 keeps RoPE in ``rope_parameters``)."""
+        """From a ``transformers`` config object (transformers 5 keeps RoPE in ``rope_parameters``).
+        A ``quantization_config`` is read with the tensors (``models.stored_quantization``)."""
         arch = (getattr(hf, "architectures", None) or [_default_architecture(hf.model_type)])[0]
-        if quant := getattr(hf, "quantization_config", None):
-            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-            raise ValueError(f"quantization_config: quant_method {method!r} is not supported: this engine loads "
-                             "unquantized checkpoints (f32, bf16, f16) and GGUF files")
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:

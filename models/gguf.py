@@ -120,11 +120,11 @@ def _to_checkpoint_layout(w: np.ndarray, hf_name: str, arch: str, cfg: ModelConf
 # GGUF block types whose every weight the engine's layout holds exactly -> (bits, group, offset):
 # Q8_0 (int8, a scale per 32), Q4_0 (int4 - 8, a scale per 32: offset -8 * scale, exact in f16)
 # and Q4_1 (int4, a scale and a minimum per 32).
-_KEPT = {"Q8_0": (8, 32, False), "Q4_0": (4, 32, True), "Q4_1": (4, 32, True)}
+_KEPT = {"Q8_0": ("int8", 32, False), "Q4_0": ("int4", 32, True), "Q4_1": ("int4", 32, True)}
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
-def _kept_plan(reader, arch: str, cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
+def _kept_plan(reader, arch: str, cfg: ModelConfig) -> tuple[tuple[str, str, int, bool], ...]:
     """The kinds of weight kept quantized: those all of whose tensors are of ``_KEPT``'s types.
     Q8_0 beside Q4 in one kind: int8 with offsets (the Q4 values 0..15 held as int8, exact).
     o_proj only where a block of 32 stays within a head (``models.quantization``)."""
@@ -136,11 +136,11 @@ def _kept_plan(reader, arch: str, cfg: ModelConfig) -> tuple[tuple[str, int, int
     for kind, names in sorted(types.items()):
         if names <= _KEPT.keys() and (kind != "o_proj" or cfg.head_dim % 32 == 0):
             specs = {_KEPT[n] for n in names}
-            plan.append((kind, *specs.pop()) if len(specs) == 1 else (kind, 8, 32, True))
+            plan.append((kind, *specs.pop()) if len(specs) == 1 else (kind, "int8", 32, True))
     return tuple(plan)
 
 
-def _kept_blocks(t, spec: tuple[int, int, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _kept_blocks(t, spec: tuple[str, int, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A Q8_0 / Q4_0 / Q4_1 tensor's blocks -> values [out, in] (int8, or uint8 0..15 for int4),
     scales and offsets [out, in / 32] (float16), as ``spec`` holds them."""
     kind = t.tensor_type.name
@@ -155,8 +155,8 @@ def _kept_blocks(t, spec: tuple[int, int, bool]) -> tuple[np.ndarray, np.ndarray
         offset = (-8 * scale.astype(np.float32)).astype(np.float16) if kind == "Q4_0" else \
             np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
     values = values.reshape(rows, -1)
-    bits, _, has_offset = spec
-    if bits == 8:
+    fmt, _, has_offset = spec
+    if fmt == "int8":
         values = values.astype(np.int8)
     if has_offset and offset is None:
         offset = np.zeros_like(scale)

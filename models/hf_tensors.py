@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from jaxengine.kernels.matmul.quantized import pack_int4
+from jaxengine.kernels.matmul.quantized import FORMATS, pack_int4
 from jaxengine.models.config import ModelConfig
 
 ParamPath = tuple
@@ -185,12 +185,12 @@ def quantized_layout(layout, path: ParamPath, part: str, cfg: ModelConfig):
     ``path``, from the plain weight's: the embedding transposed ([D, V], models.quantization),
     o_proj's scales by groups of its heads' columns, int4 values packed along the grouped axis."""
     kind = path[-1]
-    bits, group, _ = cfg.quant_spec(kind)
+    fmt, group, _ = cfg.quant_spec(kind)
     if kind == "embed_tokens":
         layout = Transposed()
     if part != "q" and isinstance(layout, HeadsOut):
         return HeadsOut(layout.head_dim // group)
-    if part == "q" and bits == 4:
+    if part == "q" and FORMATS[fmt].bits == 4:
         ndim = 3 if kind in ("q_proj", "k_proj", "v_proj", "o_proj") else 2
         return Packed(layout, ndim - 1 - QUANTIZABLE[kind])
     return layout

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.kernels.matmul.quantized import SCALE_DTYPE, QuantizedWeight, dequantize, quantize
+from jaxengine.kernels.matmul.quantized import FORMATS, QuantizedWeight, dequantize, quantize
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.hf_tensors import QUANTIZABLE, Index, TensorSource
 
 PARTS = ("q", "scale", "offset")
-SCHEMES = ("int8", "int4")          # quantized while loading; "none": whatever is stored, dequantised
+SCHEMES = ("fp8", "int8", "int4")   # quantized while loading; "none": whatever is stored, dequantised
 GROUP = 128                         # the largest group of online int4 (smaller where an axis needs it)
 
 
@@ -43,9 +43,9 @@ def grouped_sizes(cfg: ModelConfig, kind: str) -> set[int]:
     return sizes | ({cfg.shared_expert_intermediate_size} if cfg.shared_expert_intermediate_size else set())
 
 
-def online_plan(cfg: ModelConfig, scheme: str, split: int = 1) -> tuple[tuple[str, int, int, bool], ...]:
-    """``ModelConfig.quantization`` for quantizing an unquantized checkpoint while it loads: int8
-    per output channel (symmetric; o_proj per head), int4 in groups of up to 128 with an offset.
+def online_plan(cfg: ModelConfig, scheme: str, split: int = 1) -> tuple[tuple[str, str, int, bool], ...]:
+    """``ModelConfig.quantization`` for quantizing an unquantized checkpoint while it loads: fp8
+    and int8 per output channel (symmetric; o_proj per head), int4 in groups of up to 128 with an offset.
     down_proj's grouped axis is split ``split`` ways over the mesh, so its groups are of up to 128
     in both schemes, within a device's share: the same weights at any split where the share is a
     multiple of 128. A mixture of experts' routed experts stay as they are."""
@@ -59,21 +59,22 @@ def online_plan(cfg: ModelConfig, scheme: str, split: int = 1) -> tuple[tuple[st
         if not sizes:
             continue
         whole = math.gcd(*sizes)
-        if scheme == "int8" and kind != "down_proj":
-            plan.append((kind, 8, whole, False))
+        if scheme != "int4" and kind != "down_proj":
+            plan.append((kind, scheme, whole, False))
             continue
         groups = [g for g in range(2, GROUP + 1, 2) if whole % g == 0]
         if not groups:
             raise ValueError(f"quantization {scheme}: the {kind} axis of {whole} has no even group")
-        plan.append((kind, 8, max(groups), False) if scheme == "int8" else (kind, 4, max(groups), True))
+        plan.append((kind, scheme, max(groups), scheme == "int4"))
     return tuple(plan)
 
 
 class QuantizedParam(nnx.Module):
     """A weight of ``shape`` (per layer) kept quantized; ``self[...]`` is its ``QuantizedWeight``."""
 
-    def __init__(self, shape: tuple[int, ...], spec: tuple[int, int, bool], out_axes: int, axes: tuple) -> None:
-        bits, group, offset = spec
+    def __init__(self, shape: tuple[int, ...], spec: tuple[str, int, bool], out_axes: int, axes: tuple) -> None:
+        fmt, group, offset = spec
+        stored = FORMATS[fmt]
         grouped = len(shape) - 1 - out_axes
 
         def along(divisor: int) -> tuple[int, ...]:
@@ -82,11 +83,11 @@ class QuantizedParam(nnx.Module):
         def param(shape, dtype) -> nnx.Param:
             return nnx.Param(jnp.zeros(shape, dtype), out_sharding=axes, eager_sharding=False)
 
-        self.q = param(along(2) if bits == 4 else shape, jnp.uint8 if bits == 4 else jnp.int8)
-        self.scale = param(along(group), SCALE_DTYPE)
+        self.q = param(along(2) if stored.bits == 4 else shape, stored.values)
+        self.scale = param(along(group), stored.scale)
         if offset:
-            self.offset = param(along(group), SCALE_DTYPE)
-        self.bits, self.out_axes = bits, out_axes
+            self.offset = param(along(group), stored.scale)
+        self.bits, self.out_axes = stored.bits, out_axes
 
     def __getitem__(self, index) -> QuantizedWeight:
         offset = self.offset[index] if hasattr(self, "offset") else None
@@ -150,13 +151,13 @@ class QuantizingSource:
         base, part = split_part(name)
         if base not in self.specs:
             return self.source.read(name, index)
-        bits, group, offset = self.specs[base]
+        fmt, group, offset = self.specs[base]
         *lead, cols = index
         first, last = (cols.start, cols.stop) if part else (cols.start // group, -(-cols.stop // group))
         key = (base, tuple((s.start, s.stop) for s in lead), first, last)
         if self._last is None or self._last[0] != key:
             w = self.source.read(base, (*lead, slice(first * group, last * group)))
-            self._last = (key, quantize(w, bits, group, axis=-1, offset=offset))
+            self._last = (key, quantize(w, fmt, group, axis=-1, offset=offset))
         values, scale, zero = self._last[1]
         if part == "scale":
             return scale
@@ -165,7 +166,8 @@ class QuantizingSource:
         return values[..., cols.start - first * group:cols.stop - first * group]
 
 
-def param_dtype(var, dtype):
-    """The dtype a parameter is placed in: the model's, except the parts of a quantized weight."""
-    return var.dtype if jnp.issubdtype(var.dtype, jnp.integer) or var.dtype == SCALE_DTYPE else dtype
+def param_dtype(path: tuple, var, dtype):
+    """The dtype a parameter is placed in: the model's, except the parts of a quantized weight
+    (their own, ``FORMATS``)."""
+    return var.dtype if len(path) > 1 and path[-1] in PARTS and path[-2] in QUANTIZABLE else dtype
 

@@ -34,7 +34,8 @@ def cached_config(cached: Path) -> ModelConfig | None:
     if not ((cached / "config.json").exists() and (cached / _PARAMS).is_dir()):
         return None
     raw = json.loads((cached / "config.json").read_text())
-    if "quantization" not in raw:          # written before weights could be kept quantized: rebuilt
+    # Written before weights could be kept quantized, or with bits where a format is named: rebuilt
+    if "quantization" not in raw or any(isinstance(entry[1], int) for entry in raw["quantization"]):
         return None
     if raw.get("rope_scaling"):
         kind = YarnScaling if "beta_fast" in raw["rope_scaling"] else RopeScaling
@@ -58,7 +59,7 @@ def save_converted(cached: Path, cfg: ModelConfig, tensors: Mapping[str, np.ndar
     flat = nnx.to_flat_state(state)
     check_tensors(located, unexpected, source, flat, cfg)
     params = {path: read_param(source, located, path, tuple(slice(0, n) for n in var.shape),
-                               param_dtype(var, np.float32), cfg)
+                               param_dtype(path, var, np.float32), cfg)
               for path, var in flat}
     cached.mkdir(parents=True, exist_ok=True)
     (cached / "config.json").unlink(missing_ok=True)
@@ -76,7 +77,7 @@ def restore_converted(cached: Path, cfg: ModelConfig, dtype=jnp.float32, *, mesh
 
     mesh = mesh_or_first_device(mesh)
     _, saved = abstract_model(cfg, dtype, {})
-    target = {path: jax.ShapeDtypeStruct(var.shape, param_dtype(var, dtype), sharding=sharding)
+    target = {path: jax.ShapeDtypeStruct(var.shape, param_dtype(path, var, dtype), sharding=sharding)
               for (path, var), sharding in zip(nnx.to_flat_state(saved), flat_param_shardings(saved, mesh))}
     with ocp.StandardCheckpointer() as checkpointer:
         restored = traverse_util.flatten_dict(

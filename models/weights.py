@@ -28,6 +28,7 @@ from jaxengine.models.mesh import (check_expert_parallel, flat_param_shardings, 
                                    mesh_size)
 from jaxengine.models.quantization import SCHEMES, QuantizingSource, online_plan, param_dtype
 from jaxengine.models.registry import abstract_model
+from jaxengine.models.stored_quantization import StoredQuantizationSource, stored_plan, stored_weights
 
 
 # ---------------------------------------------------------------- HF-named tensors -> the model
@@ -71,28 +72,36 @@ def build_model(cfg: ModelConfig, tensors: TensorSource | Mapping[str, np.ndarra
     flat = nnx.to_flat_state(state)
     check_tensors(located, unexpected, source, flat, cfg)
     for (path, var), sharding in zip(flat, flat_param_shardings(state, mesh)):
-        read = functools.partial(read_param, source, located, path, dtype=param_dtype(var, dtype), cfg=cfg)
+        read = functools.partial(read_param, source, located, path, dtype=param_dtype(path, var, dtype), cfg=cfg)
         var.set_value(place(read, tuple(var.shape), sharding))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 # ---------------------------------------------------------------- safetensors folders
+# float8 tensors, which safetensors reads into no framework here: mapped from the file directly
+_FLOAT8 = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+
+
 class SafetensorsSource(contextlib.AbstractContextManager):
     """The tensors of safetensors files, each file opened once (memory-mapped): a slice reads only
     its own bytes. Which file holds a tensor comes from the files' headers. numpy has no
     bfloat16, so a file holding bfloat16 tensors (most checkpoints) is read through JAX's view
-    of it and handed on as an ml_dtypes array."""
+    of it and handed on as an ml_dtypes array; float8 tensors (FP8 checkpoints) are mapped from
+    the file as ml_dtypes arrays, at the offsets its header gives."""
 
     def __init__(self, files: Iterable[str | os.PathLike]) -> None:
         from safetensors import safe_open
 
         self._files = contextlib.ExitStack()
-        self._handles = {}
+        self._handles, self._float8 = {}, {}
         for file in files:
             handle = self._files.enter_context(safe_open(file, framework="numpy"))
-            if any(handle.get_slice(name).get_dtype() == "BF16" for name in handle.keys()):
+            dtypes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
+            if "BF16" in dtypes.values():
                 handle = self._files.enter_context(safe_open(file, framework="flax"))
             self._handles.update(dict.fromkeys(handle.keys(), handle))
+            if any(d in _FLOAT8 for d in dtypes.values()):
+                self._float8.update(_float8_tensors(file, dtypes))
 
     def names(self) -> Iterable[str]:
         return self._handles.keys()
@@ -101,14 +110,27 @@ class SafetensorsSource(contextlib.AbstractContextManager):
         return tuple(self._handles[name].get_slice(name).get_shape())
 
     def read(self, name: str, index: Index) -> np.ndarray:
+        if name in self._float8:
+            return np.array(self._float8[name][index])
         return np.asarray(self._handles[name].get_slice(name)[index])
 
     def __exit__(self, *exc) -> None:
         self._files.close()
 
 
+def _float8_tensors(file, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
+    """The float8 tensors of a safetensors file as read-only memory maps."""
+    with open(file, "rb") as f:                  # 8-byte header length, then the JSON header
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    data = np.memmap(file, np.uint8, mode="r", offset=8 + length)
+    return {name: data[slice(*header[name]["data_offsets"])].view(_FLOAT8[d]).reshape(header[name]["shape"])
+            for name, d in dtypes.items() if d in _FLOAT8}
+
+
 def safetensors_files(folder: str | os.PathLike) -> tuple[ModelConfig, list[Path]]:
-    """``config.json`` + one or many ``*.safetensors`` shards (``model.safetensors.index.json``)."""
+    """``config.json`` + one or many ``*.safetensors`` shards (``model.safetensors.index.json``).
+    (A ``quantization_config`` there: ``quantization_config``.)"""
     from transformers import AutoConfig
 
     folder = Path(folder)
@@ -125,6 +147,11 @@ def safetensors_files(folder: str | os.PathLike) -> tuple[ModelConfig, list[Path
     return cfg, [folder / name for name in files]
 
 
+def quantization_config(folder: str | os.PathLike) -> dict | None:
+    """config.json's ``quantization_config``: how a checkpoint stored quantized is stored."""
+    return json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or None
+
+
 def read_safetensors_folder(folder: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Every tensor of a checkpoint folder, read in full (``load_model`` reads lazily instead)."""
     from safetensors.numpy import load_file
@@ -139,7 +166,9 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, quantiz
     config as the mesh runs them (``build_model``). ``quantization``: None keeps the weights as
     stored (a GGUF's quantized blocks kept quantized where the engine has their layout,
     ``models.gguf``); ``int8`` / ``int4`` quantize an unquantized checkpoint's projections and
-    embedding while it loads; ``none`` dequantises a GGUF to ``dtype``."""
+    embedding while it loads; ``none`` dequantises a GGUF or a checkpoint stored quantized
+    (``quantization_config``: FP8, compressed-tensors, AWQ, GPTQ; ``models.stored_quantization``)
+    to ``dtype``."""
     path = Path(path)
     if quantization not in (None, "none", *SCHEMES):
         raise ValueError(f"quantization: {quantization!r} is not supported (supported: {[*SCHEMES, 'none']})")
@@ -150,9 +179,20 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, quantiz
         model, _ = load_gguf(path, dtype, mesh=mesh, keep_quantized=quantization != "none", **model_kwargs)
     else:
         cfg, files = safetensors_files(path)
+        split = mesh_size(mesh_or_first_device(mesh))
+        stored = quantization_config(path)
         with SafetensorsSource(files) as source:
-            if quantization in SCHEMES:
-                cfg = cfg.replace(quantization=online_plan(cfg, quantization, mesh_size(mesh_or_first_device(mesh))))
+            if stored:
+                if quantization in SCHEMES:
+                    raise ValueError(f"quantization: {quantization!r} quantizes an unquantized checkpoint; {path} is "
+                                     f"stored quantized (quantization_config.quant_method "
+                                     f"{stored.get('quant_method')!r}) and is served so (or dequantised with 'none')")
+                weights = stored_weights(source, stored)
+                if quantization != "none":
+                    cfg = cfg.replace(quantization=stored_plan(weights, cfg, split))
+                source = StoredQuantizationSource(source, weights, cfg, dequantize=quantization == "none")
+            elif quantization in SCHEMES:
+                cfg = cfg.replace(quantization=online_plan(cfg, quantization, split))
                 source = QuantizingSource(source, cfg)
             model = build_model(cfg, source, dtype, mesh=mesh, **model_kwargs)
     return model, model.config

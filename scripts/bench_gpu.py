@@ -437,33 +437,48 @@ def moe(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
 
 # ---------------------------------------------------------------- quantized weights
 def quantized(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
-    """Llama-3-8B's gate projection (4096 x 14336) with int8 (per channel) and int4 (groups of
-    128) weights through XLA's dequantise-and-dot against bf16, at decode batches and a
-    prefill: ms, TFLOP/s and the weight bytes read per second; and whether XLA wrote the
-    dequantised weight to memory (an HLO value of the whole weight's shape outside the dot)."""
+    """Llama-3-8B's gate projection (4096 x 14336) with fp8 and int8 (per channel) and int4 (groups
+    of 128) weights through XLA's dequantise-and-dot against bf16, and fp8 with the activations
+    quantized too (per token, "fp8_w8a8": convert, dot, scale, the pattern XLA's GEMM rewriter
+    turns into an FP8 cuBLAS GEMM), at decode batches and a prefill: ms, TFLOP/s and the weight
+    bytes read per second; and whether XLA wrote the dequantised weight to memory (an HLO value
+    of the whole weight's shape outside the dot) or ran an FP8 GEMM (an f8 custom call)."""
     import re
 
-    from jaxengine.kernels.matmul.quantized import QuantizedWeight, pack_int4, quantize, xla_quantized_dense
+    from jaxengine.kernels.matmul.quantized import FP8_MAX, QuantizedWeight, pack_int4, quantize, xla_quantized_dense
 
     k, n = (256, 512) if smoke else (4096, 14336)
     w = np.random.default_rng(0).standard_normal((k, n), np.float32) * 0.02
     weights = {"bf16": jnp.asarray(w, jnp.bfloat16)}
-    for bits, group in ((8, k), (4, 128)):
-        values, scale, offset = quantize(w, bits, group, axis=0)
-        q = pack_int4(values, 0) if bits == 4 else values
-        weights[f"int{bits}"] = QuantizedWeight(jnp.asarray(q), jnp.asarray(scale),
-                                                None if offset is None else jnp.asarray(offset), bits)
-    matmul = jax.jit(lambda x, w: x @ w if isinstance(w, jax.Array) else xla_quantized_dense(x, w))
-    result = {"shape": [k, n], "rows": [], "hlo_writes_dequantized_weight": {}}
+    for fmt, group in (("fp8", k), ("int8", k), ("int4", 128)):
+        values, scale, offset = quantize(w, fmt, group, axis=0)
+        q = pack_int4(values, 0) if fmt == "int4" else values
+        weights[fmt] = QuantizedWeight(jnp.asarray(q), jnp.asarray(scale),
+                                       None if offset is None else jnp.asarray(offset), 4 if fmt == "int4" else 8)
+    weights["fp8_w8a8"] = weights["fp8"]
+
+    def w8a8(x, w):
+        sx = jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32) / FP8_MAX
+        xq = (x / sx).astype(jnp.float8_e4m3fn)
+        out = jnp.dot(xq, w.q[0] if w.q.ndim == 3 else w.q, preferred_element_type=jnp.float32)
+        return (out * sx * w.scale.reshape(1, -1)).astype(x.dtype)
+
+    def matmul_of(name):
+        if name == "bf16":
+            return jax.jit(lambda x, w: x @ w)
+        return jax.jit(w8a8 if name == "fp8_w8a8" else xla_quantized_dense)
+
+    result = {"shape": [k, n], "rows": [], "hlo_writes_dequantized_weight": {}, "hlo_fp8_gemm": {}}
     for name, weight in weights.items():
-        hlo = matmul.lower(jnp.ones((16, k), jnp.bfloat16), weight).compile().as_text()
+        hlo = matmul_of(name).lower(jnp.ones((16, k), jnp.bfloat16), weight).compile().as_text()
         whole = re.compile(rf"= bf16\[{k},{n}\]")
         result["hlo_writes_dequantized_weight"][name] = name != "bf16" and bool(whole.search(hlo))
+        result["hlo_fp8_gemm"][name] = bool(re.search(r"custom-call.*f8e4m3fn|f8e4m3fn.*custom-call", hlo))
     for tokens in ((1, 16) if smoke else (1, 16, 64, 256, 4096)):
         x = jax.random.normal(jax.random.key(tokens), (tokens, k), jnp.bfloat16)
         row = {"tokens": tokens}
         for name, weight in weights.items():
-            t = timed(matmul, x, weight)
+            t = timed(matmul_of(name), x, weight)
             stored = sum(a.nbytes for a in jax.tree.leaves(weight))
             row[name] = {"ms": round(t * 1e3, 4), "tflops": float(f"{2 * tokens * k * n / t / 1e12:.3g}"),
                          "weight_gbs": float(f"{stored / t / 1e9:.3g}"),

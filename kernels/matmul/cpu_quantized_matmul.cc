@@ -2,8 +2,8 @@
 // The weights stay quantized in memory; each step reads their bytes, not an f32 copy.
 //
 // Shapes: x [M, K] f32; q [L, K/P, N]: int8 values (P = 1), or int4 values 0..15 packed two rows a
-// byte (P = 2: row 2r in the low nibble, row 2r+1 in the high one); scale [L, K/G, N] f16 and
-// offset [L, K/G, N] f16 (or [0]: none), one per group of G rows and column; layer [] s32.
+// byte (P = 2: row 2r in the low nibble, row 2r+1 in the high one); scale [L, K/G, N] and
+// offset [L, K/G, N] (or [0]: none), f16 or f32, one per group of G rows and column; layer [] s32.
 // The weight is w[k, n] = scale[k/G, n] * q[k, n] + offset[k/G, n], and out [M, N] = x @ w[layer].
 //
 // A few rows (a decode step): the scales come out of the sum, group by group,
@@ -32,10 +32,11 @@ namespace {
 
 constexpr int64_t kFusedRows = 8;        // up to this many rows: the fused loop, else dequantise + sgemm
 
+template <typename S>                    // S: the scales' and offsets' type, _Float16 or float
 struct Weights {
   const uint8_t* q;                      // int8 values as bytes (P = 1) or packed nibbles (P = 2)
-  const _Float16* scale;
-  const _Float16* offset;                // nullptr: none
+  const S* scale;
+  const S* offset;                       // nullptr: none
   int64_t k, n, group;
 };
 
@@ -80,6 +81,9 @@ inline Floats HalfFloats(const _Float16* p) {
 #endif
 }
 
+inline Floats ScaleFloats(const _Float16* p) { return HalfFloats(p); }
+inline Floats ScaleFloats(const float* p) { return Load<Floats>(p); }
+
 // The weights of rows kk (and kk + 1 when packed) at 8 columns: (low, high).
 template <int P>
 inline void LoadValues(const uint8_t* row, Floats* low, Floats* high) {
@@ -100,8 +104,8 @@ inline void LoadValues(const uint8_t* row, Floats* low, Floats* high) {
 
 // out[0..M) x columns [c, c + 8 T): each group's sums of x times q stay in registers (M x T of
 // them), and each row of q is read 64 bytes (or T vectors) at a time.
-template <int P, int M, int T>
-void FusedLanes(const float* x, const Weights& w, const float* sums, float* out, int64_t c) {
+template <int P, int M, int T, typename S>
+void FusedLanes(const float* x, const Weights<S>& w, const float* sums, float* out, int64_t c) {
   const int64_t k = w.k, n = w.n, g = w.group, groups = k / g;
   Floats res[M][T] = {};
   for (int64_t gi = 0; gi < groups; ++gi) {
@@ -118,10 +122,10 @@ void FusedLanes(const float* x, const Weights& w, const float* sums, float* out,
       }
     }
     for (int t = 0; t < T; ++t) {
-      const Floats s = HalfFloats(w.scale + gi * n + c + t * kLanes);
+      const Floats s = ScaleFloats(w.scale + gi * n + c + t * kLanes);
       for (int r = 0; r < M; ++r) res[r][t] += s * acc[r][t];
       if (w.offset != nullptr) {
-        const Floats o = HalfFloats(w.offset + gi * n + c + t * kLanes);
+        const Floats o = ScaleFloats(w.offset + gi * n + c + t * kLanes);
         for (int r = 0; r < M; ++r) res[r][t] += o * sums[r * groups + gi];
       }
     }
@@ -130,8 +134,8 @@ void FusedLanes(const float* x, const Weights& w, const float* sums, float* out,
 }
 
 // Columns past the last multiple of 8 of a block, one at a time.
-template <int P>
-void FusedColumn(const float* x, const Weights& w, const float* sums, float* out, int64_t m, int64_t c) {
+template <int P, typename S>
+void FusedColumn(const float* x, const Weights<S>& w, const float* sums, float* out, int64_t m, int64_t c) {
   const int64_t k = w.k, n = w.n, g = w.group, groups = k / g;
   for (int64_t r = 0; r < m; ++r) {
     float total = 0.0f;
@@ -146,43 +150,43 @@ void FusedColumn(const float* x, const Weights& w, const float* sums, float* out
   }
 }
 
-template <int P, int M>
-void FusedColumnsOf(const float* x, const Weights& w, const float* sums, float* out, int64_t first, int64_t last) {
+template <int P, int M, typename S>
+void FusedColumnsOf(const float* x, const Weights<S>& w, const float* sums, float* out, int64_t first, int64_t last) {
   constexpr int T = M >= 8 ? 1 : 8 / M;                 // vectors per row: M x T accumulators
   int64_t c = first;
-  for (; c + T * kLanes <= last; c += T * kLanes) FusedLanes<P, M, T>(x, w, sums, out, c);
-  for (; c + kLanes <= last; c += kLanes) FusedLanes<P, M, 1>(x, w, sums, out, c);
-  for (; c < last; ++c) FusedColumn<P>(x, w, sums, out, M, c);
+  for (; c + T * kLanes <= last; c += T * kLanes) FusedLanes<P, M, T, S>(x, w, sums, out, c);
+  for (; c + kLanes <= last; c += kLanes) FusedLanes<P, M, 1, S>(x, w, sums, out, c);
+  for (; c < last; ++c) FusedColumn<P, S>(x, w, sums, out, M, c);
 }
 
 // out[0..m) x [first, last) of x @ w, m <= kFusedRows.
-template <int P>
-void FusedColumns(const float* x, const Weights& w, float* out, int64_t m, int64_t first, int64_t last) {
+template <int P, typename S>
+void FusedColumns(const float* x, const Weights<S>& w, float* out, int64_t m, int64_t first, int64_t last) {
   const int64_t groups = w.k / w.group;
   std::vector<float> sums(m * groups, 0.0f);          // x summed over each group (the offsets' factor)
   for (int64_t r = 0; r < m; ++r)
     for (int64_t kk = 0; kk < w.k; ++kk) sums[r * groups + kk / w.group] += x[r * w.k + kk];
-  using Fn = void (*)(const float*, const Weights&, const float*, float*, int64_t, int64_t);
+  using Fn = void (*)(const float*, const Weights<S>&, const float*, float*, int64_t, int64_t);
   static constexpr Fn kByRows[kFusedRows] = {
-      FusedColumnsOf<P, 1>, FusedColumnsOf<P, 2>, FusedColumnsOf<P, 3>, FusedColumnsOf<P, 4>,
-      FusedColumnsOf<P, 5>, FusedColumnsOf<P, 6>, FusedColumnsOf<P, 7>, FusedColumnsOf<P, 8>};
+      FusedColumnsOf<P, 1, S>, FusedColumnsOf<P, 2, S>, FusedColumnsOf<P, 3, S>, FusedColumnsOf<P, 4, S>,
+      FusedColumnsOf<P, 5, S>, FusedColumnsOf<P, 6, S>, FusedColumnsOf<P, 7, S>, FusedColumnsOf<P, 8, S>};
   kByRows[m - 1](x, w, sums.data(), out, first, last);
 }
 
 // Columns [first, last) of w as f32 [K, last - first], 8 columns at a time where it can.
-template <int P>
-void Dequantize(const Weights& w, float* buf, int64_t first, int64_t last) {
+template <int P, typename S>
+void Dequantize(const Weights<S>& w, float* buf, int64_t first, int64_t last) {
   const int64_t cols = last - first, n = w.n;
   for (int64_t kk = 0; kk < w.k; kk += P) {
     const uint8_t* row = w.q + (kk / P) * n + first;
-    const _Float16* s = w.scale + (kk / w.group) * n + first;
-    const _Float16* o = w.offset ? w.offset + (kk / w.group) * n + first : nullptr;
+    const S* s = w.scale + (kk / w.group) * n + first;
+    const S* o = w.offset ? w.offset + (kk / w.group) * n + first : nullptr;
     float* b = buf + kk * cols;
     int64_t c = 0;
     for (; c + kLanes <= cols; c += kLanes) {
       Floats low, high;
       LoadValues<P>(row + c, &low, &high);
-      const Floats sc = HalfFloats(s + c), off = o ? HalfFloats(o + c) : Floats{};
+      const Floats sc = ScaleFloats(s + c), off = o ? ScaleFloats(o + c) : Floats{};
       const Floats lo = sc * low + off;
       std::memcpy(b + c, &lo, sizeof lo);
       if constexpr (P == 2) {
@@ -196,13 +200,13 @@ void Dequantize(const Weights& w, float* buf, int64_t first, int64_t last) {
   }
 }
 
-template <int P>
-void MultiplyColumns(const float* x, const Weights& w, float* out, int64_t m, int64_t first, int64_t last) {
+template <int P, typename S>
+void MultiplyColumns(const float* x, const Weights<S>& w, float* out, int64_t m, int64_t first, int64_t last) {
   if (last <= first) return;
-  if (m <= kFusedRows) return FusedColumns<P>(x, w, out, m, first, last);
+  if (m <= kFusedRows) return FusedColumns<P, S>(x, w, out, m, first, last);
   thread_local std::vector<float> buf;
   buf.resize(w.k * (last - first));
-  Dequantize<P>(w, buf.data(), first, last);
+  Dequantize<P, S>(w, buf.data(), first, last);
   scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, last - first, w.k, 1.0f, x, w.k, buf.data(),
                     last - first, 0.0f, out + first, w.n);
 }
@@ -212,9 +216,9 @@ void SetSingleThreaded() {
   std::call_once(once, [] { scipy_openblas_set_num_threads(1); });
 }
 
-template <int P, ffi::DataType QType>
+template <int P, ffi::DataType QType, ffi::DataType SType, typename S>
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<QType> q,
-                               ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                               ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
                                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   SetSingleThreaded();
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
@@ -228,38 +232,35 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   if (index < 0 || index >= qd[0]) return ffi::Error::InvalidArgument("cpu quantized matmul: layer index out of range");
   if (m == 0 || n == 0) return ffi::Error::Success();
   const int64_t groups = sd[1];
-  auto half = [](void* p) { return static_cast<const _Float16*>(p); };
-  const Weights w{static_cast<const uint8_t*>(q.untyped_data()) + index * (k / P) * n,
-                  half(scale.untyped_data()) + index * groups * n,
-                  has_offset ? half(offset.untyped_data()) + index * groups * n : nullptr, k, n, k / groups};
+  auto typed = [](void* p) { return static_cast<const S*>(p); };
+  const Weights<S> w{static_cast<const uint8_t*>(q.untyped_data()) + index * (k / P) * n,
+                     typed(scale.untyped_data()) + index * groups * n,
+                     has_offset ? typed(offset.untyped_data()) + index * groups * n : nullptr, k, n, k / groups};
   int64_t blocks;
   const int64_t width = jaxengine::ColumnBlockWidth(n, pool.num_threads(), &blocks);
   const float* xp = x.typed_data();
   float* op = out->typed_data();
   jaxengine::ParallelFor(pool, blocks, [&, width](int64_t b) {
-    MultiplyColumns<P>(xp, w, op, m, std::min(n, b * width), std::min(n, (b + 1) * width));
+    MultiplyColumns<P, S>(xp, w, op, m, std::min(n, b * width), std::min(n, (b + 1) * width));
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuInt8Matmul, (QuantizedMatmulImpl<1, ffi::S8>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// int8 / int4 values, float16 scales (as GGUF stores them) or float32 ones
+#define JAXENGINE_QUANTIZED_MATMUL(name, P, QType, SType, S)                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmulImpl<P, QType, SType, S>),            \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                            \
+                                    .Arg<ffi::Buffer<QType>>()                               \
+                                    .Arg<ffi::Buffer<SType>>()                               \
+                                    .Arg<ffi::Buffer<SType>>()                               \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuInt4Matmul, (QuantizedMatmulImpl<2, ffi::U8>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt8Matmul, 1, ffi::S8, ffi::F16, _Float16)
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt4Matmul, 2, ffi::U8, ffi::F16, _Float16)
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt8MatmulF32, 1, ffi::S8, ffi::F32, float)
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt4MatmulF32, 2, ffi::U8, ffi::F32, float)

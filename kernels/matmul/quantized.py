@@ -8,8 +8,10 @@ offset per group of ``G`` consecutive elements along the last contracted axis:
 
 int8 values are signed (-127..127, no offset: symmetric); int4 values are 0..15 packed two a byte
 along the grouped axis (element 2i in the low nibble, 2i+1 in the high one), with an offset (an
-asymmetric range, as GGUF's Q4_1; a symmetric one such as Q4_0 is offset = -8 * scale). Scales
-and offsets are float16, as GGUF stores them, so a GGUF block converts exactly.
+asymmetric range, as GGUF's Q4_1; a symmetric one such as Q4_0 is offset = -8 * scale). Their
+scales and offsets are float16, as GGUF stores them, so a GGUF block converts exactly. fp8 values
+are float8_e4m3fn with a float32 scale per group (as FP8 checkpoints store them; a per-channel or
+per-tensor scale is one group the length of the axis, a block-wise one repeated along the output).
 
 The matmul applies the scales in its epilogue: on a CPU through ``cpu_quantized_matmul.cc`` (the
 bytes read per step are the quantized ones), elsewhere, and on a mesh, by XLA: the layer's weight
@@ -30,17 +32,39 @@ from jaxengine.kernels.cpu_build import register_kernel
 from jaxengine.kernels.matmul.openblas import openblas_build
 
 SOURCE = Path(__file__).with_name("cpu_quantized_matmul.cc")
-TARGETS = {8: "jaxengine_cpu_int8_matmul", 4: "jaxengine_cpu_int4_matmul"}
-SYMBOLS = {8: "JaxengineCpuInt8Matmul", 4: "JaxengineCpuInt4Matmul"}
+# (bits, scale dtype) -> the CPU kernel's FFI target and handler symbol
+TARGETS = {(8, "float16"): "jaxengine_cpu_int8_matmul", (4, "float16"): "jaxengine_cpu_int4_matmul",
+           (8, "float32"): "jaxengine_cpu_int8_matmul_f32", (4, "float32"): "jaxengine_cpu_int4_matmul_f32"}
+SYMBOLS = {(8, "float16"): "JaxengineCpuInt8Matmul", (4, "float16"): "JaxengineCpuInt4Matmul",
+           (8, "float32"): "JaxengineCpuInt8MatmulF32", (4, "float32"): "JaxengineCpuInt4MatmulF32"}
 SCALE_DTYPE = np.float16
 BITS = (8, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How a format's values and scales are stored."""
+    bits: int
+    values: np.dtype
+    scale: np.dtype
+
+
+# int8 / int4 with float16 scales (GGUF's, and the engine's own quantization, which rounds its
+# scales first), or float32 ones ("-f32": checkpoints whose scales, or whose offsets -scale *
+# zero point, float16 would round); fp8 with float32 scales.
+FORMATS = {"int8": Format(8, np.dtype(np.int8), np.dtype(SCALE_DTYPE)),
+           "int4": Format(4, np.dtype(np.uint8), np.dtype(SCALE_DTYPE)),
+           "int8-f32": Format(8, np.dtype(np.int8), np.dtype(np.float32)),
+           "int4-f32": Format(4, np.dtype(np.uint8), np.dtype(np.float32)),
+           "fp8": Format(8, np.dtype(jnp.float8_e4m3fn), np.dtype(np.float32))}
+FP8_MAX = 448.0                     # the largest float8_e4m3fn
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """``q``: int8 [.., K, ..] (bits 8) or uint8 [.., K/2, ..] (bits 4, packed along the grouped
-    axis); ``scale`` / ``offset``: float16 [.., K/G, ..]; ``offset`` None: none. ``out_axes``: how
+    """``q``: int8 or float8_e4m3fn [.., K, ..] (bits 8) or uint8 [.., K/2, ..] (bits 4, packed
+    along the grouped axis); ``scale`` / ``offset``: [.., K/G, ..] (``FORMATS``); ``offset`` None: none. ``out_axes``: how
     many trailing axes are the matmul's output; the axes before them (after a stacking axis, if
     any) are contracted, and the last contracted one is grouped."""
     q: jax.Array
@@ -60,34 +84,42 @@ class QuantizedWeight:
 
 
 # ---------------------------------------------------------------- host side: quantize, pack
-def quantize(w: np.ndarray, bits: int, group: int, axis: int = -1, offset: bool | None = None
+def quantize(w: np.ndarray, fmt: str, group: int, axis: int = -1, offset: bool | None = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The engine's reference quantization of ``w`` in groups of ``group`` along ``axis``:
-    -> (values, scale, offset or None), values unpacked (int8; int4 as uint8 0..15). int8 is
+    -> (values, scale, offset or None), values unpacked (int8; int4 as uint8 0..15; fp8). int8 is
     symmetric (scale = max|w| / 127); int4 asymmetric (scale = (max - min) / 15, offset = min),
-    or symmetric with ``offset=False`` (values -8..7 shifted to 0..15, offset = -8 * scale). Scales
-    are rounded to float16 before the values are computed, so dequantising reproduces them."""
-    if bits not in BITS:
-        raise ValueError(f"quantization to {bits} bits: supported {BITS}")
+    or symmetric with ``offset=False`` (values -8..7 shifted to 0..15, offset = -8 * scale); fp8
+    symmetric (scale = max|w| / 448, float32, values rounded to nearest). Scales are rounded to
+    their dtype before the values are computed, so dequantising reproduces them."""
+    if fmt not in FORMATS:
+        raise ValueError(f"quantization to {fmt!r}: supported {list(FORMATS)}")
+    bits = FORMATS[fmt].bits
+
+    def rounded(a) -> np.ndarray:
+        return np.asarray(a, np.float32).astype(FORMATS[fmt].scale)
     w = np.moveaxis(np.asarray(w, np.float32), axis, -1)
     if w.shape[-1] % group or (bits == 4 and group % 2):
         raise ValueError(f"a group of {group} does not divide the axis of {w.shape[-1]} (int4: an even group)")
     g = w.reshape(*w.shape[:-1], w.shape[-1] // group, group)
     offset = bits == 4 if offset is None else offset
-    if offset:
+    if fmt == "fp8":
+        scale = (np.abs(g).max(-1) / FP8_MAX).astype(np.float32)
+        values, zero = (g / _nonzero(scale)[..., None]).astype(FORMATS["fp8"].values), None
+    elif offset:
         low, high = g.min(-1), g.max(-1)
         levels = 2 ** bits - 1
-        scale, zero = _f16((high - low) / levels), _f16(low)
+        scale, zero = rounded((high - low) / levels), rounded(low)
         values = np.clip(np.rint((g - zero[..., None]) / _nonzero(scale)[..., None]), 0, levels)
         if bits == 8:           # int8 values are signed: the range and the offset shift by 128 steps
-            values, zero = values - 128, _f16(zero.astype(np.float32) + 128 * scale.astype(np.float32))
+            values, zero = values - 128, rounded(zero.astype(np.float32) + 128 * scale.astype(np.float32))
         values = values.astype(np.uint8 if bits == 4 else np.int8)
     else:
         top = 2 ** (bits - 1) - 1
-        scale = _f16(np.abs(g).max(-1) / top)
+        scale = rounded(np.abs(g).max(-1) / top)
         values = np.clip(np.rint(g / _nonzero(scale)[..., None]), -top - 1, top)
         if bits == 4:
-            values, zero = (values + 8).astype(np.uint8), _f16(-8 * scale.astype(np.float32))
+            values, zero = (values + 8).astype(np.uint8), rounded(-8 * scale.astype(np.float32))
         else:
             values, zero = values.astype(np.int8), None
     back = functools.partial(np.moveaxis, source=-1, destination=axis)
@@ -115,10 +147,6 @@ def unpack_int4_host(packed: np.ndarray, axis: int) -> np.ndarray:
     out = np.empty((2 * p.shape[0], *p.shape[1:]), np.uint8)
     out[0::2], out[1::2] = p & 15, p >> 4
     return np.moveaxis(out, 0, axis)
-
-
-def _f16(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a, np.float32).astype(SCALE_DTYPE)
 
 
 def _nonzero(scale: np.ndarray) -> np.ndarray:
@@ -154,27 +182,28 @@ def xla_quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | Non
 
 def quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = None) -> jax.Array:
     """x [T, K] @ w (w[layer] when stacked) -> [T, ..output axes..]: the CPU kernel where it
-    serves, else XLA's dequantise-and-dot."""
-    if not serves(x):
+    serves (int8, int4), else XLA's dequantise-and-dot."""
+    if not serves(x, w):
         return xla_quantized_dense(x, w, layer)
     stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
     out_axes = stacked.q.shape[stacked.q.ndim - w.out_axes:]
     def flat(a: jax.Array) -> jax.Array:            # [L, ..] -> [L, K / P or K / G, N]: a bitcast
         return a.reshape(a.shape[0], -1, math.prod(out_axes))
 
-    offset = jnp.zeros((0,), SCALE_DTYPE) if w.offset is None else flat(stacked.offset)
-    call = jax.ffi.ffi_call(TARGETS[w.bits], jax.ShapeDtypeStruct((x.shape[0], math.prod(out_axes)), jnp.float32),
+    offset = jnp.zeros((0,), w.scale.dtype) if w.offset is None else flat(stacked.offset)
+    call = jax.ffi.ffi_call(TARGETS[w.bits, w.scale.dtype.name], jax.ShapeDtypeStruct((x.shape[0], math.prod(out_axes)), jnp.float32),
                             vmap_method="sequential")
     out = call(x, flat(stacked.q), flat(stacked.scale), offset, jnp.asarray(0 if layer is None else layer, jnp.int32))
     return out.reshape(x.shape[0], *out_axes)
 
 
-def serves(x: jax.Array) -> bool:
-    return jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32 and available()
+def serves(x: jax.Array, w: QuantizedWeight) -> bool:
+    return (jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32
+            and w.q.dtype in (jnp.int8, jnp.uint8) and w.scale.dtype in (jnp.float16, jnp.float32) and available())
 
 
 @functools.cache
 def available() -> bool:
     build = openblas_build()
-    return build is not None and all(register_kernel(SOURCE, SYMBOLS[b], TARGETS[b], f"CPU int{b} matmul", **build)
-                                     for b in BITS)
+    return build is not None and all(register_kernel(SOURCE, SYMBOLS[key], TARGETS[key], f"CPU int{key[0]} matmul",
+                                                     **build) for key in TARGETS)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine.kernels.matmul import dense, xla_dense
-from jaxengine.kernels.matmul.quantized import (QuantizedWeight, dequantize, dequantize_reference, pack_int4,
+from jaxengine.kernels.matmul.quantized import (FORMATS, QuantizedWeight, dequantize, dequantize_reference, pack_int4,
                                                 quantize, unpack_int4_host)
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernel")
@@ -19,18 +19,29 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ 
 
 def test_int8_is_symmetric_per_group_and_int4_spans_min_to_max():
     w = np.array([[0.5, -1.27, 0.01, 0.0], [2.0, 3.0, 4.0, 5.5]], np.float32)
-    values, scale, offset = quantize(w, 8, 2)
+    values, scale, offset = quantize(w, "int8", 2)
     assert offset is None
     np.testing.assert_array_equal(scale, np.float16([[1.27 / 127, 0.01 / 127], [3.0 / 127, 5.5 / 127]]))
     np.testing.assert_array_equal(values, [[50, -127, 127, 0], [85, 127, 92, 127]])
-    values, scale, offset = quantize(w, 4, 4)
+    values, scale, offset = quantize(w, "int4", 4)
     np.testing.assert_array_equal(scale, np.float16([[1.77 / 15], [3.5 / 15]]))
     np.testing.assert_array_equal(offset, np.float16([[-1.27], [2.0]]))
     np.testing.assert_array_equal(values, [[15, 0, 11, 11], [0, 4, 9, 15]])
-    values, scale, offset = quantize(w, 4, 4, offset=False)          # Q4_0's symmetric range
+    values, scale, offset = quantize(w, "int4", 4, offset=False)          # Q4_0's symmetric range
     np.testing.assert_array_equal(scale, np.float16([[1.27 / 7], [5.5 / 7]]))
     np.testing.assert_array_equal(offset, -8 * scale)
     np.testing.assert_array_equal(values, [[11, 1, 8, 8], [11, 12, 13, 15]])
+
+
+def test_fp8_scales_each_group_to_the_e4m3_range_in_float32():
+    w = np.array([[0.5, -1.25, 0.01, 0.0], [2.0, 3.0, 4.0, 4.48]], np.float32)
+    values, scale, offset = quantize(w, "fp8", 2)
+    assert offset is None and values.dtype == jnp.float8_e4m3fn and scale.dtype == np.float32
+    np.testing.assert_array_equal(scale, np.float32([[1.25, 0.01], [3.0, 4.48]]) / np.float32(448))
+    # 0.5 / (1.25 / 448) = 179.2 -> 176 (e4m3 steps of 16 from 128 to 256); 4 / (4.48 / 448) = 400,
+    # halfway between 384 and 416 (steps of 32 above 256) -> 384 (ties to even); the maxima 448
+    np.testing.assert_array_equal(values.astype(np.float32), [[176, -448, 448, 0], [288, 448, 384, 448]])
+    np.testing.assert_allclose(dequantize_reference(values, scale, None), w, rtol=0.07)
 
 
 def test_int4_packs_two_elements_a_byte_low_nibble_first():
@@ -41,13 +52,14 @@ def test_int4_packs_two_elements_a_byte_low_nibble_first():
     with pytest.raises(ValueError, match="even"):
         pack_int4(values[:3], axis=0)
     with pytest.raises(ValueError, match="does not divide"):
-        quantize(np.ones((2, 6), np.float32), 4, 4)
+        quantize(np.ones((2, 6), np.float32), "int4", 4)
 
 
-def quantized(rng, layers: int, k: int, n: int, bits: int, group: int, offset: bool):
+def quantized(rng, layers: int, k: int, n: int, fmt: str, group: int, offset: bool):
     """A random stacked [L, K, N] weight quantized along K, and the f32 weights it stands for."""
     w = rng.standard_normal((layers, k, n), np.float32)
-    values, scale, zero = quantize(w, bits, group, axis=1, offset=offset)
+    values, scale, zero = quantize(w, fmt, group, axis=1, offset=offset)
+    bits = FORMATS[fmt].bits
     q = pack_int4(values, axis=1) if bits == 4 else values
     qw = QuantizedWeight(jnp.asarray(q), jnp.asarray(scale), None if zero is None else jnp.asarray(zero), bits)
     return qw, dequantize_reference(values, scale, zero, axis=1)
@@ -56,12 +68,14 @@ def quantized(rng, layers: int, k: int, n: int, bits: int, group: int, offset: b
 @needs_compiler
 @settings(max_examples=12, deadline=None)
 @given(rows=st.sampled_from([1, 2, 5, 8, 9, 33]), groups=st.integers(1, 3), n=st.sampled_from([8, 16, 40, 72, 100]),
-       scheme=st.sampled_from([(8, 16, False), (8, 32, True), (4, 16, True), (4, 32, False)]), seed=st.integers(0, 99))
+       scheme=st.sampled_from([("int8", 16, False), ("int8", 32, True), ("int4", 16, True), ("int4", 32, False),
+                               ("int8-f32", 16, True), ("int4-f32", 32, True), ("fp8", 16, False)]), seed=st.integers(0, 99))
 def test_the_cpu_kernel_and_xla_match_numpy_on_the_dequantised_weights(rows, groups, n, scheme, seed):
     # 1-8 rows: the fused loop (8 columns at a time, then one at a time past them); more: sgemm
-    bits, group, offset = scheme
+    # (float16 or float32 scales; fp8: XLA's dequantise-and-dot on both paths)
+    fmt, group, offset = scheme
     rng = np.random.default_rng(seed)
-    qw, w = quantized(rng, 3, group * groups, n, bits, group, offset)
+    qw, w = quantized(rng, 3, group * groups, n, fmt, group, offset)
     x = rng.standard_normal((rows, w.shape[1]), np.float32)
     np.testing.assert_allclose(dequantize(qw), w, rtol=1e-6, atol=1e-6)
     for layer in (0, 2):
@@ -76,7 +90,7 @@ def test_two_contracted_axes_group_within_the_last_one_as_o_proj():
     # and q_proj [D, N, H] has two output axes
     rng = np.random.default_rng(1)
     w = rng.standard_normal((2, 3, 8, 24), np.float32)                    # [L, N, H, D]
-    values, scale, zero = quantize(w, 4, 4, axis=2)
+    values, scale, zero = quantize(w, "int4", 4, axis=2)
     qw = QuantizedWeight(jnp.asarray(pack_int4(values, axis=2)), jnp.asarray(scale), jnp.asarray(zero), 4)
     assert qw.q.shape == (2, 3, 4, 24) and qw.scale.shape == (2, 3, 2, 24) and qw.group == 4
     ref = dequantize_reference(values, scale, zero, axis=2).reshape(2, 24, 24)
@@ -85,7 +99,7 @@ def test_two_contracted_axes_group_within_the_last_one_as_o_proj():
         np.testing.assert_allclose(jax.jit(fn)(x, qw, jnp.int32(1)), x @ ref[1], rtol=1e-5, atol=1e-4)
     one = qw.layer(0)
     np.testing.assert_allclose(jax.jit(dense)(x, one), x @ ref[0], rtol=1e-5, atol=1e-4)
-    values, scale, _ = quantize(w.reshape(2, 24, 3, 8), 8, 8, axis=1)          # [L, D, N, H]
+    values, scale, _ = quantize(w.reshape(2, 24, 3, 8), "int8", 8, axis=1)          # [L, D, N, H]
     q_proj = QuantizedWeight(jnp.asarray(values), jnp.asarray(scale), None, 8, out_axes=2)
     ref = dequantize_reference(values, scale, None, axis=1)
     for fn in (dense, xla_dense):

@@ -35,13 +35,13 @@ def dequantised_oracle(hf_model, cfg):
     with torch.no_grad():
         for name, w in ref.state_dict().items():
             if (kind := kind_of(name)) and (spec := cfg.quant_spec(kind)):
-                bits, group, offset = spec
-                values, scale, zero = quantize(w.numpy(), bits, group, axis=-1, offset=offset)
+                fmt, group, offset = spec
+                values, scale, zero = quantize(w.numpy(), fmt, group, axis=-1, offset=offset)
                 w.copy_(torch.from_numpy(dequantize_reference(values, scale, zero, axis=-1)))
     return ref
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
 def test_online_quantization_matches_transformers_on_the_dequantised_weights(llama, scheme):
     folder, hf_model = llama
     model, cfg = load_model(folder, quantization=scheme)
@@ -49,10 +49,11 @@ def test_online_quantization_matches_transformers_on_the_dequantised_weights(lla
     kinds = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"}
     assert {k for k, *_ in cfg.quantization} == kinds | (set() if tied else {"lm_head"})
     head = cfg.head_dim
-    assert cfg.quant_spec("o_proj") == ((8, head, False) if scheme == "int8" else (4, head, True))
-    assert cfg.quant_spec("down_proj") == ((8, 128, False) if scheme == "int8" else (4, 128, True))
+    assert cfg.quant_spec("o_proj") == ((scheme, head, False) if scheme != "int4" else ("int4", head, True))
+    assert cfg.quant_spec("down_proj") == (scheme, 128, scheme == "int4")
     assert isinstance(model.layers.self_attn.q_proj, QuantizedParam)
-    assert model.embed_tokens.q.shape == ((64, 256) if scheme == "int8" else (32, 256))     # kept [D, V]
+    assert model.embed_tokens.q.shape == ((32, 256) if scheme == "int4" else (64, 256))     # kept [D, V]
+    assert model.layers.mlp.up_proj.scale.dtype == (np.float32 if scheme == "fp8" else np.float16)
     oracle = dequantised_oracle(hf_model, cfg)
     for ids in PROMPTS:
         ours, ref = run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(oracle, ids)
@@ -86,8 +87,9 @@ def test_gguf_blocks_are_kept_quantized_and_compute_as_the_file_dequantised(tmp_
     kept, hit = load_gguf(tmp_path / "tiny.gguf")
     cfg = kept.config
     assert not hit and dict((k, (b, g, o)) for k, b, g, o in cfg.quantization) == {
-        "q_proj": (4, 32, True), "k_proj": (4, 32, True), "v_proj": (8, 32, False), "o_proj": (8, 32, False),
-        "gate_proj": (8, 32, True), "up_proj": (4, 32, True), "embed_tokens": (8, 32, False)}    # down: F16
+        "q_proj": ("int4", 32, True), "k_proj": ("int4", 32, True), "v_proj": ("int8", 32, False),
+        "o_proj": ("int8", 32, False), "gate_proj": ("int8", 32, True), "up_proj": ("int4", 32, True),
+        "embed_tokens": ("int8", 32, False)}    # down: F16
     plain, _ = load_model(tmp_path / "tiny.gguf", quantization="none")
     assert not plain.config.quantization
     for ids in PROMPTS:
@@ -105,7 +107,7 @@ def test_gguf_blocks_are_kept_quantized_and_compute_as_the_file_dequantised(tmp_
 
 def test_unsupported_quantization_requests_are_clear_errors(llama, tmp_path):
     folder, hf_model = llama
-    with pytest.raises(ValueError, match=r"quantization: 'fp4' is not supported \(supported: \['int8', 'int4', 'none'\]\)"):
+    with pytest.raises(ValueError, match=r"quantization: 'fp4' is not supported \(supported: \['fp8', 'int8', 'int4', 'none'\]\)"):
         load_model(folder, quantization="fp4")
     write_gguf(tmp_path / "tiny.gguf", hf_model)
     with pytest.raises(ValueError, match="quantization: 'int8' quantizes an unquantized checkpoint; a GGUF file"):

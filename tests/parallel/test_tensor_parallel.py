@@ -83,6 +83,28 @@ def test_quantized_weights_split_over_two_devices_give_one_devices_tokens(llama_
     assert [o.outputs[0].token_ids for o in greedy_tokens(two, PROMPTS)] == [o.outputs[0].token_ids for o in one]
 
 
+def test_a_checkpoint_stored_quantized_splits_over_two_devices_as_one_device_runs_it(llama_folder, tmp_path):
+    # AWQ int4 in groups of 32: repacked on load, float32 scales and offsets split like the values
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_stored_quantization import int4_groups, linears, pack_words, to_int32, write
+
+    hf_model = AutoModelForCausalLM.from_pretrained(llama_folder, dtype=torch.float32)
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    replaced = {}
+    for name, w in linears(hf_model):
+        values, zero, scale, _ = int4_groups(w, 32)
+        replaced[name[:-len(".weight")]] = {"qweight": to_int32(pack_words(values.T, order)),
+                                            "qzeros": to_int32(pack_words(zero.T, order)),
+                                            "scales": scale.T.to(torch.float16)}
+    folder = write(tmp_path / "awq", hf_model, replaced, {"quant_method": "awq", "bits": 4, "group_size": 32})
+    one = greedy_tokens(tp_engine(folder, 1), PROMPTS)
+    two = tp_engine(folder, 2)
+    assert two.model.layers.mlp.down_proj.offset.sharding.spec[1] == "model"
+    assert [o.outputs[0].token_ids for o in greedy_tokens(two, PROMPTS)] == [o.outputs[0].token_ids for o in one]
+
+
 def test_swapped_groups_come_back_whole_from_a_sharded_cache(arch):
     folder, expected = arch
     llm = tp_engine(folder, 4, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False)
