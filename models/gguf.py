@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxengine.kernels.matmul.quantized import FORMATS
 from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.paths import converted_cache_path
 from jaxengine.models.quantization import kind_of
@@ -117,32 +119,58 @@ def _to_checkpoint_layout(w: np.ndarray, hf_name: str, arch: str, cfg: ModelConf
     return w
 
 
-# GGUF block types whose every weight the engine's layout holds exactly -> (bits, group, offset):
-# Q8_0 (int8, a scale per 32), Q4_0 (int4 - 8, a scale per 32: offset -8 * scale, exact in f16)
-# and Q4_1 (int4, a scale and a minimum per 32).
-_KEPT = {"Q8_0": ("int8", 32, False), "Q4_0": ("int4", 32, True), "Q4_1": ("int4", 32, True)}
+# GGUF block types whose every weight the engine's layout holds exactly -> (format, group, offset):
+# Q8_0 (int8, a scale per 32), Q4_0 (int4 - 8, a scale per 32: offset -8 * scale, exact in f16),
+# Q4_1 (int4, a scale and a minimum per 32); the K-quants, whose scales are products of a float16
+# and a 6- or 8-bit integer (exact in float32): Q4_K (int4, per 32 a scale d * sc and an offset
+# -dmin * m), Q5_K (values 0..31 as int8, the same), Q6_K (values -32..31 as int8, per 16 a scale
+# d * sc).
+_KEPT = {"Q8_0": ("int8", 32, False), "Q4_0": ("int4", 32, True), "Q4_1": ("int4", 32, True),
+         "Q4_K": ("int4-f32", 32, True), "Q5_K": ("int8-f32", 32, True), "Q6_K": ("int8-f32", 16, False)}
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
 def _kept_plan(reader, arch: str, cfg: ModelConfig) -> tuple[tuple[str, str, int, bool], ...]:
-    """The kinds of weight kept quantized: those all of whose tensors are of ``_KEPT``'s types.
-    Q8_0 beside Q4 in one kind: int8 with offsets (the Q4 values 0..15 held as int8, exact).
-    o_proj only where a block of 32 stays within a head (``models.quantization``)."""
+    """The kinds of weight kept quantized: those all of whose tensors are of ``_KEPT``'s types, in
+    a format that holds each of them: int8 where any is (int4 values 0..15 held as int8, exact),
+    float32 scales where any has them, the largest group that divides every type's, an offset where
+    any has one. o_proj only where a group stays within a head (``models.quantization``)."""
     types = collections.defaultdict(set)
     for t in reader.tensors:
         if (hf_name := gguf_name_to_hf(t.name, arch)) and (kind := kind_of(hf_name)):
             types[kind].add(t.tensor_type.name)
     plan = []
     for kind, names in sorted(types.items()):
-        if names <= _KEPT.keys() and (kind != "o_proj" or cfg.head_dim % 32 == 0):
-            specs = {_KEPT[n] for n in names}
-            plan.append((kind, *specs.pop()) if len(specs) == 1 else (kind, "int8", 32, True))
+        if not names <= _KEPT.keys():
+            continue
+        specs = [_KEPT[n] for n in names]
+        group = math.gcd(*(g for _, g, _ in specs))
+        if kind == "o_proj" and cfg.head_dim % group:
+            continue
+        bits = 4 if all(FORMATS[f].bits == 4 for f, _, _ in specs) else 8
+        wide = any(FORMATS[f].scale == np.float32 for f, _, _ in specs)
+        plan.append((kind, f"int{bits}" + ("-f32" if wide else ""), group, any(o for _, _, o in specs)))
     return tuple(plan)
 
 
 def _kept_blocks(t, spec: tuple[str, int, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A Q8_0 / Q4_0 / Q4_1 tensor's blocks -> values [out, in] (int8, or uint8 0..15 for int4),
-    scales and offsets [out, in / 32] (float16), as ``spec`` holds them."""
+    """A tensor of one of ``_KEPT``'s types -> values [out, in], scales and offsets [out, in / G],
+    in ``spec``'s format and group (a type's own group repeated where the spec's is smaller)."""
+    kind = t.tensor_type.name
+    values, scale, offset, group = _k_quant_parts(t) if kind.endswith("_K") else _block_parts(t)
+    fmt, plan_group, has_offset = spec
+    stored = FORMATS[fmt]
+    values = values.astype(stored.values)
+    if has_offset and offset is None:
+        offset = np.zeros_like(scale)
+
+    def regroup(a):
+        return None if a is None else np.repeat(a, group // plan_group, axis=-1).astype(stored.scale)
+    return values, regroup(scale), regroup(offset)
+
+
+def _block_parts(t):
+    """Q8_0 / Q4_0 / Q4_1 blocks -> (values int8 or uint8 0..15, float16 scales, offsets or None, 32)."""
     kind = t.tensor_type.name
     rows = t.data.shape[0]
     blocks = np.asarray(t.data, np.uint8).reshape(rows, -1, _BLOCK_BYTES[kind])
@@ -154,13 +182,60 @@ def _kept_blocks(t, spec: tuple[str, int, bool]) -> tuple[np.ndarray, np.ndarray
         values = np.concatenate([packed & 15, packed >> 4], axis=-1)     # elements 0-15 low, 16-31 high
         offset = (-8 * scale.astype(np.float32)).astype(np.float16) if kind == "Q4_0" else \
             np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
-    values = values.reshape(rows, -1)
-    fmt, _, has_offset = spec
-    if fmt == "int8":
-        values = values.astype(np.int8)
-    if has_offset and offset is None:
-        offset = np.zeros_like(scale)
-    return values, scale, offset
+    return values.reshape(rows, -1), scale, offset, 32
+
+
+# Byte ranges of a K-quant super-block (256 weights): its float16 d (and dmin) and its values'
+# bytes, with the bytes that make every value 1 (Q6_K: 33, stored as value - 32).
+_K_LAYOUT = {"Q4_K": dict(d=slice(0, 2), dmin=slice(2, 4), values=[(slice(16, 144), 0x11)], group=32),
+             "Q5_K": dict(d=slice(0, 2), dmin=slice(2, 4), values=[(slice(16, 48), 0), (slice(48, 176), 0x11)],
+                          group=32),
+             "Q6_K": dict(d=slice(208, 210), dmin=None, values=[(slice(0, 128), 0x11), (slice(128, 192), 0xAA)],
+                          group=16)}
+
+
+def _k_quant_parts(t):
+    """Q4_K / Q5_K / Q6_K super-blocks -> (values, float32 scales d * sc, offsets -dmin * m or
+    None, the group). The sub-blocks' packed 6-bit scales are read by the ``gguf`` package's own
+    dequantisation of altered copies of the blocks: with d = 1 and dmin = 0 it gives sc * q, with
+    every value 1 as well sc, with every value 0 (and d as stored) -dmin * m."""
+    from gguf import quants
+
+    layout = _K_LAYOUT[t.tensor_type.name]
+    rows = t.data.shape[0]
+    blocks = np.asarray(t.data, np.uint8).reshape(rows, -1)
+
+    def dequantized(b: np.ndarray) -> np.ndarray:
+        return quants.dequantize(b, t.tensor_type).astype(np.float32).reshape(rows, -1)
+
+    def altered(d=None, dmin=None, value_bytes=None) -> np.ndarray:
+        b = blocks.reshape(-1, _k_block_bytes(t)).copy()
+        if d is not None:
+            b[:, layout["d"]] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+        if dmin is not None and layout["dmin"] is not None:
+            b[:, layout["dmin"]] = np.frombuffer(np.float16(dmin).tobytes(), np.uint8)
+        for span, byte in value_bytes or ():
+            b[:, span] = byte
+        return b.reshape(blocks.shape)
+
+    group = layout["group"]
+    scaled = dequantized(altered(d=1, dmin=0))                                   # sc * q
+    sc = dequantized(altered(d=1, dmin=0, value_bytes=layout["values"]))         # sc
+    values = np.rint(np.divide(scaled, sc, out=np.zeros_like(scaled), where=sc != 0))
+    d = np.ascontiguousarray(blocks.reshape(-1, _k_block_bytes(t))[:, layout["d"]]).view(np.float16)
+    d = np.repeat(d.astype(np.float32).reshape(rows, -1), 256 // group, axis=-1)
+    first = sc.reshape(rows, -1, group)[..., 0]
+    offset = None
+    if layout["dmin"] is not None:
+        zero_values = [(span, 0) for span, _ in layout["values"]]
+        offset = dequantized(altered(value_bytes=zero_values)).reshape(rows, -1, group)[..., 0]    # -dmin * m
+    return values.astype(np.int16), d * first, offset, group
+
+
+def _k_block_bytes(t) -> int:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[t.tensor_type][1]
 
 
 def _with_experts(cfg: ModelConfig, reader, arch: str) -> ModelConfig:
@@ -228,7 +303,7 @@ def gguf_dtype(path: str | os.PathLike) -> str:
 def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, keep_quantized: bool = True,
               **model_kwargs):
     """A GGUF file -> (model, whether the converted-weights cache had it). The first time, the
-    file is converted once (its Q8_0/Q4_0/Q4_1 projections kept quantized with
+    file is converted once (its Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K projections kept quantized with
     ``keep_quantized``, the rest dequantised) and saved to the cache; the model always comes
     from the cache, so the converted tensors are freed before anything is placed."""
     path = Path(path)

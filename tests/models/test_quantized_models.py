@@ -105,6 +105,36 @@ def test_gguf_blocks_are_kept_quantized_and_compute_as_the_file_dequantised(tmp_
     assert (converted_cache_path(tmp_path / "tiny.gguf", "dequantized") / "params").is_dir()
 
 
+K_TYPES = {"q_proj": Q.Q4_K, "k_proj": Q.Q5_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "up_proj": Q.Q5_K,
+           "down_proj": Q.Q6_K, "embed": Q.Q6_K}
+
+
+def k_type(name: str, arr) -> Q:
+    if "mlp.gate_proj" in name:
+        return Q.Q4_K if "layers.0." in name else Q.Q6_K      # mixed: int8 values, groups of 16, offsets
+    return next((q for key, q in K_TYPES.items() if key in name), Q.F32)
+
+
+def test_gguf_k_quants_are_kept_quantized_and_compute_as_the_file_dequantised(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))
+    # K-quants' super-blocks are of 256 weights: every contracted axis a multiple of 256
+    hf_model = make_checkpoint(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512,
+                               num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    write_gguf(tmp_path / "k.gguf", hf_model, k_type)
+    kept, _ = load_gguf(tmp_path / "k.gguf")
+    cfg = kept.config
+    assert dict((k, (f, g, o)) for k, f, g, o in cfg.quantization) == {
+        "q_proj": ("int4-f32", 32, True), "k_proj": ("int8-f32", 32, True), "v_proj": ("int8-f32", 16, False),
+        "o_proj": ("int4-f32", 32, True), "gate_proj": ("int8-f32", 16, True), "up_proj": ("int8-f32", 32, True),
+        "down_proj": ("int8-f32", 16, False), "embed_tokens": ("int8-f32", 16, False)}
+    plain, _ = load_model(tmp_path / "k.gguf", quantization="none")
+    for ids in PROMPTS:
+        ours, ref = run_chunks(kept, cfg, ids, [len(ids)]), run_chunks(plain, plain.config, ids, [len(ids)])
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert 0.1 < np.abs(ours).max() < 100                    # weights of a sensible size: logits neither 0 nor wild
+
+
 def test_unsupported_quantization_requests_are_clear_errors(llama, tmp_path):
     folder, hf_model = llama
     with pytest.raises(ValueError, match=r"quantization: 'fp4' is not supported \(supported: \['fp8', 'int8', 'int4', 'none'\]\)"):

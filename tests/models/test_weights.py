@@ -78,6 +78,24 @@ def permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# K-quants, which the gguf package reads and does not write: random super-blocks with their d
+# (and dmin) set so the weights are of the size of a model's -> (d, dmin, bytes of d, of dmin)
+K_QUANTS = {Q.Q4_K: (2e-4, 1.5e-3, slice(0, 2), slice(2, 4)), Q.Q5_K: (1e-4, 1.5e-3, slice(0, 2), slice(2, 4)),
+            Q.Q6_K: (3e-5, None, slice(208, 210), None)}
+
+
+def k_quant_blocks(shape, qtype, seed=0):
+    from gguf.constants import GGML_QUANT_SIZES
+
+    per_block, size = GGML_QUANT_SIZES[qtype]
+    d, dmin, d_at, dmin_at = K_QUANTS[qtype]
+    blocks = np.random.default_rng(seed).integers(0, 256, (shape[0] * shape[1] // per_block, size), np.uint8)
+    blocks[:, d_at] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    if dmin_at is not None:
+        blocks[:, dmin_at] = np.frombuffer(np.float16(dmin).tobytes(), np.uint8)
+    return blocks.reshape(shape[0], -1)
+
+
 def write_gguf(path, hf_model, qtype_of=lambda name, w: Q.F32):
     """What llama.cpp's converter writes for a Llama checkpoint: metadata, permuted Q/K rows."""
     c = hf_model.config
@@ -100,7 +118,8 @@ def write_gguf(path, hf_model, qtype_of=lambda name, w: Q.F32):
         elif name.endswith("k_proj.weight"):
             arr = permute_like_llama_cpp(arr, c.num_key_value_heads)
         qtype = qtype_of(name, arr)
-        data = arr if qtype == Q.F32 else quants.quantize(arr, qtype)
+        data = arr if qtype == Q.F32 else k_quant_blocks(arr.shape, qtype) if qtype in K_QUANTS else \
+            quants.quantize(arr, qtype)
         w.add_tensor(gguf_name(name), data, raw_dtype=None if qtype == Q.F32 else qtype)
         roundtrip = arr if qtype == Q.F32 else quants.dequantize(data, qtype).reshape(arr.shape)
         if name.endswith("q_proj.weight"):
