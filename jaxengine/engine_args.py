@@ -22,6 +22,7 @@ from jaxengine.runner.compile import COMPILE_MODES
 
 GiB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 QUANTIZATION_CHOICES = ("fp8", "int8", "int4", "none")
 
 
@@ -41,6 +42,10 @@ class EngineArgs:
                 "on an accelerator the checkpoint's dtype (torch_dtype / dtype in config.json, else the "
                 "safetensors tensors'), with float16 checkpoints run in bfloat16 and quantised GGUF files "
                 "in bfloat16", choices=DTYPE_CHOICES)
+    kv_cache_dtype: str = _option(
+        "auto", "KV cache dtype. auto: --dtype's; fp8: float8_e4m3fn with a scale per layer for K and for V (the "
+                "checkpoint's k_scale / v_scale where it has them, else 1.0), read and dequantised inside "
+                "attention: the pool holds twice the tokens of bfloat16", choices=KV_CACHE_DTYPE_CHOICES)
     quantization: str | None = _option(
         None, "weights kept quantized (default: as the checkpoint stores them: FP8, compressed-tensors, AWQ "
               "and GPTQ checkpoints as their quantization_config says, a GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K "
@@ -201,13 +206,19 @@ class EngineArgs:
         num_cpu_blocks = int(self.swap_space * GiB) // (per_block * self.tensor_parallel_size)
         return self.engine_config(num_gpu_blocks, num_cpu_blocks, self.max_model_len or min(mc.max_position_embeddings, 2048))
 
+    def resolve_kv_dtype(self, dtype):
+        """The KV cache's dtype for a model run in ``dtype``."""
+        import jax.numpy as jnp
+
+        return jnp.dtype(jnp.float8_e4m3fn) if self.kv_cache_dtype == "fp8" else jnp.dtype(dtype)
+
     def kv_bytes_per_block(self, model_config, kv_dtype=None) -> int:
         """What one KV block costs each device: its share of the KV heads (under tensor
         parallelism, with the heads repeated when there are fewer than devices)."""
         from jaxengine.models.mesh import kv_heads_per_device
         from jaxengine.runner.kv_cache import bytes_per_block
 
-        kv_dtype = kv_dtype if kv_dtype is not None else resolve_dtype(self.dtype, None)
+        kv_dtype = kv_dtype if kv_dtype is not None else self.resolve_kv_dtype(resolve_dtype(self.dtype, None))
         heads = kv_heads_per_device(model_config, self.tensor_parallel_size)
         return bytes_per_block(model_config.num_layers, self.block_size, heads, model_config.head_dim, kv_dtype)
 

@@ -101,7 +101,8 @@ class LLM:
             multihost.check_same_kernels(self.model)
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_id())
-        self.config = args.create_engine_config(self.model_config, self.dtype, list(self.mesh.devices.flat))
+        self.kv_dtype = args.resolve_kv_dtype(self.dtype)
+        self.config = args.create_engine_config(self.model_config, self.kv_dtype, list(self.mesh.devices.flat))
         self._log_kv_cache()
         self.runner = self._runner(self.model, self.mesh, progress)   # the first replica's under data parallelism
         self.channel = None
@@ -110,9 +111,9 @@ class LLM:
             self.channel.warm_up()
 
     def _log_kv_cache(self) -> None:
-        cc, per_block = self.config.cache, self.engine_args.kv_bytes_per_block(self.model_config, self.dtype)
+        cc, per_block = self.config.cache, self.engine_args.kv_bytes_per_block(self.model_config, self.kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per device), %s", cc.num_gpu_blocks, cc.block_size,
-                    cc.num_gpu_blocks * per_block / (1 << 20), self.dtype.name)
+                    cc.num_gpu_blocks * per_block / (1 << 20), self.kv_dtype.name)
 
     def _engine(self, runner: ModelRunner, replica: int) -> Engine:
         args = self.engine_args
@@ -128,7 +129,7 @@ class LLM:
     def _runner(self, model, mesh, progress: bool) -> ModelRunner:
         args = self.engine_args
         token_buckets, request_buckets = args.step_buckets()
-        return ModelRunner(model, self.model_config, self.config, dtype=self.dtype, warm_up=args.warm_up,
+        return ModelRunner(model, self.model_config, self.config, dtype=self.kv_dtype, warm_up=args.warm_up,
                            progress=progress, token_buckets=token_buckets, request_buckets=request_buckets,
                            mesh=mesh, compile_mode=args.compile_mode)
 

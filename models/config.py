@@ -70,6 +70,9 @@ class ModelConfig:
     # down_proj, embed_tokens, lm_head) that is, the format one of ``kernels.matmul.quantized``'s
     # FORMATS (int8, int4, fp8); ``models.quantization`` says how (empty: none is).
     quantization: tuple[tuple[str, str, int, bool], ...] = ()
+    # The checkpoint holds a K and a V scale per layer (self_attn.k_scale / v_scale) for an FP8 KV
+    # cache; without them an FP8 cache's scales are 1.0.
+    kv_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -219,6 +219,8 @@ def _rules(cfg: ModelConfig) -> list[tuple[re.Pattern, Callable[[re.Match], Para
         (re.compile(_LAYER + r"self_attn\.v_proj\.bias"), layer("self_attn", "v_bias"), HeadsBias(h)),
         (re.compile(_LAYER + r"self_attn\.o_proj\.bias"), layer("self_attn", "o_bias"), Same()),
         (re.compile(_LAYER + r"self_attn\.sinks"), layer("self_attn", "sinks"), Same()),
+        (re.compile(_LAYER + r"self_attn\.k_scale"), layer("self_attn", "k_scale"), Same()),
+        (re.compile(_LAYER + r"self_attn\.v_scale"), layer("self_attn", "v_scale"), Same()),
         (re.compile(_LAYER + r"self_attn\.q_norm\.weight"), layer("self_attn", "q_norm", "weight"), Same()),
         (re.compile(_LAYER + r"self_attn\.k_norm\.weight"), layer("self_attn", "k_norm", "weight"), Same()),
         (re.compile(_LAYER + r"mlp\.gate_proj\.weight"), layer("mlp", "gate_proj"), Transposed()),

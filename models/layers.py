@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.kernels.matmul import dense
-from jaxengine.kernels.matmul.quantized import QuantizedWeight
+from jaxengine.kernels.matmul.quantized import FP8_MAX, QuantizedWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
 from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.hf_tensors import QUANTIZABLE
@@ -122,6 +122,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
     return out.astype(x.dtype)
 
 
+FP8_KV = jnp.dtype(jnp.float8_e4m3fn)       # the FP8 KV cache's dtype (--kv-cache-dtype fp8)
+
+
+def to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x / scale in float8_e4m3fn, clipped to its range (a cast past it gives NaN)."""
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8_KV)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, *, rngs: nnx.Rngs) -> None:
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -140,6 +148,9 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         if cfg.attention_sinks:
             self.sinks = _sharded(jnp.zeros((n,), dtype), (M,))
+        if cfg.kv_scales:                                  # an FP8 KV cache's scales, from the checkpoint
+            self.k_scale = _sharded(jnp.ones((1,), dtype), (None,))
+            self.v_scale = _sharded(jnp.ones((1,), dtype), (None,))
         self.cfg = cfg
         self.attention_fn = attention_fn
         self.kv_write_fn = write_kv       # the XLA scatter; kernels.paged_attention.kv_write has a Pallas one
@@ -158,19 +169,33 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         scale = rope_attention_factor(cfg)
         q, k = apply_rope(q, md.positions, inv_freq, scale), apply_rope(k, md.positions, inv_freq, scale)
+        kv_scales = self._kv_scales(cache[0].dtype)
+        if kv_scales is not None:                                    # an FP8 cache holds k / k_scale, v / v_scale
+            k, v = to_fp8(k, kv_scales[0]), to_fp8(v, kv_scales[1])
         cache = self.kv_write_fn(*cache, k, v, md.slot_mapping)     # writes precede the reads of this step
-        o = self._attend(q, cache, md, layer)
+        o = self._attend(q, cache, md, layer, kv_scales)
         o_proj = self.o_proj[...]                                    # [(L,) N, H, D] -> [(L,) N*H, D]
         if not isinstance(o_proj, QuantizedWeight):                 # (a quantized one contracts N, H itself)
             o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
         out = self.dense_fn(o.reshape(o.shape[0], -1), o_proj, layer)
         return (out + self.o_bias[...] if cfg.output_bias else out), cache
 
-    def _attend(self, q: jax.Array, cache: KVCache, md: AttentionMetadata, layer: jax.Array | None) -> jax.Array:
+    def _kv_scales(self, cache_dtype) -> tuple[jax.Array, jax.Array] | None:
+        """(k_scale, v_scale) of an FP8 cache (1.0 where the checkpoint has none), else None."""
+        if cache_dtype != FP8_KV:
+            return None
+        if not self.cfg.kv_scales:
+            return jnp.float32(1.0), jnp.float32(1.0)
+        return self.k_scale[0].astype(jnp.float32), self.v_scale[0].astype(jnp.float32)
+
+    def _attend(self, q: jax.Array, cache: KVCache, md: AttentionMetadata, layer: jax.Array | None,
+                kv_scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         """The attention kernel with this layer's window (and sinks). Where sliding and full layers
-        alternate in one scan, the layer's kind picks one of two traced kernel calls (``lax.cond``)."""
+        alternate in one scan, the layer's kind picks one of two traced kernel calls (``lax.cond``).
+        An FP8 cache's per-tensor scales leave the kernels: K's joins the softmax scale (q . k_scale
+        k8 = (k_scale q) . k8), V's multiplies the output (sum p v_scale v8 = v_scale sum p v8)."""
         cfg = self.cfg
-        kw = dict(scale=cfg.head_dim ** -0.5)
+        kw = dict(scale=cfg.head_dim ** -0.5 * (1.0 if kv_scales is None else kv_scales[0]))
         if cfg.attention_sinks:
             kw["sinks"] = self.sinks[...]
 
@@ -178,11 +203,13 @@ class Attention(nnx.Module):
             return lambda q, k, v: self.attention_fn(q, k, v, md, sliding_window=window, **kw)
 
         if not cfg.mixes_windows:
-            return attend(cfg.sliding_window)(q, *cache)
-        if layer is None:
+            out = attend(cfg.sliding_window)(q, *cache)
+        elif layer is None:
             raise ValueError("a model whose layers mix sliding and full attention needs the layer index")
-        is_full = jnp.asarray([i in cfg.full_attention_layers for i in range(cfg.num_layers)])
-        return jax.lax.cond(is_full[layer], attend(None), attend(cfg.sliding_window), q, *cache)
+        else:
+            is_full = jnp.asarray([i in cfg.full_attention_layers for i in range(cfg.num_layers)])
+            out = jax.lax.cond(is_full[layer], attend(None), attend(cfg.sliding_window), q, *cache)
+        return out if kv_scales is None else (out.astype(jnp.float32) * kv_scales[1]).astype(out.dtype)
 
 
 class MLP(nnx.Module):

@@ -31,6 +31,7 @@ from jaxengine.models.hf_tensors import Index, TensorSource
 from jaxengine.models.quantization import grouped_sizes, kind_of, split_part
 
 METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
+KV_SCALE = re.compile(r"model\.layers\.\d+\.self_attn\.[kv]_scale")     # an FP8 KV cache's, per layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,8 @@ class StoredQuantizationSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         base, part = split_part(name)
+        if KV_SCALE.fullmatch(name):
+            return (1,)                                  # stored as [] or [1]
         if base not in self.weights:
             return self.source.shape(name)
         out, inner = self.weights[base].shape
@@ -129,6 +132,9 @@ class StoredQuantizationSource:
     def read(self, name: str, index: Index) -> np.ndarray:
         base, part = split_part(name)
         w = self.weights.get(base)
+        if KV_SCALE.fullmatch(name):
+            return np.asarray(self.source.read(name, tuple(slice(None) for _ in self.source.shape(name))),
+                              np.float32).reshape(1)[index]
         if w is None:
             return self.source.read(name, index)
         if base not in self.kept:

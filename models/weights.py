@@ -28,7 +28,7 @@ from jaxengine.models.mesh import (check_expert_parallel, flat_param_shardings, 
                                    mesh_size)
 from jaxengine.models.quantization import SCHEMES, QuantizingSource, online_plan, param_dtype
 from jaxengine.models.registry import abstract_model
-from jaxengine.models.stored_quantization import StoredQuantizationSource, stored_plan, stored_weights
+from jaxengine.models.stored_quantization import KV_SCALE, StoredQuantizationSource, stored_plan, stored_weights
 
 
 # ---------------------------------------------------------------- HF-named tensors -> the model
@@ -191,6 +191,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, quantiz
                 if quantization != "none":
                     cfg = cfg.replace(quantization=stored_plan(weights, cfg, split))
                 source = StoredQuantizationSource(source, weights, cfg, dequantize=quantization == "none")
+                cfg = cfg.replace(kv_scales=any(KV_SCALE.fullmatch(name) for name in source.names()))
             elif quantization in SCHEMES:
                 cfg = cfg.replace(quantization=online_plan(cfg, quantization, split))
                 source = QuantizingSource(source, cfg)

@@ -10,6 +10,8 @@ online softmax in f32. Padding tiles run no iteration; padding tokens' outputs a
 
 Shapes: T tokens, B rows, N query heads, K KV heads, G = N / K, H head size, S page size, P pages.
 The KV writes stay an XLA scatter (``reference.write_kv``), done before this kernel in the layer.
+An FP8 (float8_e4m3fn) cache is read as stored and converted to the queries' dtype in the kernel;
+its per-tensor scales are applied outside it (``models.layers.Attention``).
 """
 from __future__ import annotations
 
@@ -124,7 +126,7 @@ def prepare_tiles(q: jax.Array, md: AttentionMetadata, scale: float, group_p: in
     block) and the block tables padded to a multiple of ``pages_per_block``."""
     num_tokens, num_heads, head_size = q.shape
     group = num_heads // num_kv_heads
-    qk = (q * scale).reshape(num_tokens, num_kv_heads, group, head_size).transpose(1, 0, 2, 3)
+    qk = (q * scale).astype(q.dtype).reshape(num_tokens, num_kv_heads, group, head_size).transpose(1, 0, 2, 3)
     qk = jnp.pad(qk, ((0, 0), (0, block_q), (0, group_p - group), (0, 0))).reshape(num_kv_heads, -1, head_size)
     width = md.block_tables.shape[1]
     tables = jnp.pad(md.block_tables, ((0, 0), (0, -width % pages_per_block)))
@@ -200,6 +202,8 @@ def _kernel(row_ref, first_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_
         pages = tables_ref[row, pl.ds(i * pages_per_block, pages_per_block)]
         k = k_ref[pages, :, head, :].reshape(span, -1)                            # [span, H]
         v = v_ref[pages, :, head, :].reshape(span, -1)
+        if k.dtype != q.dtype:                  # an FP8 cache: dequantised here, its scales outside
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=EXACT, preferred_element_type=jnp.float32)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

@@ -180,3 +180,32 @@ def test_the_cpu_decode_kernel_matches_the_jnp_loop(kv_heads, group, head_size, 
     np.testing.assert_allclose(kernel[:real], loop[:real], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(kernel[:real], expected[:real], rtol=1e-5, atol=1e-5)
     assert not np.abs(kernel[real:]).any()
+
+
+def fp8_cache(cache, scale: float):
+    """An FP8 cache of ``cache`` / scale (as models.layers writes one) and the f32 values it holds."""
+    from jaxengine.models.layers import to_fp8
+
+    stored = to_fp8(cache, jnp.float32(scale))
+    return stored, stored.astype(jnp.float32) * scale
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=ROWS, seed=st.integers(0, 2**16), extras=st.sampled_from([{}, {"sliding_window": 5}, {"sinks": 2.0}]))
+def test_an_fp8_cache_reads_as_the_values_it_holds_and_stays_near_the_f32_one(rows, seed, extras):
+    # The per-tensor scales leave the kernel: K's joins the softmax scale, V's multiplies the output
+    q, kc, vc, md, full = make_batch(np.random.default_rng(seed), rows, 16, 2, 4, 144, 8, num_pages=25, max_blocks=5)
+    scale, k_scale, v_scale = H ** -0.5, 0.01, 0.012          # values of up to ~4.5 -> e4m3's range (448)
+    extras = with_sinks(extras, 8, seed)
+    k8, k_held = fp8_cache(kc, k_scale)
+    v8, v_held = fp8_cache(vc, v_scale)
+    real = sum(n for _, n in rows)
+    held = np.asarray(paged_attention(q, k_held, v_held, md, scale=scale, **extras))[:real]
+    ref = np.asarray(paged_attention(q, k8, v8, md, scale=scale * k_scale, **extras))[:real] * v_scale
+    tiled = np.asarray(jax.jit(lambda *a: paged_attention_tiled(*a, scale=scale * k_scale, **extras))(q, k8, v8, md))
+    np.testing.assert_allclose(ref, held, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tiled[:real] * v_scale, held, rtol=1e-5, atol=1e-5)
+    f32 = np.asarray(paged_attention(q, kc, vc, md, scale=scale, **extras))[:real]
+    # e4m3 keeps 3 mantissa bits: a value off by up to 1/16 of itself (one key: the output is its value)
+    np.testing.assert_allclose(ref, f32, atol=0.3)
+    assert np.abs(ref - f32).mean() < 0.03

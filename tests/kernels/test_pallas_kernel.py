@@ -145,3 +145,18 @@ def test_random_ragged_batches(seed):
     rows, options = random_ragged_batch(np.random.default_rng(100 + seed))
     got, want, real = run_both(rows, seed=seed, **options)
     assert_close(got, want, real, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_fp8_cache_reads_as_the_plain_jnp_path_reads_it(dtype):
+    from tests.kernels.test_paged_attention import fp8_cache
+
+    rng = np.random.default_rng(3)
+    q, kc, vc, md, _ = make_batch(rng, MIXED, 16, 2, 4, 64, 8, head_size=64, num_pages=16, max_blocks=16)
+    (k8, _), (v8, _) = fp8_cache(kc, 0.01), fp8_cache(vc, 0.004)
+    scale = 64 ** -0.5 * 0.01
+    want = paged_attention(q.astype(dtype), k8, v8, md, scale=scale)
+    got = paged_attention_pallas(q.astype(dtype), k8, v8, md, scale=scale)
+    assert got.dtype == dtype
+    assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in MIXED),
+                 1e-5 if dtype == jnp.float32 else 2e-2)

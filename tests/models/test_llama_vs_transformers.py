@@ -20,10 +20,10 @@ def oracle_logits(hf_model, ids):
         return hf_model(torch.tensor([ids])).logits[0].numpy()
 
 
-def run_chunks(model, cfg, ids, chunks, num_blocks=32):
+def run_chunks(model, cfg, ids, chunks, num_blocks=32, kv_dtype=jnp.float32):
     """Prefill ``ids`` in the given chunk sizes through the paged cache; logits for every token."""
     state, forward = make_forward(model)
-    caches = init_kv_caches(cfg, num_blocks, BLOCK)
+    caches = init_kv_caches(cfg, num_blocks, BLOCK, kv_dtype)
     table = list(range(1, 1 + -(-len(ids) // BLOCK)))
     out, done = [], 0
     for n in chunks:
