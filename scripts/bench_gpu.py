@@ -485,7 +485,38 @@ def quantized(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
                          "fraction_of_copy_bw": float(f"{stored / t / 1e9 / copy_gbs:.3g}")}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+    result["fp8_kv_attention"] = fp8_kv_attention(smoke, copy_gbs)
+    print(json.dumps(result["fp8_kv_attention"]), flush=True)
     return result
+
+
+def fp8_kv_attention(smoke: bool, copy_gbs: float) -> dict:
+    """Decode attention (Triton-lowered kernel, Llama-3-8B heads, 256 rows x 2k context) over a
+    bf16 cache and over the same values in an FP8 cache: ms, the cache bytes read per second,
+    and how far the FP8 output is from the bf16 one."""
+    from jaxengine.kernels.paged_attention.kernel import paged_attention_pallas
+    from jaxengine.models.layers import to_fp8
+
+    heads = (2, 4, 64) if smoke else (8, 4, 128)
+    context, batch = (64, 8) if smoke else (2048, 256)
+    q, k, v, md, kv_bytes = attention_batch([(context - 1, 1)] * batch, 16, *heads, jnp.bfloat16)
+    k8, v8 = to_fp8(k, jnp.float32(0.01)), to_fp8(v, jnp.float32(0.01))
+    fn = jax.jit(lambda q, k, v, md, s: paged_attention_pallas(q, k, v, md, scale=0.088 * s))
+    out = {}
+    for name, args, read, scale in (("bf16", (k, v), kv_bytes, 1.0), ("fp8", (k8, v8), kv_bytes // 2, 0.01)):
+        try:
+            t = timed(fn, q, *args, md, jnp.float32(scale))
+            got = np.asarray(fn(q, *args, md, jnp.float32(scale)), np.float32) * scale
+        except Exception as error:      # noqa: BLE001 - record it, measure the rest
+            out[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            continue
+        out[name] = {"ms": round(t * 1e3, 3), "cache_gbs": round(read / t / 1e9, 1),
+                     "fraction_of_copy_bw": round(read / t / 1e9 / copy_gbs, 3)}
+        out[f"{name}_out"] = got
+    if "bf16_out" in out and "fp8_out" in out:
+        out["fp8_max_abs_diff_vs_bf16"] = float(np.abs(out["fp8_out"] - out["bf16_out"]).max())
+        out["fp8_speedup_vs_bf16"] = round(out["bf16"]["ms"] / out["fp8"]["ms"], 2)
+    return {k: v for k, v in out.items() if not k.endswith("_out")}
 
 
 # ---------------------------------------------------------------- summary
@@ -550,9 +581,17 @@ def summary(out: Path) -> None:
         if best:                                    # what the TUNED table should say for this layout
             sizes = ", ".join(f"{k}={v}" for k, v in best["sizes"].items())
             lines.append(f"| best {label} sizes, decode (ms) | {best['ms']} ({sizes}) | - | - |")
-    for row in results.get("kernel", {}).get("quantized", {}).get("rows", []):
-        lines.append(f"| 8B gate projection, {row['tokens']} tokens: ms bf16 / int8 / int4 | "
-                     f"{row['bf16']['ms']} / {row['int8']['ms']} / {row['int4']['ms']} | - | - |")
+    quantized = results.get("kernel", {}).get("quantized", {})
+    for row in quantized.get("rows", []):
+        lines.append(f"| 8B gate projection, {row['tokens']} tokens: ms bf16 / fp8 / fp8 w8a8 / int8 / int4 | "
+                     f"{row['bf16']['ms']} / {row['fp8']['ms']} / {row['fp8_w8a8']['ms']} / {row['int8']['ms']} / "
+                     f"{row['int4']['ms']} | - | - |")
+    if quantized.get("hlo_fp8_gemm"):
+        lines.append(f"| FP8 GEMM in the HLO (fp8 / fp8 w8a8) | {quantized['hlo_fp8_gemm'].get('fp8')} / "
+                     f"{quantized['hlo_fp8_gemm'].get('fp8_w8a8')} | - | - |")
+    if "fp8" in (kv := quantized.get("fp8_kv_attention", {})) and "bf16" in kv:
+        lines.append(f"| decode attention, FP8 KV vs bf16: ms, cache GB/s | {kv['fp8']['ms']} vs {kv['bf16']['ms']}, "
+                     f"{kv['fp8']['cache_gbs']} vs {kv['bf16']['cache_gbs']} | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("rows", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens: ms, TFLOP/s, weight GB/s (share of copy) | {row['ms']}, "
                      f"{row['tflops']}, {row['weight_read_gbs']} ({row['fraction_of_copy_bw']}) | - | - |")

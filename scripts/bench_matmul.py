@@ -1,4 +1,4 @@
-"""The projection matmuls of a step on the CPU: XLA's dot against OpenBLAS (kernels/matmul), first
+"""The projection matmuls of a step on the CPU: XLA's dot against OpenBLAS (jaxengine/kernels/matmul), first
 the 30 layers' projections alone at the default model's shapes, then whole steps of the default
 model, the two run in turns in one process.
 

@@ -6,7 +6,8 @@ positions against the f32 model, same tokens).
 
 Schemes: ``f32`` (the GGUF dequantised, what every earlier figure ran), ``gguf`` (the file's
 Q4_1 projections kept as int4 with their scales and minimums, its Q8_0 embedding as int8: the
-default), and ``int8`` / ``int4``: the f32 weights quantized while loading (``--quantization``).
+default), ``fp8`` / ``int8`` / ``int4``: the f32 weights quantized while loading
+(``--quantization``), and ``gguf + fp8 KV``: the default with ``--kv-cache-dtype fp8``.
 """
 from __future__ import annotations
 
@@ -36,15 +37,19 @@ POSITIONS = 256               # quality: logits compared at this many positions
 PROMPT = "Explain in a few paragraphs how a refrigerator keeps food cold."
 
 
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
 def models(path):
-    """scheme -> the default model loaded that way."""
+    """scheme -> (the default model loaded that way, its KV cache dtype)."""
     f32, _ = load_gguf(path, keep_quantized=False)
     kept, _ = load_gguf(path)
     cfg, tensors = read_gguf(path)
-    out = {"f32": f32, "gguf": kept}
-    for scheme in ("int8", "int4"):
+    out = {"f32": (f32, jnp.float32), "gguf": (kept, jnp.float32)}
+    for scheme in ("fp8", "int8", "int4"):
         planned = cfg.replace(quantization=online_plan(cfg, scheme))
-        out[scheme] = build_model(planned, QuantizingSource(ArraySource(tensors), planned))
+        out[scheme] = (build_model(planned, QuantizingSource(ArraySource(tensors), planned)), jnp.float32)
+    out["gguf + fp8 KV"] = (kept, FP8)
     return out
 
 
@@ -52,14 +57,14 @@ def resident_bytes(model) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
 
 
-def decode_step_ms(model, batch: int, repeats: int) -> float:
+def decode_step_ms(model, batch: int, repeats: int, kv_dtype=jnp.float32) -> float:
     """Median ms of one decode step: ``batch`` rows, each at CONTEXT tokens, logits of every row."""
     cfg = model.config
     pages = -(-(CONTEXT + 1) // BLOCK)
     rows = [(CONTEXT, 1, list(range(1 + r * pages, 1 + (r + 1) * pages))) for r in range(batch)]
     md = AttentionMetadata.build(rows, BLOCK, num_tokens=batch, max_blocks=pages, num_rows=batch)
     state, forward = make_forward(model)
-    caches = init_kv_caches(cfg, 1 + batch * pages, BLOCK)
+    caches = init_kv_caches(cfg, 1 + batch * pages, BLOCK, kv_dtype)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, batch), jnp.int32)
     index = jnp.arange(batch)
     caches, logits = forward(state, caches, ids, md, index)
@@ -77,14 +82,14 @@ CHUNK = 64
 _FORWARDS = {}
 
 
-def all_logits(model, ids: list[int]) -> np.ndarray:
+def all_logits(model, ids: list[int], kv_dtype=jnp.float32) -> np.ndarray:
     """Logits at every position of ``ids`` (at most POSITIONS), prefilled in chunks of 64 through
     the paged cache, the last one padded: one compiled shape per model."""
     if id(model) not in _FORWARDS:
         _FORWARDS[id(model)] = make_forward(model)
     state, forward = _FORWARDS[id(model)]
     pages = POSITIONS // BLOCK + 1
-    caches = init_kv_caches(model.config, pages + 1, BLOCK)
+    caches = init_kv_caches(model.config, pages + 1, BLOCK, kv_dtype)
     table = list(range(1, pages + 1))
     out = []
     for start in range(0, len(ids), CHUNK):
@@ -116,24 +121,28 @@ def main() -> None:
     text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                          tokenize=False)
     prompt = tokenizer.encode(text, add_special_tokens=False)
-    sequence = greedy_sequence(loaded["f32"], prompt)
-    reference = all_logits(loaded["f32"], sequence)
+    sequence = greedy_sequence(loaded["f32"][0], prompt)
+    reference = all_logits(loaded["f32"][0], sequence)
     results = {}
-    for name, model in loaded.items():
-        logits = all_logits(model, sequence)
+    for name, (model, kv_dtype) in loaded.items():
+        logits = all_logits(model, sequence, kv_dtype)
+        cfg = model.config
         results[name] = dict(
             weight_bytes=resident_bytes(model),
-            decode_ms_batch1=decode_step_ms(model, 1, args.repeats),
-            decode_ms_batch64=decode_step_ms(model, 64, args.repeats),
+            kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize,
+            decode_ms_batch1=decode_step_ms(model, 1, args.repeats, kv_dtype),
+            decode_ms_batch64=decode_step_ms(model, 64, args.repeats, kv_dtype),
             mean_abs_logit_diff=float(np.abs(logits - reference).mean()),
             greedy_agreement=float((logits.argmax(-1) == reference.argmax(-1)).mean()))
     base = results["f32"]
     print(f"default model, {POSITIONS} positions of {len(prompt)} prompt + greedy f32 tokens; decode rows at "
           f"{CONTEXT} tokens of context; {jax.device_count()} {jax.default_backend()} device(s)")
-    print("| scheme | weight MB | of f32 | decode ms, batch 1 | × f32 | decode ms, batch 64 | × f32 | mean abs Δ logit | greedy agreement |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| scheme | weight MB | of f32 | KV bytes / token | decode ms, batch 1 | × f32 | decode ms, batch 64 | × f32 "
+          "| mean abs Δ logit | greedy agreement |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['weight_bytes'] / 1e6:.1f} | {r['weight_bytes'] / base['weight_bytes']:.1%} | "
+              f"{r['kv_bytes_per_token']} | "
               f"{r['decode_ms_batch1']:.1f} | {base['decode_ms_batch1'] / r['decode_ms_batch1']:.2f}× faster | "
               f"{r['decode_ms_batch64']:.1f} | {base['decode_ms_batch64'] / r['decode_ms_batch64']:.2f}× faster | "
               f"{r['mean_abs_logit_diff']:.3f} | {r['greedy_agreement']:.1%} |")

@@ -21,7 +21,7 @@ def declared() -> list[tuple[str, str]]:
 
 def imported_modules() -> set[str]:
     found = set()
-    for folder in ("jaxengine", "models", "kernels", "tests", "scripts"):
+    for folder in ("jaxengine", "tests", "scripts"):
         for path in (ROOT / folder).rglob("*.py"):
             found |= set(re.findall(r"^\s*(?:import|from)\s+(\w+)", path.read_text(), re.MULTILINE))
     return found

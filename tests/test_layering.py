@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"jaxengine": "jaxengine", "models": "jaxengine.models", "kernels": "jaxengine.kernels"}
+FOLDERS = {"jaxengine": "jaxengine"}
 
 # Lowest first. A module may import from its own layer or any layer below; the most specific
 # prefix decides a module's layer.
@@ -54,8 +54,7 @@ def imported_names(module: str, path: Path) -> list[str]:
                 parts = parts if is_package else parts[:-1]
                 base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
             names += [f"{base}.{a.name}" for a in node.names] + [base]
-    return [n.replace("models.", "jaxengine.models.", 1) if n.startswith("models.") else
-            n.replace("kernels.", "jaxengine.kernels.", 1) if n.startswith("kernels.") else n for n in names]
+    return names
 
 
 def resolve(name: str, known: dict[str, Path]) -> str | None:

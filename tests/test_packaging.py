@@ -1,5 +1,6 @@
-"""models/ and kernels/ sit at the top level but must import as jaxengine.models / jaxengine.kernels
-from both a normal (wheel) and an editable install, and nothing named plain `models` may ship."""
+"""The package installs whole from both a normal (wheel) and an editable install, ships nothing
+named plain `models` or `kernels`, and no folder of the checkout hides an installed package from
+the code that runs in it (pytest and `python -m` put the checkout's root first on the path)."""
 import os
 import subprocess
 import sys
@@ -46,17 +47,27 @@ def test_wheel_install_ships_models_and_kernels_inside_jaxengine(tmp_path):
 def source_modules() -> list[Path]:
     """Every module of the source tree, as it must sit inside the installed jaxengine package."""
     found = [p.relative_to(ROOT / "jaxengine") for p in (ROOT / "jaxengine").rglob("*.py")]
-    for top in ("models", "kernels"):
-        found += [Path(top) / p.relative_to(ROOT / top) for p in (ROOT / top).rglob("*.py")]
     return [p for p in found if "__pycache__" not in p.parts]
 
 
 @pytest.mark.slow
-def test_editable_install_maps_models_and_kernels_to_the_top_level_folders(tmp_path):
+def test_editable_install_maps_models_and_kernels_to_the_checkouts_folders(tmp_path):
     pip("install", "--no-deps", "--no-build-isolation", "--ignore-installed", "--prefix", str(tmp_path / "prefix"), "-e", str(ROOT),
         cwd=tmp_path)
     site_dir = Path(sysconfig.get_path("purelib", vars={"base": str(tmp_path / "prefix")}))
     models, kernels, plain = probe(site_dir, tmp_path)
-    assert models == str(ROOT / "models" / "__init__.py")
-    assert kernels == str(ROOT / "kernels" / "__init__.py")
+    assert models == str(ROOT / "jaxengine" / "models" / "__init__.py")
+    assert kernels == str(ROOT / "jaxengine" / "kernels" / "__init__.py")
     assert plain == "None"
+
+
+def test_the_checkouts_root_holds_no_package_an_installed_one_could_be_hidden_by():
+    """transformers imports the hub's `kernels` package as it loads (its activations module): a
+    folder of that name at the root of the checkout, first on the path, answered that import."""
+    packages = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")
+                      and ((p / "__init__.py").exists() or any(p.glob("*.py"))))
+    assert packages == ["jaxengine", "scripts", "tests"]
+    run = subprocess.run([sys.executable, "-c", "import kernels, transformers.activations; print(kernels.__file__)"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert Path(run.stdout.strip()).parent.parent.name == "site-packages"

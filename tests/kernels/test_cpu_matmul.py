@@ -1,4 +1,4 @@
-"""The CPU's projection matmuls through OpenBLAS (kernels/matmul) against NumPy, and where they serve."""
+"""The CPU's projection matmuls through OpenBLAS (jaxengine/kernels/matmul) against NumPy, and where they serve."""
 import shutil
 
 import jax

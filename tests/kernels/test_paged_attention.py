@@ -73,7 +73,7 @@ def dense(q, rows, full, group, scale, window=None, cap=None, sinks=None):
 ROWS = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 20)), min_size=1, max_size=6)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(rows=ROWS, kind=st.sampled_from(["mixed", "decode", "prefill"]), group=st.sampled_from([1, 4, 8]),
        page_size=st.sampled_from([4, 16]), seed=st.integers(0, 2**16), extras=st.sampled_from([{}, {"sliding_window": 5}, {"soft_cap": 3.0}, {"sinks": 2.0},
                               {"sinks": 2.0, "sliding_window": 5}]))

@@ -1,4 +1,4 @@
-"""Quantized weights (kernels/matmul/quantized.py): the reference quantization's exact values, int4
+"""Quantized weights (jaxengine/kernels/matmul/quantized.py): the reference quantization's exact values, int4
 packing, and the matmul through the CPU kernel and through XLA against NumPy on the weights the
 quantized ones stand for."""
 import shutil

@@ -1,4 +1,4 @@
-"""Checkpoints stored quantized, served as stored (models/stored_quantization.py): FP8 block-wise,
+"""Checkpoints stored quantized, served as stored (jaxengine/models/stored_quantization.py): FP8 block-wise,
 per channel and per tensor written by hand with torch, compressed-tensors written with the
 library, AWQ and GPTQ int4 packed by hand as their writers pack; each against transformers running
 the same weights dequantised, and the errors that name a field or a tensor."""

@@ -18,7 +18,7 @@ from tests.serve.conftest import API_KEY, free_port
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_TOKENS = 4
 LEVELS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-REQUESTS = {c: max(48, 4 * c) for c in LEVELS}      # 2,000 in all: the wide levels carry most
+REQUESTS = {c: max(32, 2 * c) for c in LEVELS}      # 1,120 in all: the wide levels carry most
 WARM_UP = 100
 RSS_GROWTH_LIMIT = 100 * 2**20
 

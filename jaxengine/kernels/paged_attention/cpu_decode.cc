@@ -2,7 +2,7 @@
 // values read in place from the row's pages (XLA's version gathers them into a temporary first).
 // Work items are rows (or, for a few rows, their KV heads), longest first, shared over XLA's
 // intra-op thread pool (cpu_pool.h). f32 throughout; a page at a time, an
-// online softmax per query head, as kernels/paged_attention/reference.py defines the result.
+// online softmax per query head, as jaxengine/kernels/paged_attention/reference.py defines the result.
 //
 // Shapes: q [B, N, H] (already scaled), k_cache and v_cache [NB, S, K, H], tables [B, M],
 // lens [B] (keys each row attends to: its query's position + 1; 0 for a padding row), sinks [N] (each
