@@ -1,6 +1,6 @@
 """The mixture-of-experts layer on the CPU, against what it replaces and what it must beat.
 
-    python scripts/bench_moe.py [--repeats 7] [--json PATH]
+    python scripts/bench_moe.py [--repeats 7] [--json PATH] [--parts one_device mesh_of_8 quantized]
 
 1. One layer's experts (router, top-k, grouped SwiGLU, combine) at decode and prefill token
    counts, against a dense SwiGLU MLP of the same *active* parameters (width k x F) and against
@@ -13,6 +13,10 @@
    experts' devices by all-to-all (``models.mesh.AllToAllExperts``). The
    simulated devices share this machine's cores, so this is the layout's overhead (the extra
    collectives and the per-device grouping), not a speed-up.
+3. The same layer with its experts kept quantized as ``--quantization`` keeps them (fp8 and int8
+   per output channel, int4 in groups of 128 with offsets) against f32, on one device: ms per
+   call and the experts' resident bytes. int8 and int4 run the CPU's grouped quantized kernel
+   (only the chosen experts' bytes read), fp8 XLA's dequantise-then-ragged_dot.
 """
 from __future__ import annotations
 
@@ -134,14 +138,62 @@ def over_the_mesh(repeats: int) -> list[dict]:
     return rows
 
 
+def quantized_copy(block: SparseMoeBlock, scheme: str) -> SparseMoeBlock:
+    """``block`` with its experts quantized as the online plan quantizes them."""
+    from jaxengine.kernels.matmul.quantized import FORMATS, pack_int4, quantize
+    from jaxengine.models.quantization import online_plan
+
+    plan = tuple(entry for entry in online_plan(CFG, scheme) if entry[0].startswith("experts."))
+    copy = SparseMoeBlock(CFG.replace(quantization=plan), jnp.float32, rngs=nnx.Rngs(0))
+    copy.router[...] = block.router[...]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        fmt, group, offset = CFG.replace(quantization=plan).quant_spec(f"experts.{name}")
+        values, scale, zero = quantize(np.asarray(getattr(block.experts, name)[...]), fmt, group, axis=1, offset=offset)
+        target = getattr(copy.experts, name)
+        target.q[...] = jnp.asarray(pack_int4(values, 1) if FORMATS[fmt].bits == 4 else values)
+        target.scale[...] = jnp.asarray(scale)
+        if zero is not None:
+            target.offset[...] = jnp.asarray(zero)
+    return copy
+
+
+def quantized_experts(repeats: int) -> list[dict]:
+    block = SparseMoeBlock(CFG, jnp.float32, rngs=nnx.Rngs(0))
+    copies = {scheme: quantized_copy(block, scheme) for scheme in ("fp8", "int8", "int4")}
+    calls = {"f32": jitted(block, lambda m, x: m(x)[0]),
+             **{scheme: jitted(c, lambda m, x: m(x)[0]) for scheme, c in copies.items()}}
+
+    def expert_bytes(b: SparseMoeBlock) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(nnx.state(b.experts)))
+
+    sizes = {"f32": expert_bytes(block), **{s: expert_bytes(c) for s, c in copies.items()}}
+    print("experts' resident bytes: " + ", ".join(f"{k} {v / 2**20:.1f} MiB ({v / sizes['f32']:.3f})"
+                                                  for k, v in sizes.items()))
+    rows = []
+    for t in TOKENS:
+        x = jax.random.normal(jax.random.key(t), (t, CFG.hidden_size))
+        want = calls["f32"](x)
+        drift = {s: float(jnp.abs(calls[s](x) - want).mean() / jnp.abs(want).mean()) for s in copies}
+        s = in_turns({name: (lambda call=call: call(x)) for name, call in calls.items()}, repeats)
+        rows.append({"tokens": t, **{k: v * 1e3 for k, v in s.items()},
+                     **{f"{k}_relative_error": v for k, v in drift.items()}})
+        print(f"{t:4d} tokens, quantized experts: " + ", ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in s.items()) +
+              "; mean |delta| / mean |out|: " + ", ".join(f"{k} {v:.4f}" for k, v in drift.items()), flush=True)
+    return [{"expert_bytes": sizes}, *rows]
+
+
+PARTS = {"one_device": one_device, "mesh_of_8": over_the_mesh, "quantized": quantized_experts}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", default="bench_results/bench_moe.json")
+    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     args = p.parse_args()
     result = {"config": {k: getattr(CFG, k) for k in ("hidden_size", "num_experts", "num_experts_per_tok",
                                                       "moe_intermediate_size")},
-              "one_device": one_device(args.repeats), "mesh_of_8": over_the_mesh(args.repeats)}
+              **{part: PARTS[part](args.repeats) for part in args.parts}}
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

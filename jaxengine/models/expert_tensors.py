@@ -28,7 +28,8 @@ INTERLEAVED_ARCHITECTURES = ("GptOssForCausalLM",)       # experts [in, out], ga
 
 _MIXTRAL = [(re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
             (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."), (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj.")]
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# one expert's weight, or (a checkpoint stored quantized, models.stored_quantization) its scales or offsets
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(:scale|:offset)?")
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.gate_up_proj")
 _INTERLEAVED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.gate_up_proj(_bias)?")
 _DOWN = re.compile(r"model\.layers\.\d+\.mlp\.experts\.down_proj")
@@ -41,14 +42,14 @@ class ExpertTensors:
     def __init__(self, source: TensorSource, num_experts: int, interleaved: bool = False) -> None:
         """``interleaved``: gpt-oss's layout (see the module's docstring)."""
         # gpt-oss's own layout (a GGUF of it holds the common one; see models.gguf)
-        interleaved = interleaved and any(_INTERLEAVED.fullmatch(_common_name(n)) for n in source.names())
+        interleaved = interleaved and any(_INTERLEAVED.fullmatch(common_name(n)) for n in source.names())
         self.source, self.num_experts, self.interleaved = source, num_experts, interleaved
         self._renamed: dict[str, str] = {}                       # our name -> the checkpoint's
         per_expert: dict[str, dict[int, str]] = defaultdict(dict)
         self._fused: dict[str, tuple[str, int]] = {}             # virtual name -> (fused tensor, half)
         self._transposed: dict[str, str] = {}                    # gpt-oss's down_proj, [E, F, D]
         for name in source.names():
-            ours = _common_name(name)
+            ours = common_name(name)
             if interleaved and (m := _INTERLEAVED.fullmatch(ours)):
                 suffix = m.group(2) or ""
                 self._fused[f"{m.group(1)}.gate_proj{suffix}"] = (name, 0)
@@ -59,7 +60,7 @@ class ExpertTensors:
                 expert = int(m.group(2))
                 if expert >= num_experts:
                     raise ValueError(f"tensor {name}: expert {expert}, but the config has {num_experts} experts")
-                per_expert[f"{m.group(1)}.{m.group(3)}"][expert] = name
+                per_expert[f"{m.group(1)}.{m.group(3)}{m.group(4) or ''}"][expert] = name
             elif m := _FUSED.fullmatch(ours):
                 self._fused[f"{m.group(1)}.gate_proj"] = (name, 0)
                 self._fused[f"{m.group(1)}.up_proj"] = (name, 1)
@@ -132,7 +133,8 @@ class ExpertTensors:
         return self.source.read(self._renamed[name], index)
 
 
-def _common_name(name: str) -> str:
+def common_name(name: str) -> str:
+    """A checkpoint's tensor name in the common naming (Mixtral's experts and MLP renamed)."""
     for pattern, replacement in _MIXTRAL:
         name = pattern.sub(replacement, name)
     return name

@@ -154,10 +154,12 @@ def _kept_plan(reader, arch: str, cfg: ModelConfig) -> tuple[tuple[str, str, int
 
 
 def _kept_blocks(t, spec: tuple[str, int, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A tensor of one of ``_KEPT``'s types -> values [out, in], scales and offsets [out, in / G],
-    in ``spec``'s format and group (a type's own group repeated where the spec's is smaller)."""
+    """A tensor of one of ``_KEPT``'s types -> values [.., out, in], scales and offsets [.., out, in / G]
+    (a mixture's experts: [E, out, in]), in ``spec``'s format and group (a type's own group repeated
+    where the spec's is smaller)."""
     kind = t.tensor_type.name
-    values, scale, offset, group = _k_quant_parts(t) if kind.endswith("_K") else _block_parts(t)
+    rows = tuple(reversed(t.shape.tolist()))[:-1]            # every axis but the blocks' own
+    values, scale, offset, group = _k_quant_parts(t, rows) if kind.endswith("_K") else _block_parts(t, rows)
     fmt, plan_group, has_offset = spec
     stored = FORMATS[fmt]
     values = values.astype(stored.values)
@@ -169,11 +171,11 @@ def _kept_blocks(t, spec: tuple[str, int, bool]) -> tuple[np.ndarray, np.ndarray
     return values, regroup(scale), regroup(offset)
 
 
-def _block_parts(t):
-    """Q8_0 / Q4_0 / Q4_1 blocks -> (values int8 or uint8 0..15, float16 scales, offsets or None, 32)."""
+def _block_parts(t, rows: tuple[int, ...]):
+    """Q8_0 / Q4_0 / Q4_1 blocks -> (values int8 or uint8 0..15, float16 scales, offsets or None, 32),
+    each [*rows, ...]."""
     kind = t.tensor_type.name
-    rows = t.data.shape[0]
-    blocks = np.asarray(t.data, np.uint8).reshape(rows, -1, _BLOCK_BYTES[kind])
+    blocks = np.asarray(t.data, np.uint8).reshape(*rows, -1, _BLOCK_BYTES[kind])
     scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
     if kind == "Q8_0":
         values, offset = np.ascontiguousarray(blocks[..., 2:]).view(np.int8), None
@@ -182,7 +184,7 @@ def _block_parts(t):
         values = np.concatenate([packed & 15, packed >> 4], axis=-1)     # elements 0-15 low, 16-31 high
         offset = (-8 * scale.astype(np.float32)).astype(np.float16) if kind == "Q4_0" else \
             np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
-    return values.reshape(rows, -1), scale, offset, 32
+    return values.reshape(*rows, -1), scale, offset, 32
 
 
 # Byte ranges of a K-quant super-block (256 weights): its float16 d (and dmin) and its values'
@@ -194,15 +196,15 @@ _K_LAYOUT = {"Q4_K": dict(d=slice(0, 2), dmin=slice(2, 4), values=[(slice(16, 14
                           group=16)}
 
 
-def _k_quant_parts(t):
+def _k_quant_parts(t, shape: tuple[int, ...]):
     """Q4_K / Q5_K / Q6_K super-blocks -> (values, float32 scales d * sc, offsets -dmin * m or
-    None, the group). The sub-blocks' packed 6-bit scales are read by the ``gguf`` package's own
-    dequantisation of altered copies of the blocks: with d = 1 and dmin = 0 it gives sc * q, with
-    every value 1 as well sc, with every value 0 (and d as stored) -dmin * m."""
+    None, the group), each [*shape, ...]. The sub-blocks' packed 6-bit scales are read by the
+    ``gguf`` package's own dequantisation of altered copies of the blocks: with d = 1 and dmin = 0
+    it gives sc * q, with every value 1 as well sc, with every value 0 (and d as stored) -dmin * m."""
     from gguf import quants
 
     layout = _K_LAYOUT[t.tensor_type.name]
-    rows = t.data.shape[0]
+    rows = math.prod(shape)
     blocks = np.asarray(t.data, np.uint8).reshape(rows, -1)
 
     def dequantized(b: np.ndarray) -> np.ndarray:
@@ -229,7 +231,9 @@ def _k_quant_parts(t):
     if layout["dmin"] is not None:
         zero_values = [(span, 0) for span, _ in layout["values"]]
         offset = dequantized(altered(value_bytes=zero_values)).reshape(rows, -1, group)[..., 0]    # -dmin * m
-    return values.astype(np.int16), d * first, offset, group
+    def shaped(a):
+        return None if a is None else a.reshape(*shape, -1)
+    return shaped(values.astype(np.int16)), shaped(d * first), shaped(offset), group
 
 
 def _k_block_bytes(t) -> int:

@@ -175,23 +175,32 @@ class Packed:
 
 
 # Kinds of weight that can be kept quantized -> how many trailing axes of our per-layer parameter
-# are the matmul's output (the grouped axis is the one before them).
+# are the matmul's output (the grouped axis is the one before them). A mixture of experts' routed
+# experts are kinds of their own ([E, D, F] and [E, F, D]: the expert axis leads).
 QUANTIZABLE = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 1, "gate_proj": 1, "up_proj": 1,
-               "down_proj": 1, "embed_tokens": 1, "lm_head": 1}
+               "down_proj": 1, "embed_tokens": 1, "lm_head": 1,
+               "experts.gate_proj": 1, "experts.up_proj": 1, "experts.down_proj": 1}
+EXPERT_KINDS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+
+
+def kind_at(path: ParamPath) -> str:
+    """The kind of weight (``QUANTIZABLE``'s names) of the parameter at ``path`` (its last name,
+    or ``experts.<name>`` for a mixture's routed experts)."""
+    return f"experts.{path[-1]}" if len(path) > 1 and path[-2] == "experts" else path[-1]
 
 
 def quantized_layout(layout, path: ParamPath, part: str, cfg: ModelConfig):
     """The layout of part ``part`` (``q``, ``scale``, ``offset``) of the quantized weight at
     ``path``, from the plain weight's: the embedding transposed ([D, V], models.quantization),
     o_proj's scales by groups of its heads' columns, int4 values packed along the grouped axis."""
-    kind = path[-1]
+    kind = kind_at(path)
     fmt, group, _ = cfg.quant_spec(kind)
     if kind == "embed_tokens":
         layout = Transposed()
     if part != "q" and isinstance(layout, HeadsOut):
         return HeadsOut(layout.head_dim // group)
     if part == "q" and FORMATS[fmt].bits == 4:
-        ndim = 3 if kind in ("q_proj", "k_proj", "v_proj", "o_proj") else 2
+        ndim = 3 if kind in ("q_proj", "k_proj", "v_proj", "o_proj", *EXPERT_KINDS) else 2
         return Packed(layout, ndim - 1 - QUANTIZABLE[kind])
     return layout
 
@@ -264,7 +273,7 @@ def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) 
         p = path(m)
         axis = KV_HEAD_AXIS.get(p[-1]) if p[0] == "layers" else None
         if part or f"{base}:scale" in names:
-            if cfg.quant_spec(p[-1]) is None:          # quantized, where the model keeps it plain
+            if cfg.quant_spec(kind_at(p)) is None:     # quantized, where the model keeps it plain
                 unexpected.append(name)
                 continue
             part = part or "q"

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.config import ModelConfig
 from jaxengine.kernels.matmul import xla_dense
+from jaxengine.kernels.matmul.quantized import QuantizedWeight
 from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules
 from jaxengine.models.moe import Experts, expert_of_rows, grouped_swiglu, routed_swiglu
 
@@ -174,6 +175,16 @@ class ShardedKVWrite:
         return fn(k_cache, v_cache, k, v, slot_mapping)
 
 
+def stacked_of_one(*weights):
+    """One layer's experts (arrays or ``QuantizedWeight``s) as stacks of one layer."""
+    return [jax.tree.map(lambda a: a[None], w) for w in weights]
+
+
+def leading(w):
+    """The array whose leading axes are a weight's own: a quantized weight's values."""
+    return w.q if isinstance(w, QuantizedWeight) else w
+
+
 class ShardedExperts:
     """``routed_swiglu`` run per device over its share of the experts, the per-token sums added
     over the mesh (one all-reduce of [T, D], as after a dense MLP's row-split down projection).
@@ -190,7 +201,7 @@ class ShardedExperts:
     def __call__(self, x, weights, order, sizes, gate, up, down, layer, grouped_fn, *, activation,
                  gate_bias=None, up_bias=None):
         if layer is None:                                     # one layer's experts: a stack of one
-            gate, up, down, layer = gate[None], up[None], down[None], jnp.int32(0)
+            gate, up, down, layer = (*stacked_of_one(gate, up, down), jnp.int32(0))
         if self.expert_parallel:
             gate_up_spec = down_spec = P(None, MODEL_AXIS, None, None)
             bias_spec = P(MODEL_AXIS, None)
@@ -202,7 +213,7 @@ class ShardedExperts:
         def per_device(x, weights, order, sizes, gate, up, down, layer, *biases):
             first_row = 0
             if self.expert_parallel:
-                local = gate.shape[-3]
+                local = leading(gate).shape[-3]
                 first = jax.lax.axis_index(MODEL_AXIS) * local
                 first_row = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
                 sizes = jax.lax.dynamic_slice(sizes, (first,), (local,))
@@ -235,7 +246,7 @@ class AllToAllExperts:
     def __call__(self, x, weights, order, sizes, gate, up, down, layer, grouped_fn, *, activation,
                  gate_bias=None, up_bias=None):
         if layer is None:
-            gate, up, down, layer = gate[None], up[None], down[None], jnp.int32(0)
+            gate, up, down, layer = (*stacked_of_one(gate, up, down), jnp.int32(0))
         n, num_experts = mesh_size(self.mesh), sizes.shape[0]
         t, k = weights.shape
         pair_expert = _expert_of_pairs(order, sizes, t * k).reshape(t, k)     # num_experts: no expert
@@ -249,7 +260,7 @@ class AllToAllExperts:
             rows_of = (t + pad) // n
             first = jax.lax.axis_index(MODEL_AXIS) * rows_of
             x, weights, pair_expert = (jax.lax.dynamic_slice_in_dim(a, first, rows_of) for a in (x, weights, pair_expert))
-            local = gate.shape[-3]
+            local = leading(gate).shape[-3]
             pe = pair_expert.reshape(-1)                                       # [Pd] this device's pairs
             dest = jnp.where(pe < num_experts, pe // local, n)                 # n: nowhere
             slot = jnp.cumsum(dest[:, None] == jnp.arange(n)[None, :], axis=0)[jnp.arange(pe.shape[0]),

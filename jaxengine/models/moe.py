@@ -20,7 +20,8 @@ from flax import nnx
 
 from jaxengine.kernels.matmul import dense, grouped_dense
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.layers import MLP, M, _param, _sharded
+from jaxengine.kernels.matmul.quantized import QuantizedWeight, dequantize
+from jaxengine.models.layers import MLP, M, _param, _sharded, weight
 
 
 def route(logits: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Array]:
@@ -111,20 +112,21 @@ class Experts(nnx.Module):
     """E SwiGLU experts, stacked: gate/up [E, D, F], down [E, F, D] (gpt-oss: with biases [E, F]
     and [E, D], and the clamped SwiGLU). Over a mesh they are split by their width (tensor
     parallelism), or with ``expert_parallel`` by experts, each device holding E / devices whole
-    ones (``models.mesh.ShardedExperts`` runs them per device)."""
+    ones (``models.mesh.ShardedExperts`` runs them per device). Kept quantized where
+    ``cfg.quantization`` says (kinds ``experts.gate_proj`` and so on; ``models.quantization``)."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         gate_up, down = ((M, None, None), (M, None, None)) if expert_parallel else ((None, None, M), (None, M, None))
-        self.gate_proj = _param(rngs, (e, d, f), dtype, gate_up)
-        self.up_proj = _param(rngs, (e, d, f), dtype, gate_up)
-        self.down_proj = _param(rngs, (e, f, d), dtype, down)
+        self.gate_proj = weight(cfg, "experts.gate_proj", rngs, (e, d, f), dtype, gate_up)
+        self.up_proj = weight(cfg, "experts.up_proj", rngs, (e, d, f), dtype, gate_up)
+        self.down_proj = weight(cfg, "experts.down_proj", rngs, (e, f, d), dtype, down)
         if cfg.expert_bias:
             bias = (M, None) if expert_parallel else (None, M)
             self.gate_bias = _sharded(jnp.zeros((e, f), dtype), bias)
             self.up_bias = _sharded(jnp.zeros((e, f), dtype), bias)
             self.down_bias = _sharded(jnp.zeros((e, d), dtype), (None, None))     # added once, after the sum
-        self.has_bias = cfg.expert_bias
+        self.has_bias, self.num_experts = cfg.expert_bias, e
         self.activation = expert_activation(cfg)
         self.expert_parallel = expert_parallel
         self.grouped_fn = grouped_dense     # OpenBLAS on a CPU, XLA's ragged_dot elsewhere
@@ -134,7 +136,7 @@ class Experts(nnx.Module):
                  layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """x [T, D], the routing [T, k] -> (sum over each token's experts of weight * SwiGLU [T, D],
         the tokens routed to each expert [E])."""
-        order, sizes = group_by_expert(experts, self.gate_proj.shape[-3], num_valid)
+        order, sizes = group_by_expert(experts, self.num_experts, num_valid)
         biases = dict(gate_bias=self.gate_bias[...], up_bias=self.up_bias[...]) if self.has_bias else {}
         out = self.experts_fn(x, weights, order, sizes, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
                               layer, self.grouped_fn, activation=self.activation, **biases)
@@ -181,7 +183,10 @@ def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = Non
     """The block computed densely: every expert on every token, weighted by a [T, E] matrix that is
     zero where a token did not choose the expert. The grouped path is checked against it."""
     cfg = block.cfg
-    pick = (lambda w: w[...]) if layer is None else (lambda w: w[...][layer])
+
+    def pick(w):
+        value = w[...] if layer is None else jax.tree.map(lambda a: a[layer], w[...])
+        return dequantize(value, x.dtype) if isinstance(value, QuantizedWeight) else value
     logits = x @ pick(block.router) + (pick(block.router_bias) if cfg.router_bias else 0)
     weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     mix = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)

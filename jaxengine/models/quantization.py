@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxengine.kernels.matmul.quantized import FORMATS, QuantizedWeight, dequantize, quantize
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.hf_tensors import QUANTIZABLE, Index, TensorSource
+from jaxengine.models.hf_tensors import EXPERT_KINDS, QUANTIZABLE, Index, TensorSource
 
 PARTS = ("q", "scale", "offset")
 SCHEMES = ("fp8", "int8", "int4")   # quantized while loading; "none": whatever is stored, dequantised
@@ -35,6 +35,8 @@ GROUP = 128                         # the largest group of online int4 (smaller 
 
 def grouped_sizes(cfg: ModelConfig, kind: str) -> set[int]:
     """The lengths of the grouped axis of every weight of ``kind`` in the model."""
+    if kind in EXPERT_KINDS:
+        return set() if not cfg.is_moe else {cfg.moe_intermediate_size if kind == "experts.down_proj" else cfg.hidden_size}
     if kind == "o_proj":
         return {cfg.head_dim}
     if kind != "down_proj":
@@ -48,18 +50,20 @@ def online_plan(cfg: ModelConfig, scheme: str, split: int = 1) -> tuple[tuple[st
     and int8 per output channel (symmetric; o_proj per head), int4 in groups of up to 128 with an offset.
     down_proj's grouped axis is split ``split`` ways over the mesh, so its groups are of up to 128
     in both schemes, within a device's share: the same weights at any split where the share is a
-    multiple of 128. A mixture of experts' routed experts stay as they are."""
+    multiple of 128. A mixture of experts' routed experts are quantized as the dense projections
+    are (their down projection's grouped axis, the expert width, split as down_proj's)."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantization: {scheme!r} is not supported (supported: {[*SCHEMES, 'none']})")
     plan = []
     for kind in QUANTIZABLE:
         if kind == "lm_head" and cfg.tie_word_embeddings:
             continue
-        sizes = {size // split if kind == "down_proj" else size for size in grouped_sizes(cfg, kind)}
+        down = kind in ("down_proj", "experts.down_proj")
+        sizes = {size // split if down else size for size in grouped_sizes(cfg, kind)}
         if not sizes:
             continue
         whole = math.gcd(*sizes)
-        if scheme != "int4" and kind != "down_proj":
+        if scheme != "int4" and not down:
             plan.append((kind, scheme, whole, False))
             continue
         groups = [g for g in range(2, GROUP + 1, 2) if whole % g == 0]
@@ -104,11 +108,15 @@ def gather_columns(w: QuantizedWeight, ids) -> jnp.ndarray:
 # ---------------------------------------------------------------- quantizing while loading
 _KIND = re.compile(r"(?:.*\.)?(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight|"
                    r"model\.(embed_tokens)\.weight|(lm_head)\.weight")
+_STACKED_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 
 
 def kind_of(name: str) -> str | None:
-    """The kind of weight a Hugging Face tensor name is, if it is one that can be quantized."""
-    m = None if ".experts." in name else _KIND.fullmatch(name)       # routed experts stay as they are
+    """The kind of weight a Hugging Face tensor name is, if it is one that can be quantized: routed
+    experts under their stacked names (``models.expert_tensors``), not one expert's tensor."""
+    if m := _STACKED_EXPERTS.fullmatch(name):
+        return f"experts.{m.group(1)}"
+    m = None if ".experts." in name else _KIND.fullmatch(name)
     return next(g for g in m.groups() if g) if m else None
 
 

@@ -27,11 +27,20 @@ import numpy as np
 
 from jaxengine.kernels.matmul.quantized import FORMATS, dequantize_reference
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.expert_tensors import common_name
 from jaxengine.models.hf_tensors import Index, TensorSource
 from jaxengine.models.quantization import grouped_sizes, kind_of, split_part
 
 METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 KV_SCALE = re.compile(r"model\.layers\.\d+\.self_attn\.[kv]_scale")     # an FP8 KV cache's, per layer
+_ONE_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def stored_kind(name: str) -> str | None:
+    """The kind of weight (``models.quantization``) a stored quantized weight is: one of a
+    mixture's experts is of its stack's kind (``models.expert_tensors`` stacks the parts)."""
+    m = _ONE_EXPERT.fullmatch(common_name(name))
+    return f"experts.{m.group(1)}" if m else kind_of(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,37 +84,38 @@ def stored_plan(weights: Mapping[str, StoredWeight], cfg: ModelConfig, split: in
     a zero point. A kind some of whose weights are stored plain, or in two formats, is an error."""
     by_kind: dict[str, list[StoredWeight]] = {}
     for w in weights.values():
-        if kind := kind_of(w.name):                 # (experts: dequantised)
+        if kind := stored_kind(w.name):
             by_kind.setdefault(kind, []).append(w)
     plan = []
     for kind, stored in sorted(by_kind.items()):
         if len(formats := {w.fmt for w in stored}) > 1:
             raise ValueError(f"{kind} weights stored in two formats ({sorted(formats)}): {stored[0].name}, ...")
-        sizes = {size // split if kind == "down_proj" else size for size in grouped_sizes(cfg, kind)}
+        down = kind in ("down_proj", "experts.down_proj")
+        sizes = {size // split if down else size for size in grouped_sizes(cfg, kind)}
         group = math.gcd(*(w.block[1] for w in stored), *(w.shape[1] for w in stored),
-                         *(sizes if kind in ("o_proj", "down_proj") else ()))
+                         *(sizes if down or kind == "o_proj" else ()))
         plan.append((kind, formats.pop(), group, any(w.zero is not None for w in stored)))
     return tuple(plan)
 
 
 class StoredQuantizationSource:
     """A checkpoint's tensors with its quantized weights presented as the engine's (``X``,
-    ``X:scale``, ``X:offset``; as planned in ``cfg.quantization``), or dequantised to f32 under
-    ``X`` (all with ``dequantize``; a mixture's experts always); the tensors they are read from
-    hidden."""
+    ``X:scale``, ``X:offset``; as planned in ``cfg.quantization``; a mixture's experts one by one,
+    stacked above by ``models.expert_tensors``), or dequantised to f32 under ``X`` (all with
+    ``dequantize``); the tensors they are read from hidden."""
 
     def __init__(self, source: TensorSource, weights: Mapping[str, StoredWeight], cfg: ModelConfig,
                  dequantize: bool = False) -> None:
         self.source, self.weights, self.cfg = source, dict(weights), cfg
         self.hidden = {c for w in weights.values() for c in w.companions} | set(weights)
         self.plain = [name for name in source.names() if name not in self.hidden]
-        self.kept = set() if dequantize else {name for name in weights if kind_of(name)}
+        self.kept = set() if dequantize else {name for name in weights if stored_kind(name)}
         for name in self.kept:
-            if cfg.quant_spec(kind_of(name)) is None:
+            if cfg.quant_spec(stored_kind(name)) is None:
                 raise ValueError(f"tensor {name} is stored quantized where the model keeps its kind plain")
 
     def _spec(self, name: str) -> tuple[str, int, bool]:
-        return self.cfg.quant_spec(kind_of(name))
+        return self.cfg.quant_spec(stored_kind(name))
 
     def names(self) -> Iterable[str]:
         yield from self.plain
@@ -170,11 +180,10 @@ _EXPERT = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj")
 
 
 def _linear_modules(names: set[str], suffix: str) -> list[str]:
-    """Modules (``model.layers.0.mlp.up_proj``) of the kinds the engine keeps quantized, and a
-    mixture's experts one by one (dequantised while they load), that have a tensor
-    ``<module>.<suffix>``."""
+    """Modules (``model.layers.0.mlp.up_proj``) of the kinds the engine keeps quantized, a mixture's
+    experts one by one among them, that have a tensor ``<module>.<suffix>``."""
     modules = (n[:-len(suffix) - 1] for n in names if n.endswith("." + suffix))
-    return sorted(m for m in modules if kind_of(m + ".weight") or _EXPERT.fullmatch(m))
+    return sorted(m for m in modules if kind_of(m + ".weight") or _EXPERT.fullmatch(common_name(m + ".")[:-1]))
 
 
 def _fp8(source: TensorSource, names: set[str], quant: Mapping) -> dict[str, StoredWeight]:

@@ -194,7 +194,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, quantiz
                 cfg = cfg.replace(kv_scales=any(KV_SCALE.fullmatch(name) for name in source.names()))
             elif quantization in SCHEMES:
                 cfg = cfg.replace(quantization=online_plan(cfg, quantization, split))
-                source = QuantizingSource(source, cfg)
+                # a mixture's experts quantized as stacks: one set of names whatever the file holds
+                source = QuantizingSource(ExpertTensors.for_model(source, cfg) if cfg.is_moe else source, cfg)
             model = build_model(cfg, source, dtype, mesh=mesh, **model_kwargs)
     return model, model.config
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxengine.kernels.matmul import dense, xla_dense
+from jaxengine.kernels.matmul import dense, grouped_dense, xla_dense, xla_grouped_dense
 from jaxengine.kernels.matmul.quantized import (FORMATS, QuantizedWeight, dequantize, dequantize_reference, pack_int4,
                                                 quantize, unpack_int4_host)
 
@@ -106,3 +106,35 @@ def test_two_contracted_axes_group_within_the_last_one_as_o_proj():
         out = jax.jit(fn)(x, q_proj, jnp.int32(1))
         assert out.shape == (3, 3, 8)
         np.testing.assert_allclose(out, np.einsum("td,dnh->tnh", x, ref[1]), rtol=1e-5, atol=1e-4)
+
+
+def grouped_reference(x: np.ndarray, w: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Rows of x sorted by group, group g times w[g]; rows past the groups 0."""
+    out, start = np.zeros((x.shape[0], w.shape[-1]), np.float32), 0
+    for expert, size in enumerate(sizes):
+        out[start:start + size] = x[start:start + size] @ w[expert]
+        start += size
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("scheme", [("int8", 16, False), ("int4", 16, True), ("int8-f32", 32, True),
+                                    ("int4-f32", 16, False), ("fp8", 32, False)])
+@pytest.mark.parametrize("sizes", [[3, 0, 2, 1], [0, 12, 0, 0], [1, 1, 1, 1]])      # few rows, many (sgemm), rows past
+def test_grouped_experts_read_quantized_match_numpy_on_the_dequantised_weights(scheme, sizes):
+    fmt, group, offset = scheme
+    rng = np.random.default_rng(sum(sizes))
+    layers, experts, k, n = 2, 4, 2 * group, 24
+    qw, w = quantized(rng, layers * experts, k, n, fmt, group, offset)     # [L*E, K, N] -> [L, E, K, N]
+    stacked = jax.tree.map(lambda a: a.reshape(layers, experts, *a.shape[1:]), qw)
+    w = w.reshape(layers, experts, k, n)
+    x = rng.standard_normal((14, k), np.float32)                           # 14 rows: some past the groups
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    for layer in (0, 1):
+        want = grouped_reference(x, w[layer], sizes)
+        for fn in (grouped_dense, xla_grouped_dense):
+            got = jax.jit(fn)(x, stacked, group_sizes, jnp.int32(layer))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=f"{fn.__name__} layer {layer}")
+    one = stacked.layer(1)                                                 # one layer's experts [E, K, N]
+    np.testing.assert_allclose(jax.jit(grouped_dense)(x, one, group_sizes), grouped_reference(x, w[1], sizes),
+                               rtol=1e-5, atol=1e-4)

@@ -153,11 +153,19 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def write_moe_gguf(path, hf_model, per_expert: bool = False):
+def write_moe_gguf(path, hf_model, per_expert: bool = False, experts_type=None):
     """What llama.cpp's converter writes for a mixture of experts: metadata, the experts stacked per
     layer as [E, out, in] (gpt-oss's de-interleaved, with their biases; ``per_expert``: one tensor
-    per expert, as older Mixtral files), a llama file's Q/K rows permuted."""
+    per expert, as older Mixtral files), a llama file's Q/K rows permuted. ``experts_type(name)``:
+    the GGUF type of a stacked experts tensor (default F32)."""
     import gguf
+    from gguf import quants
+
+    def add_experts(name, value):
+        qtype = experts_type(name) if experts_type else gguf.GGMLQuantizationType.F32
+        if qtype == gguf.GGMLQuantizationType.F32:
+            return w.add_tensor(name, value)
+        w.add_tensor(name, quants.quantize(value, qtype), raw_dtype=qtype)
 
     from tests.models.test_weights import permute_like_llama_cpp
 
@@ -208,7 +216,7 @@ def write_moe_gguf(path, hf_model, per_expert: bool = False):
                     for e in range(value.shape[0]):
                         w.add_tensor(f"{blk}.ffn_{proj}.{e}.weight", np.ascontiguousarray(value[e]))
                 else:
-                    w.add_tensor(f"{blk}.ffn_{proj}_exps.weight", np.ascontiguousarray(value))
+                    add_experts(f"{blk}.ffn_{proj}_exps.weight", np.ascontiguousarray(value))
         elif rest == "mlp.experts.gate_up_proj_bias":
             w.add_tensor(f"{blk}.ffn_gate_exps.bias", np.ascontiguousarray(arr[:, 0::2]))
             w.add_tensor(f"{blk}.ffn_up_exps.bias", np.ascontiguousarray(arr[:, 1::2]))
@@ -218,7 +226,7 @@ def write_moe_gguf(path, hf_model, per_expert: bool = False):
                 for e in range(down.shape[0]):
                     w.add_tensor(f"{blk}.ffn_down.{e}.weight", np.ascontiguousarray(down[e]))
             else:
-                w.add_tensor(f"{blk}.ffn_down_exps.weight", down)
+                add_experts(f"{blk}.ffn_down_exps.weight", down)
         elif rest == "mlp.experts.down_proj_bias":
             w.add_tensor(f"{blk}.ffn_down_exps.bias", arr)
         else:

@@ -34,7 +34,8 @@ def dequantised_oracle(hf_model, cfg):
     ref = copy.deepcopy(hf_model)
     with torch.no_grad():
         for name, w in ref.state_dict().items():
-            if (kind := kind_of(name)) and (spec := cfg.quant_spec(kind)):
+            # transformers fuses the experts' gate and up [E, 2F, D]; rows are quantized one by one
+            if (kind := kind_of(name.replace("experts.gate_up_proj", "experts.gate_proj"))) and (spec := cfg.quant_spec(kind)):
                 fmt, group, offset = spec
                 values, scale, zero = quantize(w.numpy(), fmt, group, axis=-1, offset=offset)
                 w.copy_(torch.from_numpy(dequantize_reference(values, scale, zero, axis=-1)))
@@ -59,6 +60,59 @@ def test_online_quantization_matches_transformers_on_the_dequantised_weights(lla
         ours, ref = run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(oracle, ids)
         np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=f"{scheme}, prompt of {len(ids)}")
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    from tests.conftest import MOE_VARIANTS
+
+    folder = tmp_path_factory.mktemp("moe")
+    model_type, overrides = MOE_VARIANTS["qwen2-moe-shared-dense"]      # experts, a shared one, a dense layer
+    return folder, make_checkpoint(folder, model_type, **overrides)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
+def test_a_mixtures_experts_are_kept_quantized_and_match_transformers_on_the_dequantised_weights(moe, scheme):
+    folder, hf_model = moe
+    model, cfg = load_model(folder, quantization=scheme)
+    assert {k for k, *_ in cfg.quantization} >= {"experts.gate_proj", "experts.up_proj", "experts.down_proj",
+                                                  "down_proj", "gate_proj"}
+    assert cfg.quant_spec("experts.gate_proj") == ((scheme, 64, False) if scheme != "int4" else ("int4", 64, True))
+    assert cfg.quant_spec("experts.down_proj") == (scheme, 32, scheme == "int4")           # the expert width, 32
+    experts = model.sparse_mlp.experts
+    assert isinstance(experts.gate_proj, QuantizedParam) and isinstance(experts.down_proj, QuantizedParam)
+    assert experts.gate_proj.q.shape == ((2, 4, 32, 32) if scheme == "int4" else (2, 4, 64, 32))   # [L, E, D(/2), F]
+    oracle = dequantised_oracle(hf_model, cfg)
+    for ids in PROMPTS[1:]:
+        ours, ref = run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(oracle, ids)
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=f"{scheme}, prompt of {len(ids)}")
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_a_gguf_mixtures_experts_are_kept_quantized_and_compute_as_the_file_dequantised(tmp_path, monkeypatch):
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.conftest import MOE_VARIANTS
+    from tests.models.test_moe_vs_transformers import write_moe_gguf
+
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))
+    model_type, overrides = MOE_VARIANTS["qwen3-moe"]
+    hf_model = make_checkpoint(tmp_path / "hf", model_type, **overrides)
+    write_moe_gguf(tmp_path / "moe.gguf", hf_model, experts_type=lambda name: Q.Q4_1 if "down" in name else Q.Q8_0)
+    kept, hit = load_gguf(tmp_path / "moe.gguf")
+    cfg = kept.config
+    assert dict((k, (f, g, o)) for k, f, g, o in cfg.quantization) == {
+        "experts.gate_proj": ("int8", 32, False), "experts.up_proj": ("int8", 32, False),
+        "experts.down_proj": ("int4", 32, True)}                 # the rest of the file: F32
+    assert kept.layers.mlp.experts.down_proj.q.shape == (2, 8, 16, 64)        # [L, E, F/2, D]
+    plain, _ = load_model(tmp_path / "moe.gguf", quantization="none")
+    for ids in PROMPTS[2:]:
+        ours, ref = run_chunks(kept, cfg, ids, [len(ids)]), run_chunks(plain, plain.config, ids, [len(ids)])
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    again, hit = load_gguf(tmp_path / "moe.gguf")                             # from the converted cache
+    assert hit and again.config == cfg
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(kept))
 
 
 def test_a_quantized_model_holds_a_fraction_of_the_f32_bytes(llama):

@@ -96,6 +96,46 @@ def test_fp8_block_wise_as_deepseek_writes_it(llama, tmp_path):
     assert cfg.quant_spec("embed_tokens") is None                    # stored plain, kept plain
 
 
+def test_a_mixtures_fp8_experts_stored_one_by_one_are_kept_quantized_as_stacks(tmp_path):
+    """Qwen3-MoE-FP8's layout: each expert's projections a tensor of their own with their block scales."""
+    from tests.conftest import MOE_VARIANTS
+
+    model_type, overrides = MOE_VARIANTS["qwen3-moe"]
+    hf = make_checkpoint(tmp_path / "plain", model_type, **overrides)      # D 64, 8 experts 32 wide
+    state, f = hf.state_dict(), overrides["moe_intermediate_size"]
+    tensors = {k: v for k, v in state.items() if ".experts." not in k}
+    oracle = copy.deepcopy(hf)
+    fused = {name: p for name, p in oracle.named_parameters() if ".experts." in name}
+    for layer in range(hf.config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = state[f"{prefix}.gate_up_proj"], state[f"{prefix}.down_proj"]    # [E, 2F, D], [E, D, F]
+        for e in range(gate_up.shape[0]):
+            for proj, w, rows in (("gate_proj", gate_up[e, :f], slice(0, f)), ("up_proj", gate_up[e, f:], slice(f, 2 * f)),
+                                  ("down_proj", down[e], None)):
+                q, scale, back = fp8_blocks(w, (16, 32))
+                tensors[f"{prefix}.{e}.{proj}.weight"], tensors[f"{prefix}.{e}.{proj}.weight_scale_inv"] = q, scale
+                with torch.no_grad():
+                    if rows is None:
+                        fused[f"{prefix}.down_proj"][e].copy_(back)
+                    else:
+                        fused[f"{prefix}.gate_up_proj"][e, rows].copy_(back)
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    hf.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
+    (folder / "config.json").write_text(json.dumps(config))
+    model, cfg = load_model(folder)
+    assert cfg.quant_spec("experts.gate_proj") == ("fp8", 32, False) and cfg.quant_spec("experts.down_proj") == ("fp8", 32, False)
+    experts = model.layers.mlp.experts
+    assert experts.gate_proj.q.dtype == jnp.float8_e4m3fn and experts.gate_proj.scale.shape == (2, 8, 2, 32)   # [L, E, D/32, F]
+    for ids in PROMPTS[2:]:
+        ours, ref = run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(oracle, ids)
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=f"prompt of {len(ids)}")
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
 def test_fp8_per_channel_and_per_tensor_with_static_activation_scales(llama, tmp_path):
     replaced, dequantised = {}, {}
     for name, w in linears(llama):

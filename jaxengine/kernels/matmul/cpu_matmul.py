@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from jaxengine.kernels.cpu_build import register_kernel
 from jaxengine.kernels.matmul.openblas import openblas_build
-from jaxengine.kernels.matmul.quantized import QuantizedWeight, quantized_dense, xla_quantized_dense
+from jaxengine.kernels.matmul.quantized import (QuantizedWeight, grouped_quantized_dense, quantized_dense,
+                                                xla_grouped_quantized_dense, xla_quantized_dense)
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxengine_cpu_matmul"
@@ -48,17 +49,24 @@ def dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Arr
     return out.reshape(x.shape[0], *stacked.shape[2:])
 
 
-def xla_grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+def xla_grouped_dense(x: jax.Array, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,
                       layer: jax.Array | None = None) -> jax.Array:
     """Rows of x [M, K] sorted by group, group g times w[g] ([E, K, N], or stacked [L, E, K, N] with
     ``layer``) -> [M, N]; rows past the groups are zero. XLA's ``ragged_dot``: on a CPU it is
-    rewritten densely (every row times every expert), elsewhere it is XLA's grouped matmul."""
+    rewritten densely (every row times every expert), elsewhere it is XLA's grouped matmul. Quantized
+    experts are dequantised (the layer's only) and multiplied."""
+    if isinstance(w, QuantizedWeight):
+        return xla_grouped_quantized_dense(x, w, group_sizes, layer)
     return jax.lax.ragged_dot(x, w if layer is None else w[layer], group_sizes.astype(jnp.int32))
 
 
-def grouped_dense(x: jax.Array, w: jax.Array, group_sizes: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+def grouped_dense(x: jax.Array, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,
+                  layer: jax.Array | None = None) -> jax.Array:
     """``xla_grouped_dense``'s product, through OpenBLAS where it serves: only the experts some
-    row chose are read and multiplied, from the stack in place."""
+    row chose are read and multiplied, from the stack in place. Quantized experts go to
+    ``grouped_quantized_dense``."""
+    if isinstance(w, QuantizedWeight):
+        return grouped_quantized_dense(x, w, group_sizes, layer)
     if not serves(x, w):
         return xla_grouped_dense(x, w, group_sizes, layer)
     stacked = w if layer is not None else w[None]

@@ -12,6 +12,10 @@
 // convert and one fused multiply-add per row, and the bytes read are the quantized ones.
 // More rows (a prefill): each thread dequantises its column block to f32 once and hands it to
 // OpenBLAS's sgemm, whose blocking serves many rows better than the loop above.
+//
+// The grouped form (a mixture of experts' projections): q [L, E, K/P, N], scale and offset
+// [L, E, K/G, N], group_sizes [E] s32; rows of x sorted by expert, group e's rows times expert e's
+// weight, rows past the groups 0. Only the experts some row chose are read.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -246,6 +250,62 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return ffi::Error::Success();
 }
 
+
+struct Group {
+  int64_t first_row, rows, expert;
+};
+
+template <int P, ffi::DataType QType, ffi::DataType SType, typename S>
+ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<QType> q,
+                                      ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
+                                      ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
+                                      ffi::ResultBuffer<ffi::F32> out) {
+  SetSingleThreaded();
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 4 || sd.size() != 4 || layer.element_count() != 1 ||
+      group_sizes.element_count() != static_cast<size_t>(qd[1]))
+    return ffi::Error::InvalidArgument(
+        "cpu grouped quantized matmul: x [M, K], q [L, E, K/P, N], scale [L, E, K/G, N], group_sizes [E], one layer");
+  const int64_t m = xd[0], k = xd[1], experts = qd[1], n = qd[3], index = layer.typed_data()[0];
+  const bool has_offset = offset.element_count() != 0;
+  if (qd[2] * P != k || sd[0] != qd[0] || sd[1] != experts || sd[3] != n || sd[2] == 0 || k % sd[2] != 0 ||
+      (k / sd[2]) % P != 0 || (has_offset && offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("cpu grouped quantized matmul: the shapes of x, q, scale and offset disagree");
+  if (index < 0 || index >= qd[0])
+    return ffi::Error::InvalidArgument("cpu grouped quantized matmul: layer index out of range");
+  std::vector<Group> groups;
+  int64_t row = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = group_sizes.typed_data()[e];
+    if (rows < 0 || row + rows > m)
+      return ffi::Error::InvalidArgument("cpu grouped quantized matmul: group sizes must be >= 0 and sum to at most M");
+    if (rows > 0) groups.push_back({row, rows, e});
+    row += rows;
+  }
+  float* op = out->typed_data();
+  std::fill(op + row * n, op + m * n, 0.0f);
+  if (groups.empty() || n == 0) return ffi::Error::Success();
+  const int64_t num_groups = sd[2], per_expert_q = (k / P) * n, per_expert_s = num_groups * n;
+  auto typed = [](void* p) { return static_cast<const S*>(p); };
+  const uint8_t* qp = static_cast<const uint8_t*>(q.untyped_data()) + index * experts * per_expert_q;
+  const S* sp = typed(scale.untyped_data()) + index * experts * per_expert_s;
+  const S* offp = has_offset ? typed(offset.untyped_data()) + index * experts * per_expert_s : nullptr;
+  // As the f32 grouped matmul: whole experts per thread when there are enough of them, else each
+  // expert's columns split among the threads.
+  int64_t blocks = 1, width = n;
+  if (static_cast<int64_t>(groups.size()) < pool.num_threads()) width = jaxengine::ColumnBlockWidth(n, pool.num_threads(), &blocks);
+  const float* xp = x.typed_data();
+  jaxengine::ParallelFor(pool, groups.size() * blocks, [&](int64_t item) {
+    const Group& g = groups[item / blocks];
+    const int64_t b = item % blocks;
+    const Weights<S> w{qp + g.expert * per_expert_q, sp + g.expert * per_expert_s,
+                       offp ? offp + g.expert * per_expert_s : nullptr, k, n, k / num_groups};
+    MultiplyColumns<P, S>(xp + g.first_row * k, w, op + g.first_row * n, g.rows, std::min(n, b * width),
+                          std::min(n, (b + 1) * width));
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // int8 / int4 values, float16 scales (as GGUF stores them) or float32 ones
@@ -264,3 +324,20 @@ JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt8Matmul, 1, ffi::S8, ffi::F16, _Float1
 JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt4Matmul, 2, ffi::U8, ffi::F16, _Float16)
 JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt8MatmulF32, 1, ffi::S8, ffi::F32, float)
 JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt4MatmulF32, 2, ffi::U8, ffi::F32, float)
+
+#define JAXENGINE_GROUPED_QUANTIZED_MATMUL(name, P, QType, SType, S)                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (GroupedQuantizedMatmulImpl<P, QType, SType, S>),     \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                            \
+                                    .Arg<ffi::Buffer<QType>>()                               \
+                                    .Arg<ffi::Buffer<SType>>()                               \
+                                    .Arg<ffi::Buffer<SType>>()                               \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                            \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt8Matmul, 1, ffi::S8, ffi::F16, _Float16)
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt4Matmul, 2, ffi::U8, ffi::F16, _Float16)
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt8MatmulF32, 1, ffi::S8, ffi::F32, float)
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt4MatmulF32, 2, ffi::U8, ffi::F32, float)

@@ -15,7 +15,9 @@ per-tensor scale is one group the length of the axis, a block-wise one repeated 
 
 The matmul applies the scales in its epilogue: on a CPU through ``cpu_quantized_matmul.cc`` (the
 bytes read per step are the quantized ones), elsewhere, and on a mesh, by XLA: the layer's weight
-dequantised then multiplied (``xla_quantized_dense``).
+dequantised then multiplied (``xla_quantized_dense``). A mixture of experts' stacked experts
+([E, K, N] per layer) go the same two ways through ``grouped_quantized_dense``: the CPU kernel reads
+only the experts some row chose; XLA dequantises the layer's experts and runs ``ragged_dot``.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ TARGETS = {(8, "float16"): "jaxengine_cpu_int8_matmul", (4, "float16"): "jaxengi
            (8, "float32"): "jaxengine_cpu_int8_matmul_f32", (4, "float32"): "jaxengine_cpu_int4_matmul_f32"}
 SYMBOLS = {(8, "float16"): "JaxengineCpuInt8Matmul", (4, "float16"): "JaxengineCpuInt4Matmul",
            (8, "float32"): "JaxengineCpuInt8MatmulF32", (4, "float32"): "JaxengineCpuInt4MatmulF32"}
+GROUPED_TARGETS = {key: target.replace("cpu_", "cpu_grouped_") for key, target in TARGETS.items()}
+GROUPED_SYMBOLS = {key: symbol.replace("Cpu", "CpuGrouped") for key, symbol in SYMBOLS.items()}
 SCALE_DTYPE = np.float16
 BITS = (8, 4)
 
@@ -197,6 +201,28 @@ def quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = 
     return out.reshape(x.shape[0], *out_axes)
 
 
+def xla_grouped_quantized_dense(x: jax.Array, w: QuantizedWeight, group_sizes: jax.Array,
+                                layer: jax.Array | None = None) -> jax.Array:
+    """Rows of x [M, K] sorted by group, group g times expert g of w ([E, K, N], or stacked with
+    ``layer``) -> [M, N]: the layer's experts dequantised by XLA, then ``ragged_dot``."""
+    weight = dequantize(w if layer is None else w.layer(layer), x.dtype)
+    return jax.lax.ragged_dot(x, weight, group_sizes.astype(jnp.int32))
+
+
+def grouped_quantized_dense(x: jax.Array, w: QuantizedWeight, group_sizes: jax.Array,
+                            layer: jax.Array | None = None) -> jax.Array:
+    """``xla_grouped_quantized_dense``'s product, through the CPU kernel where it serves: only the
+    experts some row chose are read, quantized, from the stack in place."""
+    if not serves(x, w):
+        return xla_grouped_quantized_dense(x, w, group_sizes, layer)
+    stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
+    offset = jnp.zeros((0,), w.scale.dtype) if w.offset is None else stacked.offset
+    call = jax.ffi.ffi_call(GROUPED_TARGETS[w.bits, w.scale.dtype.name],
+                            jax.ShapeDtypeStruct((x.shape[0], stacked.q.shape[-1]), jnp.float32), vmap_method="sequential")
+    return call(x, stacked.q, stacked.scale, offset, group_sizes.astype(jnp.int32),
+                jnp.asarray(0 if layer is None else layer, jnp.int32))
+
+
 def serves(x: jax.Array, w: QuantizedWeight) -> bool:
     return (jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32
             and w.q.dtype in (jnp.int8, jnp.uint8) and w.scale.dtype in (jnp.float16, jnp.float32) and available())
@@ -205,5 +231,7 @@ def serves(x: jax.Array, w: QuantizedWeight) -> bool:
 @functools.cache
 def available() -> bool:
     build = openblas_build()
-    return build is not None and all(register_kernel(SOURCE, SYMBOLS[key], TARGETS[key], f"CPU int{key[0]} matmul",
-                                                     **build) for key in TARGETS)
+    return build is not None and all(
+        register_kernel(SOURCE, symbols[key], targets[key], f"CPU {what}int{key[0]} matmul", **build)
+        for symbols, targets, what in ((SYMBOLS, TARGETS, ""), (GROUPED_SYMBOLS, GROUPED_TARGETS, "grouped "))
+        for key in TARGETS)
