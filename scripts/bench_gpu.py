@@ -399,7 +399,8 @@ def decode_floor_ms(cfg, num_params: int, batch: int, context: float, ceil: dict
 def moe(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
     """A Qwen3-30B-A3B expert layer (bf16, 128 experts, top 8) at decode batches and a prefill:
     the grouped matmul's achieved TFLOP/s and weight-read bandwidth (the experts its tokens
-    touch), whether XLA kept ``ragged_dot`` or rewrote it densely, and the dense reference."""
+    touch), whether XLA kept ``ragged_dot`` or rewrote it densely, and the dense reference; and
+    the layer with its experts kept quantized (fp8, int4) against it."""
     from flax import nnx
 
     from jaxengine.models.config import ModelConfig
@@ -432,7 +433,33 @@ def moe(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
             row["dense_reference_ms"] = round(timed(reference, state, x) * 1e3, 4)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+    result["quantized_experts"] = quantized_experts(block, (16,) if smoke else (16, 256))
     return result
+
+
+def quantized_experts(block, token_counts) -> list[dict]:
+    """The expert layer with its experts quantized (fp8 per channel, int4 in groups of 128; XLA's
+    dequantise-then-ragged_dot) against bf16: ms per call at each token count."""
+    from flax import nnx
+
+    from jaxengine.models.moe import with_quantized_experts
+
+    calls = {}
+    for scheme, b in (("bf16", block), *((s, with_quantized_experts(block, s, jnp.bfloat16)) for s in ("fp8", "int4"))):
+        graphdef, state = nnx.split(b)
+        calls[scheme] = (jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x)[0]), state)
+    rows = []
+    for tokens in token_counts:
+        x = jax.random.normal(jax.random.key(tokens), (tokens, block.cfg.hidden_size), jnp.bfloat16)
+        row = {"tokens": tokens}
+        for scheme, (fn, state) in calls.items():
+            try:
+                row[f"{scheme}_ms"] = round(timed(fn, state, x) * 1e3, 4)
+            except Exception as error:      # noqa: BLE001 - record it, measure the rest
+                row[f"{scheme}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------- quantized weights
@@ -592,6 +619,9 @@ def summary(out: Path) -> None:
     if "fp8" in (kv := quantized.get("fp8_kv_attention", {})) and "bf16" in kv:
         lines.append(f"| decode attention, FP8 KV vs bf16: ms, cache GB/s | {kv['fp8']['ms']} vs {kv['bf16']['ms']}, "
                      f"{kv['fp8']['cache_gbs']} vs {kv['bf16']['cache_gbs']} | - | - |")
+    for row in results.get("kernel", {}).get("moe", {}).get("quantized_experts", []):
+        lines.append(f"| MoE layer, {row['tokens']} tokens, experts bf16 / fp8 / int4 (ms) | {row.get('bf16_ms')} / "
+                     f"{row.get('fp8_ms')} / {row.get('int4_ms')} | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("rows", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens: ms, TFLOP/s, weight GB/s (share of copy) | {row['ms']}, "
                      f"{row['tflops']}, {row['weight_read_gbs']} ({row['fraction_of_copy_bw']}) | - | - |")

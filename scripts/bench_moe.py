@@ -37,7 +37,7 @@ from flax import nnx  # noqa: E402
 from jaxengine.models.config import ModelConfig  # noqa: E402
 from jaxengine.models.layers import MLP  # noqa: E402
 from jaxengine.models.mesh import AllToAllExperts, ShardedExperts, make_mesh, place_model  # noqa: E402
-from jaxengine.models.moe import SparseMoeBlock, dense_reference  # noqa: E402
+from jaxengine.models.moe import SparseMoeBlock, dense_reference, with_quantized_experts  # noqa: E402
 
 # A Qwen3-MoE-like layer scaled to this CPU: 64 experts, top 4, expert width 256, model width 1024.
 CFG = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=16, hidden_size=1024, intermediate_size=1024,
@@ -138,28 +138,9 @@ def over_the_mesh(repeats: int) -> list[dict]:
     return rows
 
 
-def quantized_copy(block: SparseMoeBlock, scheme: str) -> SparseMoeBlock:
-    """``block`` with its experts quantized as the online plan quantizes them."""
-    from jaxengine.kernels.matmul.quantized import FORMATS, pack_int4, quantize
-    from jaxengine.models.quantization import online_plan
-
-    plan = tuple(entry for entry in online_plan(CFG, scheme) if entry[0].startswith("experts."))
-    copy = SparseMoeBlock(CFG.replace(quantization=plan), jnp.float32, rngs=nnx.Rngs(0))
-    copy.router[...] = block.router[...]
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        fmt, group, offset = CFG.replace(quantization=plan).quant_spec(f"experts.{name}")
-        values, scale, zero = quantize(np.asarray(getattr(block.experts, name)[...]), fmt, group, axis=1, offset=offset)
-        target = getattr(copy.experts, name)
-        target.q[...] = jnp.asarray(pack_int4(values, 1) if FORMATS[fmt].bits == 4 else values)
-        target.scale[...] = jnp.asarray(scale)
-        if zero is not None:
-            target.offset[...] = jnp.asarray(zero)
-    return copy
-
-
 def quantized_experts(repeats: int) -> list[dict]:
     block = SparseMoeBlock(CFG, jnp.float32, rngs=nnx.Rngs(0))
-    copies = {scheme: quantized_copy(block, scheme) for scheme in ("fp8", "int8", "int4")}
+    copies = {scheme: with_quantized_experts(block, scheme) for scheme in ("fp8", "int8", "int4")}
     calls = {"f32": jitted(block, lambda m, x: m(x)[0]),
              **{scheme: jitted(c, lambda m, x: m(x)[0]) for scheme, c in copies.items()}}
 

@@ -16,12 +16,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxengine.kernels.matmul import dense, grouped_dense
 from jaxengine.models.config import ModelConfig
-from jaxengine.kernels.matmul.quantized import QuantizedWeight, dequantize
+from jaxengine.kernels.matmul.quantized import FORMATS, QuantizedWeight, dequantize, pack_int4, quantize
 from jaxengine.models.layers import MLP, M, _param, _sharded, weight
+from jaxengine.models.quantization import online_plan
 
 
 def route(logits: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Array]:
@@ -177,6 +179,29 @@ class SparseMoeBlock(nnx.Module):
             gate = jax.nn.sigmoid(self.dense_fn(x, self.shared_expert_gate[...], layer))
             out = out + gate * self.shared_expert(x, layer)
         return out, counts
+
+
+def with_quantized_experts(block: SparseMoeBlock, scheme: str, dtype=jnp.float32) -> SparseMoeBlock:
+    """A copy of one layer's ``block`` with its routed experts quantized as ``--quantization
+    scheme`` quantizes them while loading (the rest as it is): for measuring the layer alone."""
+    plan = tuple(entry for entry in online_plan(block.cfg, scheme) if entry[0].startswith("experts."))
+    cfg = block.cfg.replace(quantization=plan)
+    copy = SparseMoeBlock(cfg, dtype, rngs=nnx.Rngs(0))
+    projections = ("gate_proj", "up_proj", "down_proj")
+
+    def kept(path, _) -> bool:                    # all but the experts' projections (biases too)
+        return not (len(path) > 1 and path[-2] == "experts" and path[-1] in projections)
+    nnx.update(copy, nnx.state(block, kept))
+    for name in projections:
+        fmt, group, offset = cfg.quant_spec(f"experts.{name}")
+        values, scale, zero = quantize(np.asarray(getattr(block.experts, name)[...], np.float32), fmt, group,
+                                       axis=1, offset=offset)
+        target = getattr(copy.experts, name)
+        target.q[...] = jnp.asarray(pack_int4(values, 1) if FORMATS[fmt].bits == 4 else values)
+        target.scale[...] = jnp.asarray(scale)
+        if zero is not None:
+            target.offset[...] = jnp.asarray(zero)
+    return copy
 
 
 def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = None) -> jax.Array:

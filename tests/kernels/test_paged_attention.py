@@ -202,9 +202,11 @@ def test_an_fp8_cache_reads_as_the_values_it_holds_and_stays_near_the_f32_one(ro
     real = sum(n for _, n in rows)
     held = np.asarray(paged_attention(q, k_held, v_held, md, scale=scale, **extras))[:real]
     ref = np.asarray(paged_attention(q, k8, v8, md, scale=scale * k_scale, **extras))[:real] * v_scale
-    tiled = np.asarray(jax.jit(lambda *a: paged_attention_tiled(*a, scale=scale * k_scale, **extras))(q, k8, v8, md))
     np.testing.assert_allclose(ref, held, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(tiled[:real] * v_scale, held, rtol=1e-5, atol=1e-5)
+    for kernel in (False, True):        # decode rows by the jnp loop, and by the CPU decode kernel (fp8 pages)
+        tiled = np.asarray(jax.jit(lambda *a: paged_attention_tiled(*a, scale=scale * k_scale, decode_kernel=kernel,
+                                                                    **extras))(q, k8, v8, md))
+        np.testing.assert_allclose(tiled[:real] * v_scale, held, rtol=1e-5, atol=1e-5, err_msg=f"kernel {kernel}")
     f32 = np.asarray(paged_attention(q, kc, vc, md, scale=scale, **extras))[:real]
     # e4m3 keeps 3 mantissa bits: a value off by up to 1/16 of itself (one key: the output is its value)
     np.testing.assert_allclose(ref, f32, atol=0.3)

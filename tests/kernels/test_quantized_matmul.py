@@ -138,3 +138,33 @@ def test_grouped_experts_read_quantized_match_numpy_on_the_dequantised_weights(s
     one = stacked.layer(1)                                                 # one layer's experts [E, K, N]
     np.testing.assert_allclose(jax.jit(grouped_dense)(x, one, group_sizes), grouped_reference(x, w[1], sizes),
                                rtol=1e-5, atol=1e-4)
+
+
+@needs_compiler
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_builds_and_runs_its_cpu_kernel_dense_and_grouped(fmt):
+    """A kernel that fails to build falls back to XLA silently (the results agree): the lowered
+    step must call the kernel itself."""
+    from jaxengine.kernels.matmul.quantized import GROUPED_TARGETS, TARGETS, available
+
+    assert available()
+    key = (FORMATS[fmt].values.name, FORMATS[fmt].scale.name)
+    group = 16
+    qw, _ = quantized(np.random.default_rng(0), 4, 2 * group, 8, fmt, group, FORMATS[fmt].bits == 4)
+    x = jnp.ones((3, 2 * group), jnp.float32)
+    assert TARGETS[key] in jax.jit(dense).lower(x, qw, jnp.int32(1)).as_text()
+    experts = jax.tree.map(lambda a: a.reshape(2, 2, *a.shape[1:]), qw)
+    assert GROUPED_TARGETS[key] in jax.jit(grouped_dense).lower(x, experts, jnp.array([1, 2]), jnp.int32(1)).as_text()
+
+
+@needs_compiler
+def test_the_cpu_kernel_reads_every_fp8_byte_exactly_subnormals_included():
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]                  # not NaN: a NaN weight would spread to every row
+    q = codes.view(jnp.float8_e4m3fn).reshape(-1, 1).repeat(16, 1)     # 16 columns: the 8-wide path
+    qw = QuantizedWeight(jnp.asarray(q), jnp.ones((1, 16), jnp.float32), None, 8)
+    picks = np.eye(len(codes), dtype=np.float32)           # row i picks weight row i: its value times 1
+    for rows in (2, 12):                                   # the fused loop, sgemm on a dequantised block
+        got = np.concatenate([np.asarray(jax.jit(dense)(jnp.asarray(picks[i:i + rows]), qw))
+                              for i in range(0, len(codes) - rows + 1, rows)])
+        np.testing.assert_array_equal(got, q[:len(got)].astype(np.float32))

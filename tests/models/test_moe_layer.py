@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from jaxengine.kernels.matmul import xla_grouped_dense
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.llama import stacked
-from jaxengine.models.moe import ClampedSwiGLU, SparseMoeBlock, dense_reference, group_by_expert, route
+from jaxengine.models.moe import (ClampedSwiGLU, SparseMoeBlock, dense_reference, group_by_expert, route,
+                                  with_quantized_experts)
 
 
 def moe_config(experts: int, k: int, shared: int = 0, normalise: bool = True, gpt_oss: bool = False) -> ModelConfig:
@@ -51,7 +52,7 @@ def test_grouping_sorts_pairs_by_expert_and_leaves_the_padding_out():
     assert set(np.asarray(order[4:]).tolist()) == {4, 5}
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(tokens=st.integers(1, 24), experts=st.integers(1, 8), data=st.data(), seed=st.integers(0, 3))
 def test_the_grouped_layer_equals_every_expert_on_every_token_masked(tokens, experts, data, seed):
     k = data.draw(st.integers(1, experts))
@@ -115,3 +116,20 @@ def test_xla_ragged_dot_path_gives_the_same_product():
     np.testing.assert_allclose(out[:4], x[:4] @ w[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out[4:7], x[4:7] @ w[2], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[7:], 0.0)
+
+
+def test_a_layer_with_its_experts_quantized_computes_the_dequantised_experts():
+    from jaxengine.kernels.matmul.quantized import dequantize
+    from jaxengine.models.quantization import QuantizedParam
+
+    cfg = moe_config(4, 2, shared=16, gpt_oss=True)
+    b = block(cfg, 0)
+    x = jax.random.normal(jax.random.key(1), (6, cfg.hidden_size))
+    for scheme in ("fp8", "int8", "int4"):
+        q = with_quantized_experts(b, scheme)
+        assert isinstance(q.experts.down_proj, QuantizedParam) and q.cfg.quant_spec("experts.down_proj")[0] == scheme
+        same = block(cfg, 0)                                   # the f32 layer holding the dequantised experts
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(same.experts, name)[...] = dequantize(getattr(q.experts, name)[...])
+        np.testing.assert_allclose(q(x)[0], same(x)[0], rtol=1e-5, atol=1e-6, err_msg=scheme)
+        np.testing.assert_array_equal(q(x)[1], b(x)[1])        # the same routing: router and biases copied

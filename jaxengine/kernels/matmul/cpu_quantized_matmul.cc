@@ -1,9 +1,8 @@
 // A matmul of f32 activations with quantized weights on the CPU, called from XLA through the FFI.
 // The weights stay quantized in memory; each step reads their bytes, not an f32 copy.
 //
-// Shapes: x [M, K] f32; q [L, K/P, N]: int8 values (P = 1), or int4 values 0..15 packed two rows a
-// byte (P = 2: row 2r in the low nibble, row 2r+1 in the high one); scale [L, K/G, N] and
-// offset [L, K/G, N] (or [0]: none), f16 or f32, one per group of G rows and column; layer [] s32.
+// Shapes: x [M, K] f32; q [L, K/P, N]: int8 or float8_e4m3fn values (P = 1), or int4 values 0..15 packed two rows a byte (P = 2: row 2r in the low nibble, row 2r+1
+// in the high one); scale [L, K/G, N] and offset [L, K/G, N] (or [0]: none), f16 or f32, one per group of G rows and column; layer [] s32.
 // The weight is w[k, n] = scale[k/G, n] * q[k, n] + offset[k/G, n], and out [M, N] = x @ w[layer].
 //
 // A few rows (a decode step): the scales come out of the sum, group by group,
@@ -17,6 +16,8 @@
 // [L, E, K/G, N], group_sizes [E] s32; rows of x sorted by expert, group e's rows times expert e's
 // weight, rows past the groups 0. Only the experts some row chose are read.
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -38,7 +39,7 @@ constexpr int64_t kFusedRows = 8;        // up to this many rows: the fused loop
 
 template <typename S>                    // S: the scales' and offsets' type, _Float16 or float
 struct Weights {
-  const uint8_t* q;                      // int8 values as bytes (P = 1) or packed nibbles (P = 2)
+  const uint8_t* q;                      // int8 / fp8 values as bytes, or int4 values packed in nibbles
   const S* scale;
   const S* offset;                       // nullptr: none
   int64_t k, n, group;
@@ -50,9 +51,31 @@ typedef uint8_t UBytes __attribute__((vector_size(8)));
 typedef _Float16 Halves __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 8;
 
-template <int P>
+// The values' kinds (the kernels' first template argument): int8, int4 packed two rows a byte,
+// float8_e4m3fn. kPack: rows per byte.
+constexpr int kInt8 = 1, kInt4 = 2, kFp8 = 3;
+template <int V>
+constexpr int kPack = V == kInt4 ? 2 : 1;
+
+// float8_e4m3fn -> float, all 256 bytes: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent
+// 0 subnormal; S.1111.111 NaN (e4m3fn has no infinities).
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) v = std::numeric_limits<float>::quiet_NaN();
+      value[b] = b & 128 ? -v : v;
+    }
+  }
+};
+const Fp8Table kFp8Values;
+
+template <int V>
 inline float Value(uint8_t byte, int half) {
-  if constexpr (P == 1) return static_cast<float>(static_cast<int8_t>(byte));
+  if constexpr (V == kInt8) return static_cast<float>(static_cast<int8_t>(byte));
+  if constexpr (V == kFp8) return kFp8Values.value[byte];
   return static_cast<float>(half ? byte >> 4 : byte & 15);
 }
 
@@ -88,11 +111,33 @@ inline Floats HalfFloats(const _Float16* p) {
 inline Floats ScaleFloats(const _Float16* p) { return HalfFloats(p); }
 inline Floats ScaleFloats(const float* p) { return Load<Floats>(p); }
 
+// 8 float8_e4m3fn values as floats. AVX2 by bits (a gather from the table is slow on this
+// class of CPU): the magnitude shifted into a float's exponent and mantissa, rebiased (7 -> 127);
+// subnormals (exponent 0) as m * 2^-9; S.1111.111 NaN; the sign last. Elsewhere: the table.
+inline Floats Fp8Floats(const uint8_t* p) {
+#ifdef __AVX2__
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512));
+  __m256 v = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+  v = _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))));
+  return (Floats)_mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
+#else
+  Floats v;
+  for (int i = 0; i < kLanes; ++i) v[i] = kFp8Values.value[p[i]];
+  return v;
+#endif
+}
+
 // The weights of rows kk (and kk + 1 when packed) at 8 columns: (low, high).
-template <int P>
+template <int V>
 inline void LoadValues(const uint8_t* row, Floats* low, Floats* high) {
-  if constexpr (P == 1) {
+  if constexpr (V == kInt8) {
     *low = SignedBytes(row);
+  } else if constexpr (V == kFp8) {
+    *low = Fp8Floats(row);
   } else {
 #ifdef __AVX2__
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row));
@@ -108,20 +153,20 @@ inline void LoadValues(const uint8_t* row, Floats* low, Floats* high) {
 
 // out[0..M) x columns [c, c + 8 T): each group's sums of x times q stay in registers (M x T of
 // them), and each row of q is read 64 bytes (or T vectors) at a time.
-template <int P, int M, int T, typename S>
+template <int V, int M, int T, typename S>
 void FusedLanes(const float* x, const Weights<S>& w, const float* sums, float* out, int64_t c) {
   const int64_t k = w.k, n = w.n, g = w.group, groups = k / g;
   Floats res[M][T] = {};
   for (int64_t gi = 0; gi < groups; ++gi) {
     Floats acc[M][T] = {};
-    for (int64_t kk = gi * g; kk < (gi + 1) * g; kk += P) {
-      const uint8_t* row = w.q + (kk / P) * n + c;
+    for (int64_t kk = gi * g; kk < (gi + 1) * g; kk += kPack<V>) {
+      const uint8_t* row = w.q + (kk / kPack<V>) * n + c;
       for (int t = 0; t < T; ++t) {
         Floats low, high;
-        LoadValues<P>(row + t * kLanes, &low, &high);
+        LoadValues<V>(row + t * kLanes, &low, &high);
         for (int r = 0; r < M; ++r) {
           acc[r][t] += x[r * k + kk] * low;
-          if constexpr (P == 2) acc[r][t] += x[r * k + kk + 1] * high;
+          if constexpr (kPack<V> == 2) acc[r][t] += x[r * k + kk + 1] * high;
         }
       }
     }
@@ -138,7 +183,7 @@ void FusedLanes(const float* x, const Weights<S>& w, const float* sums, float* o
 }
 
 // Columns past the last multiple of 8 of a block, one at a time.
-template <int P, typename S>
+template <int V, typename S>
 void FusedColumn(const float* x, const Weights<S>& w, const float* sums, float* out, int64_t m, int64_t c) {
   const int64_t k = w.k, n = w.n, g = w.group, groups = k / g;
   for (int64_t r = 0; r < m; ++r) {
@@ -146,7 +191,7 @@ void FusedColumn(const float* x, const Weights<S>& w, const float* sums, float* 
     for (int64_t gi = 0; gi < groups; ++gi) {
       float acc = 0.0f;
       for (int64_t kk = gi * g; kk < (gi + 1) * g; ++kk)
-        acc += x[r * k + kk] * Value<P>(w.q[(kk / P) * n + c], P == 2 ? kk & 1 : 0);
+        acc += x[r * k + kk] * Value<V>(w.q[(kk / kPack<V>) * n + c], kPack<V> == 2 ? kk & 1 : 0);
       total += static_cast<float>(w.scale[gi * n + c]) * acc;
       if (w.offset != nullptr) total += static_cast<float>(w.offset[gi * n + c]) * sums[r * groups + gi];
     }
@@ -154,17 +199,17 @@ void FusedColumn(const float* x, const Weights<S>& w, const float* sums, float* 
   }
 }
 
-template <int P, int M, typename S>
+template <int V, int M, typename S>
 void FusedColumnsOf(const float* x, const Weights<S>& w, const float* sums, float* out, int64_t first, int64_t last) {
   constexpr int T = M >= 8 ? 1 : 8 / M;                 // vectors per row: M x T accumulators
   int64_t c = first;
-  for (; c + T * kLanes <= last; c += T * kLanes) FusedLanes<P, M, T, S>(x, w, sums, out, c);
-  for (; c + kLanes <= last; c += kLanes) FusedLanes<P, M, 1, S>(x, w, sums, out, c);
-  for (; c < last; ++c) FusedColumn<P, S>(x, w, sums, out, M, c);
+  for (; c + T * kLanes <= last; c += T * kLanes) FusedLanes<V, M, T, S>(x, w, sums, out, c);
+  for (; c + kLanes <= last; c += kLanes) FusedLanes<V, M, 1, S>(x, w, sums, out, c);
+  for (; c < last; ++c) FusedColumn<V, S>(x, w, sums, out, M, c);
 }
 
 // out[0..m) x [first, last) of x @ w, m <= kFusedRows.
-template <int P, typename S>
+template <int V, typename S>
 void FusedColumns(const float* x, const Weights<S>& w, float* out, int64_t m, int64_t first, int64_t last) {
   const int64_t groups = w.k / w.group;
   std::vector<float> sums(m * groups, 0.0f);          // x summed over each group (the offsets' factor)
@@ -172,45 +217,45 @@ void FusedColumns(const float* x, const Weights<S>& w, float* out, int64_t m, in
     for (int64_t kk = 0; kk < w.k; ++kk) sums[r * groups + kk / w.group] += x[r * w.k + kk];
   using Fn = void (*)(const float*, const Weights<S>&, const float*, float*, int64_t, int64_t);
   static constexpr Fn kByRows[kFusedRows] = {
-      FusedColumnsOf<P, 1, S>, FusedColumnsOf<P, 2, S>, FusedColumnsOf<P, 3, S>, FusedColumnsOf<P, 4, S>,
-      FusedColumnsOf<P, 5, S>, FusedColumnsOf<P, 6, S>, FusedColumnsOf<P, 7, S>, FusedColumnsOf<P, 8, S>};
+      FusedColumnsOf<V, 1, S>, FusedColumnsOf<V, 2, S>, FusedColumnsOf<V, 3, S>, FusedColumnsOf<V, 4, S>,
+      FusedColumnsOf<V, 5, S>, FusedColumnsOf<V, 6, S>, FusedColumnsOf<V, 7, S>, FusedColumnsOf<V, 8, S>};
   kByRows[m - 1](x, w, sums.data(), out, first, last);
 }
 
 // Columns [first, last) of w as f32 [K, last - first], 8 columns at a time where it can.
-template <int P, typename S>
+template <int V, typename S>
 void Dequantize(const Weights<S>& w, float* buf, int64_t first, int64_t last) {
   const int64_t cols = last - first, n = w.n;
-  for (int64_t kk = 0; kk < w.k; kk += P) {
-    const uint8_t* row = w.q + (kk / P) * n + first;
+  for (int64_t kk = 0; kk < w.k; kk += kPack<V>) {
+    const uint8_t* row = w.q + (kk / kPack<V>) * n + first;
     const S* s = w.scale + (kk / w.group) * n + first;
     const S* o = w.offset ? w.offset + (kk / w.group) * n + first : nullptr;
     float* b = buf + kk * cols;
     int64_t c = 0;
     for (; c + kLanes <= cols; c += kLanes) {
       Floats low, high;
-      LoadValues<P>(row + c, &low, &high);
+      LoadValues<V>(row + c, &low, &high);
       const Floats sc = ScaleFloats(s + c), off = o ? ScaleFloats(o + c) : Floats{};
       const Floats lo = sc * low + off;
       std::memcpy(b + c, &lo, sizeof lo);
-      if constexpr (P == 2) {
+      if constexpr (kPack<V> == 2) {
         const Floats hi = sc * high + off;
         std::memcpy(b + cols + c, &hi, sizeof hi);
       }
     }
     for (; c < cols; ++c)
-      for (int half = 0; half < P; ++half)
-        b[half * cols + c] = static_cast<float>(s[c]) * Value<P>(row[c], half) + (o ? static_cast<float>(o[c]) : 0.0f);
+      for (int half = 0; half < kPack<V>; ++half)
+        b[half * cols + c] = static_cast<float>(s[c]) * Value<V>(row[c], half) + (o ? static_cast<float>(o[c]) : 0.0f);
   }
 }
 
-template <int P, typename S>
+template <int V, typename S>
 void MultiplyColumns(const float* x, const Weights<S>& w, float* out, int64_t m, int64_t first, int64_t last) {
   if (last <= first) return;
-  if (m <= kFusedRows) return FusedColumns<P, S>(x, w, out, m, first, last);
+  if (m <= kFusedRows) return FusedColumns<V, S>(x, w, out, m, first, last);
   thread_local std::vector<float> buf;
   buf.resize(w.k * (last - first));
-  Dequantize<P, S>(w, buf.data(), first, last);
+  Dequantize<V, S>(w, buf.data(), first, last);
   scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, last - first, w.k, 1.0f, x, w.k, buf.data(),
                     last - first, 0.0f, out + first, w.n);
 }
@@ -220,8 +265,8 @@ void SetSingleThreaded() {
   std::call_once(once, [] { scipy_openblas_set_num_threads(1); });
 }
 
-template <int P, ffi::DataType QType, ffi::DataType SType, typename S>
-ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<QType> q,
+template <int V, typename QBuffer, ffi::DataType SType, typename S>
+ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QBuffer q,
                                ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
                                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   SetSingleThreaded();
@@ -230,14 +275,14 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     return ffi::Error::InvalidArgument("cpu quantized matmul: x [M, K], q [L, K/P, N], scale [L, K/G, N], one layer");
   const int64_t m = xd[0], k = xd[1], n = qd[2], index = layer.typed_data()[0];
   const bool has_offset = offset.element_count() != 0;
-  if (qd[1] * P != k || sd[0] != qd[0] || sd[2] != n || sd[1] == 0 || k % sd[1] != 0 || (k / sd[1]) % P != 0 ||
+  if (qd[1] * kPack<V> != k || sd[0] != qd[0] || sd[2] != n || sd[1] == 0 || k % sd[1] != 0 || (k / sd[1]) % kPack<V> != 0 ||
       (has_offset && offset.element_count() != scale.element_count()))
     return ffi::Error::InvalidArgument("cpu quantized matmul: the shapes of x, q, scale and offset disagree");
   if (index < 0 || index >= qd[0]) return ffi::Error::InvalidArgument("cpu quantized matmul: layer index out of range");
   if (m == 0 || n == 0) return ffi::Error::Success();
   const int64_t groups = sd[1];
   auto typed = [](void* p) { return static_cast<const S*>(p); };
-  const Weights<S> w{static_cast<const uint8_t*>(q.untyped_data()) + index * (k / P) * n,
+  const Weights<S> w{static_cast<const uint8_t*>(q.untyped_data()) + index * (k / kPack<V>) * n,
                      typed(scale.untyped_data()) + index * groups * n,
                      has_offset ? typed(offset.untyped_data()) + index * groups * n : nullptr, k, n, k / groups};
   int64_t blocks;
@@ -245,7 +290,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const float* xp = x.typed_data();
   float* op = out->typed_data();
   jaxengine::ParallelFor(pool, blocks, [&, width](int64_t b) {
-    MultiplyColumns<P, S>(xp, w, op, m, std::min(n, b * width), std::min(n, (b + 1) * width));
+    MultiplyColumns<V, S>(xp, w, op, m, std::min(n, b * width), std::min(n, (b + 1) * width));
   });
   return ffi::Error::Success();
 }
@@ -255,8 +300,8 @@ struct Group {
   int64_t first_row, rows, expert;
 };
 
-template <int P, ffi::DataType QType, ffi::DataType SType, typename S>
-ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<QType> q,
+template <int V, typename QBuffer, ffi::DataType SType, typename S>
+ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QBuffer q,
                                       ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
                                       ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
                                       ffi::ResultBuffer<ffi::F32> out) {
@@ -268,8 +313,8 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
         "cpu grouped quantized matmul: x [M, K], q [L, E, K/P, N], scale [L, E, K/G, N], group_sizes [E], one layer");
   const int64_t m = xd[0], k = xd[1], experts = qd[1], n = qd[3], index = layer.typed_data()[0];
   const bool has_offset = offset.element_count() != 0;
-  if (qd[2] * P != k || sd[0] != qd[0] || sd[1] != experts || sd[3] != n || sd[2] == 0 || k % sd[2] != 0 ||
-      (k / sd[2]) % P != 0 || (has_offset && offset.element_count() != scale.element_count()))
+  if (qd[2] * kPack<V> != k || sd[0] != qd[0] || sd[1] != experts || sd[3] != n || sd[2] == 0 || k % sd[2] != 0 ||
+      (k / sd[2]) % kPack<V> != 0 || (has_offset && offset.element_count() != scale.element_count()))
     return ffi::Error::InvalidArgument("cpu grouped quantized matmul: the shapes of x, q, scale and offset disagree");
   if (index < 0 || index >= qd[0])
     return ffi::Error::InvalidArgument("cpu grouped quantized matmul: layer index out of range");
@@ -285,7 +330,7 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
   float* op = out->typed_data();
   std::fill(op + row * n, op + m * n, 0.0f);
   if (groups.empty() || n == 0) return ffi::Error::Success();
-  const int64_t num_groups = sd[2], per_expert_q = (k / P) * n, per_expert_s = num_groups * n;
+  const int64_t num_groups = sd[2], per_expert_q = (k / kPack<V>) * n, per_expert_s = num_groups * n;
   auto typed = [](void* p) { return static_cast<const S*>(p); };
   const uint8_t* qp = static_cast<const uint8_t*>(q.untyped_data()) + index * experts * per_expert_q;
   const S* sp = typed(scale.untyped_data()) + index * experts * per_expert_s;
@@ -300,7 +345,7 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
     const int64_t b = item % blocks;
     const Weights<S> w{qp + g.expert * per_expert_q, sp + g.expert * per_expert_s,
                        offp ? offp + g.expert * per_expert_s : nullptr, k, n, k / num_groups};
-    MultiplyColumns<P, S>(xp + g.first_row * k, w, op + g.first_row * n, g.rows, std::min(n, b * width),
+    MultiplyColumns<V, S>(xp + g.first_row * k, w, op + g.first_row * n, g.rows, std::min(n, b * width),
                           std::min(n, (b + 1) * width));
   });
   return ffi::Error::Success();
@@ -308,36 +353,38 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
 
 }  // namespace
 
-// int8 / int4 values, float16 scales (as GGUF stores them) or float32 ones
-#define JAXENGINE_QUANTIZED_MATMUL(name, P, QType, SType, S)                                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmulImpl<P, QType, SType, S>),            \
+// int8 / int4 values, float16 scales (as GGUF stores them) or float32 ones; fp8 values, float32 scales
+#define JAXENGINE_QUANTIZED_MATMUL(name, V, QType, SType, S)                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmulImpl<V, QType, SType, S>),            \
                                 ffi::Ffi::Bind()                                             \
                                     .Ctx<ffi::ThreadPool>()                                  \
                                     .Arg<ffi::Buffer<ffi::F32>>()                            \
-                                    .Arg<ffi::Buffer<QType>>()                               \
+                                    .Arg<QType>()                                           \
                                     .Arg<ffi::Buffer<SType>>()                               \
                                     .Arg<ffi::Buffer<SType>>()                               \
                                     .Arg<ffi::Buffer<ffi::S32>>()                            \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt8Matmul, 1, ffi::S8, ffi::F16, _Float16)
-JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt4Matmul, 2, ffi::U8, ffi::F16, _Float16)
-JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt8MatmulF32, 1, ffi::S8, ffi::F32, float)
-JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt4MatmulF32, 2, ffi::U8, ffi::F32, float)
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt8Matmul, 1, ffi::Buffer<ffi::S8>, ffi::F16, _Float16)
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt4Matmul, 2, ffi::Buffer<ffi::U8>, ffi::F16, _Float16)
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt8MatmulF32, 1, ffi::Buffer<ffi::S8>, ffi::F32, float)
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuInt4MatmulF32, 2, ffi::Buffer<ffi::U8>, ffi::F32, float)
+JAXENGINE_QUANTIZED_MATMUL(JaxengineCpuFp8Matmul, 3, ffi::AnyBuffer, ffi::F32, float)   // the FFI has no float8 Buffer<>
 
-#define JAXENGINE_GROUPED_QUANTIZED_MATMUL(name, P, QType, SType, S)                           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (GroupedQuantizedMatmulImpl<P, QType, SType, S>),     \
+#define JAXENGINE_GROUPED_QUANTIZED_MATMUL(name, V, QType, SType, S)                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (GroupedQuantizedMatmulImpl<V, QType, SType, S>),     \
                                 ffi::Ffi::Bind()                                             \
                                     .Ctx<ffi::ThreadPool>()                                  \
                                     .Arg<ffi::Buffer<ffi::F32>>()                            \
-                                    .Arg<ffi::Buffer<QType>>()                               \
+                                    .Arg<QType>()                                           \
                                     .Arg<ffi::Buffer<SType>>()                               \
                                     .Arg<ffi::Buffer<SType>>()                               \
                                     .Arg<ffi::Buffer<ffi::S32>>()                            \
                                     .Arg<ffi::Buffer<ffi::S32>>()                            \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt8Matmul, 1, ffi::S8, ffi::F16, _Float16)
-JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt4Matmul, 2, ffi::U8, ffi::F16, _Float16)
-JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt8MatmulF32, 1, ffi::S8, ffi::F32, float)
-JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt4MatmulF32, 2, ffi::U8, ffi::F32, float)
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt8Matmul, 1, ffi::Buffer<ffi::S8>, ffi::F16, _Float16)
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt4Matmul, 2, ffi::Buffer<ffi::U8>, ffi::F16, _Float16)
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt8MatmulF32, 1, ffi::Buffer<ffi::S8>, ffi::F32, float)
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt4MatmulF32, 2, ffi::Buffer<ffi::U8>, ffi::F32, float)
+JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedFp8Matmul, 3, ffi::AnyBuffer, ffi::F32, float)

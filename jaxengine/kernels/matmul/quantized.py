@@ -13,8 +13,8 @@ scales and offsets are float16, as GGUF stores them, so a GGUF block converts ex
 are float8_e4m3fn with a float32 scale per group (as FP8 checkpoints store them; a per-channel or
 per-tensor scale is one group the length of the axis, a block-wise one repeated along the output).
 
-The matmul applies the scales in its epilogue: on a CPU through ``cpu_quantized_matmul.cc`` (the
-bytes read per step are the quantized ones), elsewhere, and on a mesh, by XLA: the layer's weight
+The matmul applies the scales in its epilogue: on a CPU through ``cpu_quantized_matmul.cc`` (every
+format; the bytes read per step are the quantized ones), elsewhere, and on a mesh, by XLA: the layer's weight
 dequantised then multiplied (``xla_quantized_dense``). A mixture of experts' stacked experts
 ([E, K, N] per layer) go the same two ways through ``grouped_quantized_dense``: the CPU kernel reads
 only the experts some row chose; XLA dequantises the layer's experts and runs ``ragged_dot``.
@@ -34,11 +34,13 @@ from jaxengine.kernels.cpu_build import register_kernel
 from jaxengine.kernels.matmul.openblas import openblas_build
 
 SOURCE = Path(__file__).with_name("cpu_quantized_matmul.cc")
-# (bits, scale dtype) -> the CPU kernel's FFI target and handler symbol
-TARGETS = {(8, "float16"): "jaxengine_cpu_int8_matmul", (4, "float16"): "jaxengine_cpu_int4_matmul",
-           (8, "float32"): "jaxengine_cpu_int8_matmul_f32", (4, "float32"): "jaxengine_cpu_int4_matmul_f32"}
-SYMBOLS = {(8, "float16"): "JaxengineCpuInt8Matmul", (4, "float16"): "JaxengineCpuInt4Matmul",
-           (8, "float32"): "JaxengineCpuInt8MatmulF32", (4, "float32"): "JaxengineCpuInt4MatmulF32"}
+# (values dtype, scale dtype) -> the CPU kernel's FFI target and handler symbol
+TARGETS = {("int8", "float16"): "jaxengine_cpu_int8_matmul", ("uint8", "float16"): "jaxengine_cpu_int4_matmul",
+           ("int8", "float32"): "jaxengine_cpu_int8_matmul_f32", ("uint8", "float32"): "jaxengine_cpu_int4_matmul_f32",
+           ("float8_e4m3fn", "float32"): "jaxengine_cpu_fp8_matmul"}
+SYMBOLS = {("int8", "float16"): "JaxengineCpuInt8Matmul", ("uint8", "float16"): "JaxengineCpuInt4Matmul",
+           ("int8", "float32"): "JaxengineCpuInt8MatmulF32", ("uint8", "float32"): "JaxengineCpuInt4MatmulF32",
+           ("float8_e4m3fn", "float32"): "JaxengineCpuFp8Matmul"}
 GROUPED_TARGETS = {key: target.replace("cpu_", "cpu_grouped_") for key, target in TARGETS.items()}
 GROUPED_SYMBOLS = {key: symbol.replace("Cpu", "CpuGrouped") for key, symbol in SYMBOLS.items()}
 SCALE_DTYPE = np.float16
@@ -186,7 +188,7 @@ def xla_quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | Non
 
 def quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = None) -> jax.Array:
     """x [T, K] @ w (w[layer] when stacked) -> [T, ..output axes..]: the CPU kernel where it
-    serves (int8, int4), else XLA's dequantise-and-dot."""
+    serves (int8, int4, fp8), else XLA's dequantise-and-dot."""
     if not serves(x, w):
         return xla_quantized_dense(x, w, layer)
     stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
@@ -195,7 +197,7 @@ def quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = 
         return a.reshape(a.shape[0], -1, math.prod(out_axes))
 
     offset = jnp.zeros((0,), w.scale.dtype) if w.offset is None else flat(stacked.offset)
-    call = jax.ffi.ffi_call(TARGETS[w.bits, w.scale.dtype.name], jax.ShapeDtypeStruct((x.shape[0], math.prod(out_axes)), jnp.float32),
+    call = jax.ffi.ffi_call(TARGETS[w.q.dtype.name, w.scale.dtype.name], jax.ShapeDtypeStruct((x.shape[0], math.prod(out_axes)), jnp.float32),
                             vmap_method="sequential")
     out = call(x, flat(stacked.q), flat(stacked.scale), offset, jnp.asarray(0 if layer is None else layer, jnp.int32))
     return out.reshape(x.shape[0], *out_axes)
@@ -217,7 +219,7 @@ def grouped_quantized_dense(x: jax.Array, w: QuantizedWeight, group_sizes: jax.A
         return xla_grouped_quantized_dense(x, w, group_sizes, layer)
     stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
     offset = jnp.zeros((0,), w.scale.dtype) if w.offset is None else stacked.offset
-    call = jax.ffi.ffi_call(GROUPED_TARGETS[w.bits, w.scale.dtype.name],
+    call = jax.ffi.ffi_call(GROUPED_TARGETS[w.q.dtype.name, w.scale.dtype.name],
                             jax.ShapeDtypeStruct((x.shape[0], stacked.q.shape[-1]), jnp.float32), vmap_method="sequential")
     return call(x, stacked.q, stacked.scale, offset, group_sizes.astype(jnp.int32),
                 jnp.asarray(0 if layer is None else layer, jnp.int32))
@@ -225,13 +227,13 @@ def grouped_quantized_dense(x: jax.Array, w: QuantizedWeight, group_sizes: jax.A
 
 def serves(x: jax.Array, w: QuantizedWeight) -> bool:
     return (jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32
-            and w.q.dtype in (jnp.int8, jnp.uint8) and w.scale.dtype in (jnp.float16, jnp.float32) and available())
+            and (w.q.dtype.name, w.scale.dtype.name) in TARGETS and available())
 
 
 @functools.cache
 def available() -> bool:
     build = openblas_build()
     return build is not None and all(
-        register_kernel(SOURCE, symbols[key], targets[key], f"CPU {what}int{key[0]} matmul", **build)
+        register_kernel(SOURCE, symbols[key], targets[key], f"CPU {what}{key[0]} matmul", **build)
         for symbols, targets, what in ((SYMBOLS, TARGETS, ""), (GROUPED_SYMBOLS, GROUPED_TARGETS, "grouped "))
         for key in TARGETS)

@@ -3,6 +3,8 @@
 // Work items are rows (or, for a few rows, their KV heads), longest first, shared over XLA's
 // intra-op thread pool (cpu_pool.h). f32 throughout; a page at a time, an
 // online softmax per query head, as jaxengine/kernels/paged_attention/reference.py defines the result.
+// The caches are f32 or float8_e4m3fn (an FP8 KV cache, its scales applied outside): an fp8 page is
+// converted to f32 once, into a buffer of the thread's, then read as an f32 one.
 //
 // Shapes: q [B, N, H] (already scaled), k_cache and v_cache [NB, S, K, H], tables [B, M],
 // lens [B] (keys each row attends to: its query's position + 1; 0 for a padding row), sinks [N] (each
@@ -28,8 +30,8 @@ constexpr int kLanes = 8;         // one AVX2 register of f32
 
 struct Problem {
   const float* q;
-  const float* k_cache;
-  const float* v_cache;
+  const void* k_cache;            // float, or float8_e4m3fn bytes with fp8
+  const void* v_cache;
   const int32_t* tables;
   const int32_t* lens;
   const float* sinks;
@@ -37,7 +39,31 @@ struct Problem {
   int64_t num_heads, kv_heads, head_size, page_size, width;
   int64_t sliding_window;         // 0: none
   float soft_cap;                 // 0: none
+  bool fp8;
 };
+
+// float8_e4m3fn -> float, all 256 bytes (sign, 4 exponent bits of bias 7, 3 mantissa bits;
+// exponent 0 subnormal; S.1111.111 NaN).
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) v = std::numeric_limits<float>::quiet_NaN();
+      value[b] = b & 128 ? -v : v;
+    }
+  }
+};
+const Fp8Table kFp8Values;
+
+// n elements of a cache from element ``offset`` as floats: in place (f32), or converted into ``buf``.
+inline const float* cache_floats(const Problem& p, const void* cache, int64_t offset, int64_t n, float* buf) {
+  if (!p.fp8) return static_cast<const float*>(cache) + offset;
+  const uint8_t* bytes = static_cast<const uint8_t*>(cache) + offset;
+  for (int64_t i = 0; i < n; ++i) buf[i] = kFp8Values.value[bytes[i]];
+  return buf;
+}
 
 // q . k over head_size floats, summed in kLanes independent lanes so the compiler vectorises it
 // without reassociating (head_size a multiple of kLanes; the tail is scalar).
@@ -74,8 +100,8 @@ inline float exp_nonpositive(float x) {
 
 // Bring a page's keys and values towards the caches while the previous page is computed: pages
 // sit anywhere in the pool, where the hardware prefetcher does not follow.
-inline void prefetch_page(const float* k, const float* v, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) {
+inline void prefetch_page(const char* k, const char* v, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) {
     __builtin_prefetch(k + i);
     __builtin_prefetch(v + i);
   }
@@ -106,11 +132,15 @@ void attend(const Problem& p, const Item& item) {
     const int64_t block = p.tables[row * p.width + page];
     const int64_t t0 = std::max(first, page * p.page_size), t1 = std::min(len, (page + 1) * p.page_size);
     const int64_t n = t1 - t0;
-    const float* k = p.k_cache + block * page_stride + (t0 - page * p.page_size) * token_stride;
-    const float* v = p.v_cache + block * page_stride + (t0 - page * p.page_size) * token_stride;
+    const int64_t at = block * page_stride + (t0 - page * p.page_size) * token_stride;
+    thread_local std::vector<float> k_buf, v_buf;      // an fp8 page's keys and values as floats
+    if (p.fp8) k_buf.resize(page_stride), v_buf.resize(page_stride);
+    const float* k = cache_floats(p, p.k_cache, at, n * token_stride, k_buf.data());
+    const float* v = cache_floats(p, p.v_cache, at, n * token_stride, v_buf.data());
     if ((page + 1) * p.page_size < len) {
-      const int64_t next = p.tables[row * p.width + page + 1];
-      prefetch_page(p.k_cache + next * page_stride, p.v_cache + next * page_stride, page_stride);
+      const int64_t next = p.tables[row * p.width + page + 1], item = p.fp8 ? 1 : sizeof(float);
+      prefetch_page(static_cast<const char*>(p.k_cache) + next * page_stride * item,
+                    static_cast<const char*>(p.v_cache) + next * page_stride * item, page_stride * item);
     }
     for (int64_t t = 0; t < n; ++t)
       for (int64_t head = head_first; head < head_last; ++head) {
@@ -145,8 +175,8 @@ void attend(const Problem& p, const Item& item) {
   }
 }
 
-ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> tables,
                            ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> sinks, int64_t sliding_window,
                            float soft_cap,
                            ffi::ResultBuffer<ffi::F32> out) {
@@ -157,9 +187,12 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (kd[3] != head_size || num_heads % kv_heads != 0 || num_heads > kMaxHeads ||
       kd[1] > kMaxPage || td[0] != rows || sinks.element_count() != static_cast<size_t>(num_heads))
     return ffi::Error::InvalidArgument("paged decode: shapes this kernel does not serve");
-  const Problem problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), tables.typed_data(),
+  const auto type = k_cache.element_type();
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::F8E4M3FN) || v_cache.element_type() != type)
+    return ffi::Error::InvalidArgument("paged decode: the caches must both be f32 or both float8_e4m3fn");
+  const Problem problem{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), tables.typed_data(),
                         lens.typed_data(), sinks.typed_data(), out->typed_data(), num_heads, kv_heads, head_size, kd[1],
-                        td[1], sliding_window, soft_cap};
+                        td[1], sliding_window, soft_cap, type == ffi::DataType::F8E4M3FN};
   std::vector<int64_t> order(rows);
   std::iota(order.begin(), order.end(), 0);
   const int32_t* len = lens.typed_data();
@@ -182,8 +215,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxenginePagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

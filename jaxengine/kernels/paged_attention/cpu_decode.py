@@ -25,9 +25,11 @@ MAX_HEADS, MAX_PAGE = 128, 64         # the kernel's kMaxHeads and kMaxPage
 
 
 def serves(q: jax.Array, k_cache: jax.Array) -> bool:
-    """Whether the kernel serves this layer on this backend: f32, a CPU, N and S in its limits."""
+    """Whether the kernel serves this layer on this backend: an f32 or FP8 cache, a CPU, N and S in
+    its limits."""
     num_heads, kv_heads = q.shape[1], k_cache.shape[2]
-    return (jax.default_backend() == "cpu" and k_cache.dtype == jnp.float32 and num_heads % kv_heads == 0
+    return (jax.default_backend() == "cpu" and k_cache.dtype in (jnp.float32, jnp.float8_e4m3fn)
+            and num_heads % kv_heads == 0
             and num_heads <= MAX_HEADS and k_cache.shape[1] <= MAX_PAGE and available())
 
 
@@ -41,7 +43,8 @@ def available() -> bool:
 def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array, lens: jax.Array, *,
                  sliding_window: int | None = None, soft_cap: float | None = None,
                  sinks: jax.Array | None = None) -> jax.Array:
-    """q [B, N, H] f32, already scaled; tables [B, M]; lens [B] keys each row attends to (0: a
+    """q [B, N, H] f32, already scaled; caches f32 or float8_e4m3fn (their scales applied by the
+    caller); tables [B, M]; lens [B] keys each row attends to (0: a
     padding row, whose output is zeros); sinks [N] or None -> [B, N, H] f32."""
     if not available():
         raise RuntimeError("the CPU decode-attention kernel is not available (see the warning logged)")

@@ -18,9 +18,18 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     """Scatter new K/V rows [T, K, H] into caches [P, S, K, H] at their slots."""
     num_pages, page_size = k_cache.shape[:2]
     flat = (num_pages * page_size, *k_cache.shape[2:])
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype)).reshape(k_cache.shape)
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype)).reshape(v_cache.shape)
-    return k_cache, v_cache
+    return (_scatter(k_cache.reshape(flat), slot_mapping, k).reshape(k_cache.shape),
+            _scatter(v_cache.reshape(flat), slot_mapping, v).reshape(v_cache.shape))
+
+
+def _scatter(cache: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """cache.at[slots].set(rows). An FP8 cache is scattered as its bytes: XLA's CPU backend has no
+    float8 scatter and would otherwise convert the whole cache to float16 and back on every write."""
+    if cache.dtype != jnp.float8_e4m3fn:
+        return cache.at[slots].set(rows.astype(cache.dtype))
+    as_bytes = jax.lax.bitcast_convert_type(cache, jnp.uint8)
+    new = jax.lax.bitcast_convert_type(rows.astype(cache.dtype), jnp.uint8)
+    return jax.lax.bitcast_convert_type(as_bytes.at[slots].set(new), cache.dtype)
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
