@@ -128,14 +128,15 @@ def wide_moe(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ep-quantized")
     make_checkpoint(folder, "qwen2_moe", **{**MOE, "num_hidden_layers": 2, "mlp_only_layers": [],
                                             "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256})
-    return folder
+    one = greedy_tokens(tp_engine(folder, 1, quantization="int4"), PROMPTS)
+    return folder, [o.outputs[0].token_ids for o in one]
 
 
 @pytest.mark.parametrize("ep", [False, True])
 def test_quantized_experts_split_by_width_or_by_expert_give_one_devices_tokens(wide_moe, ep):
     # int4 experts: packed values, scales and offsets split with the experts' columns or whole experts
-    one = greedy_tokens(tp_engine(wide_moe, 1, quantization="int4"), PROMPTS)
-    two = tp_engine(wide_moe, 2, quantization="int4", enable_expert_parallel=ep)
+    folder, one = wide_moe
+    two = tp_engine(folder, 2, quantization="int4", enable_expert_parallel=ep)
     down = two.model.layers.mlp.experts.down_proj                                # [L, E, F/P, D]
     assert down.q.sharding.spec[1 if ep else 2] == "model" and down.scale.sharding.spec[1 if ep else 2] == "model"
-    assert [o.outputs[0].token_ids for o in greedy_tokens(two, PROMPTS)] == [o.outputs[0].token_ids for o in one]
+    assert [o.outputs[0].token_ids for o in greedy_tokens(two, PROMPTS)] == one
