@@ -396,7 +396,7 @@ def decode_floor_ms(cfg, num_params: int, batch: int, context: float, ceil: dict
 
 
 # ---------------------------------------------------------------- moe
-def moe(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
+def moe(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
     """A Qwen3-30B-A3B expert layer (bf16, 128 experts, top 8) at decode batches and a prefill:
     the grouped matmul's achieved TFLOP/s and weight-read bandwidth (the experts its tokens
     touch), whether XLA kept ``ragged_dot`` or rewrote it densely, and the dense reference; and
@@ -433,6 +433,7 @@ def moe(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
             row["dense_reference_ms"] = round(timed(reference, state, x) * 1e3, 4)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+    save_part(result)
     # 16 of the experts: the host-side quantization of all 128 would take most of the part's time
     few = SparseMoeBlock(cfg.replace(num_experts=min(e, 16)), jnp.bfloat16, rngs=nnx.Rngs(0))
     result["quantized_experts"] = quantized_experts(few, (16,) if smoke else (16, 256))
@@ -466,7 +467,7 @@ def quantized_experts(block, token_counts) -> list[dict]:
 
 
 # ---------------------------------------------------------------- quantized weights
-def quantized(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
+def quantized(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
     """Llama-3-8B's gate projection (4096 x 14336) with fp8 and int8 (per channel) and int4 (groups
     of 128) weights through XLA's dequantise-and-dot against bf16, and fp8 with the activations
     quantized too (per token, "fp8_w8a8": convert, dot, scale, the pattern XLA's GEMM rewriter
@@ -515,6 +516,7 @@ def quantized(smoke: bool, copy_gbs: float, matmul_tflops: float) -> dict:
                          "fraction_of_copy_bw": float(f"{stored / t / 1e9 / copy_gbs:.3g}")}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+    save_part(result)
     result["fp8_kv_attention"] = fp8_kv_attention(smoke, copy_gbs)
     print(json.dumps(result["fp8_kv_attention"]), flush=True)
     return result
@@ -646,9 +648,13 @@ def main() -> None:
         ceil = json.loads((args.out / "ceilings.json").read_text())
         kernel_file = args.out / "kernel.json"
         merged = json.loads(kernel_file.read_text()) if kernel_file.exists() else {}
+
+        def save_part(result: dict) -> None:          # also midway: a part cut by its time limit keeps its rows
+            merged[args.what] = result
+            kernel_file.write_text(json.dumps(merged, indent=1))
+
         part = moe if args.what == "moe" else quantized
-        merged[args.what] = part(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"])
-        kernel_file.write_text(json.dumps(merged, indent=1))
+        save_part(part(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"], save_part))
         return None
     info = {"device": str(jax.devices()[0]), "jax": jax.__version__}
     path = args.out / f"{args.what}.json"
