@@ -40,7 +40,8 @@ def test_wheel_install_ships_models_and_kernels_inside_jaxengine(tmp_path):
     assert sorted(set(source_modules()) - shipped) == []
     assert (tmp_path / "site" / "jaxengine" / "serve" / "static" / "dashboard.html").is_file()    # package data
     kernels = tmp_path / "site" / "jaxengine" / "kernels"
-    for source in ("cpu_pool.h", "paged_attention/cpu_decode.cc", "matmul/cpu_matmul.cc"):
+    for source in ("cpu_pool.h", "fp8.h", "paged_attention/cpu_decode.cc", "matmul/cpu_matmul.cc",
+                   "matmul/cpu_quantized_matmul.cc"):
         assert (kernels / source).is_file(), source
 
 

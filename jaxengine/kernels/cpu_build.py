@@ -26,7 +26,7 @@ from jaxengine.models.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SHARED_HEADERS = (HERE / "cpu_pool.h",)
+SHARED_HEADERS = (HERE / "cpu_pool.h", HERE / "fp8.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 

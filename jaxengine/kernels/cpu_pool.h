@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -59,6 +60,38 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count, std::function
   std::unique_lock<std::mutex> lock(shared->mu);
   shared->closed = true;                              // helpers not yet started stay out
   shared->cv.wait(lock, [&] { return shared->running == 0; });
+}
+
+// A grouped matmul's rows (sorted by group: a mixture's experts): the non-empty groups, in order.
+struct Group {
+  int64_t first_row, rows, expert;
+};
+
+// The groups of ``sizes[0..experts)`` over ``m`` rows; false if a size is negative or they sum
+// past m. ``*end``: the first row past the groups.
+inline bool RowGroups(const int32_t* sizes, int64_t experts, int64_t m, std::vector<Group>* groups, int64_t* end) {
+  int64_t row = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = sizes[e];
+    if (rows < 0 || row + rows > m) return false;
+    if (rows > 0) groups->push_back({row, rows, e});
+    row += rows;
+  }
+  *end = row;
+  return true;
+}
+
+// run(group, first column, last column) over every group's [.., n] output: whole groups per thread
+// when there are enough of them (each reads its weights front to back), else each group's columns
+// split among the threads as in a dense matmul.
+inline void ParallelForGroups(xla::ffi::ThreadPool& pool, const std::vector<Group>& groups, int64_t n,
+                              const std::function<void(const Group&, int64_t, int64_t)>& run) {
+  int64_t blocks = 1, width = n;
+  if (static_cast<int64_t>(groups.size()) < pool.num_threads()) width = ColumnBlockWidth(n, pool.num_threads(), &blocks);
+  ParallelFor(pool, static_cast<int64_t>(groups.size()) * blocks, [&, blocks, width](int64_t item) {
+    const int64_t b = item % blocks;
+    run(groups[item / blocks], std::min(n, b * width), std::min(n, (b + 1) * width));
+  });
 }
 
 }  // namespace jaxengine

@@ -104,10 +104,6 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
-struct Group {
-  int64_t first_row, rows, expert;
-};
-
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
                              ffi::ResultBuffer<ffi::F32> out) {
@@ -121,28 +117,16 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   if (wd[2] != k) return ffi::Error::InvalidArgument("cpu grouped matmul: the contracted sizes of x and w differ");
   if (index < 0 || index >= wd[0])
     return ffi::Error::InvalidArgument("cpu grouped matmul: layer index out of range");
-  std::vector<Group> groups;
-  int64_t row = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t rows = group_sizes.typed_data()[e];
-    if (rows < 0 || row + rows > m)
-      return ffi::Error::InvalidArgument("cpu grouped matmul: group sizes must be >= 0 and sum to at most M");
-    if (rows > 0) groups.push_back({row, rows, e});
-    row += rows;
-  }
+  std::vector<jaxengine::Group> groups;
+  int64_t row;
+  if (!jaxengine::RowGroups(group_sizes.typed_data(), experts, m, &groups, &row))
+    return ffi::Error::InvalidArgument("cpu grouped matmul: group sizes must be >= 0 and sum to at most M");
   float* op = out->typed_data();
   std::fill(op + row * n, op + m * n, 0.0f);
   if (groups.empty() || n == 0) return ffi::Error::Success();
-  // Enough groups for every thread: each multiplies whole experts, reading each one's weights
-  // front to back; fewer: the columns of each are split among the threads as in the dense matmul.
-  int64_t blocks = 1, width = n;
-  if (static_cast<int64_t>(groups.size()) < pool.num_threads()) width = jaxengine::ColumnBlockWidth(n, pool.num_threads(), &blocks);
   const float *xp = x.typed_data(), *wp = w.typed_data() + index * experts * k * n;
-  jaxengine::ParallelFor(pool, groups.size() * blocks, [&](int64_t item) {
-    const Group& g = groups[item / blocks];
-    const int64_t b = item % blocks;
-    MultiplyColumns(xp + g.first_row * k, wp + g.expert * k * n, op + g.first_row * n, g.rows, k, n,
-                    std::min(n, b * width), std::min(n, (b + 1) * width));
+  jaxengine::ParallelForGroups(pool, groups, n, [&](const jaxengine::Group& g, int64_t first, int64_t last) {
+    MultiplyColumns(xp + g.first_row * k, wp + g.expert * k * n, op + g.first_row * n, g.rows, k, n, first, last);
   });
   return ffi::Error::Success();
 }

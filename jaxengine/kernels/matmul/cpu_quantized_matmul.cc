@@ -29,6 +29,7 @@
 
 #include "cblas.h"
 #include "cpu_pool.h"
+#include "fp8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -57,25 +58,11 @@ constexpr int kInt8 = 1, kInt4 = 2, kFp8 = 3;
 template <int V>
 constexpr int kPack = V == kInt4 ? 2 : 1;
 
-// float8_e4m3fn -> float, all 256 bytes: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent
-// 0 subnormal; S.1111.111 NaN (e4m3fn has no infinities).
-struct Fp8Table {
-  float value[256];
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 15, m = b & 7;
-      float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
-      if (e == 15 && m == 7) v = std::numeric_limits<float>::quiet_NaN();
-      value[b] = b & 128 ? -v : v;
-    }
-  }
-};
-const Fp8Table kFp8Values;
 
 template <int V>
 inline float Value(uint8_t byte, int half) {
   if constexpr (V == kInt8) return static_cast<float>(static_cast<int8_t>(byte));
-  if constexpr (V == kFp8) return kFp8Values.value[byte];
+  if constexpr (V == kFp8) return jaxengine::kFp8Values.value[byte];
   return static_cast<float>(half ? byte >> 4 : byte & 15);
 }
 
@@ -126,7 +113,7 @@ inline Floats Fp8Floats(const uint8_t* p) {
   return (Floats)_mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
 #else
   Floats v;
-  for (int i = 0; i < kLanes; ++i) v[i] = kFp8Values.value[p[i]];
+  for (int i = 0; i < kLanes; ++i) v[i] = jaxengine::kFp8Values.value[p[i]];
   return v;
 #endif
 }
@@ -296,10 +283,6 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QB
 }
 
 
-struct Group {
-  int64_t first_row, rows, expert;
-};
-
 template <int V, typename QBuffer, ffi::DataType SType, typename S>
 ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QBuffer q,
                                       ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
@@ -318,15 +301,10 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
     return ffi::Error::InvalidArgument("cpu grouped quantized matmul: the shapes of x, q, scale and offset disagree");
   if (index < 0 || index >= qd[0])
     return ffi::Error::InvalidArgument("cpu grouped quantized matmul: layer index out of range");
-  std::vector<Group> groups;
-  int64_t row = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t rows = group_sizes.typed_data()[e];
-    if (rows < 0 || row + rows > m)
-      return ffi::Error::InvalidArgument("cpu grouped quantized matmul: group sizes must be >= 0 and sum to at most M");
-    if (rows > 0) groups.push_back({row, rows, e});
-    row += rows;
-  }
+  std::vector<jaxengine::Group> groups;
+  int64_t row;
+  if (!jaxengine::RowGroups(group_sizes.typed_data(), experts, m, &groups, &row))
+    return ffi::Error::InvalidArgument("cpu grouped quantized matmul: group sizes must be >= 0 and sum to at most M");
   float* op = out->typed_data();
   std::fill(op + row * n, op + m * n, 0.0f);
   if (groups.empty() || n == 0) return ffi::Error::Success();
@@ -335,18 +313,11 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
   const uint8_t* qp = static_cast<const uint8_t*>(q.untyped_data()) + index * experts * per_expert_q;
   const S* sp = typed(scale.untyped_data()) + index * experts * per_expert_s;
   const S* offp = has_offset ? typed(offset.untyped_data()) + index * experts * per_expert_s : nullptr;
-  // As the f32 grouped matmul: whole experts per thread when there are enough of them, else each
-  // expert's columns split among the threads.
-  int64_t blocks = 1, width = n;
-  if (static_cast<int64_t>(groups.size()) < pool.num_threads()) width = jaxengine::ColumnBlockWidth(n, pool.num_threads(), &blocks);
   const float* xp = x.typed_data();
-  jaxengine::ParallelFor(pool, groups.size() * blocks, [&](int64_t item) {
-    const Group& g = groups[item / blocks];
-    const int64_t b = item % blocks;
+  jaxengine::ParallelForGroups(pool, groups, n, [&](const jaxengine::Group& g, int64_t first, int64_t last) {
     const Weights<S> w{qp + g.expert * per_expert_q, sp + g.expert * per_expert_s,
                        offp ? offp + g.expert * per_expert_s : nullptr, k, n, k / num_groups};
-    MultiplyColumns<V, S>(xp + g.first_row * k, w, op + g.first_row * n, g.rows, std::min(n, b * width),
-                          std::min(n, (b + 1) * width));
+    MultiplyColumns<V, S>(xp + g.first_row * k, w, op + g.first_row * n, g.rows, first, last);
   });
   return ffi::Error::Success();
 }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_pool.h"
+#include "fp8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -42,26 +43,12 @@ struct Problem {
   bool fp8;
 };
 
-// float8_e4m3fn -> float, all 256 bytes (sign, 4 exponent bits of bias 7, 3 mantissa bits;
-// exponent 0 subnormal; S.1111.111 NaN).
-struct Fp8Table {
-  float value[256];
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 15, m = b & 7;
-      float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
-      if (e == 15 && m == 7) v = std::numeric_limits<float>::quiet_NaN();
-      value[b] = b & 128 ? -v : v;
-    }
-  }
-};
-const Fp8Table kFp8Values;
 
 // n elements of a cache from element ``offset`` as floats: in place (f32), or converted into ``buf``.
 inline const float* cache_floats(const Problem& p, const void* cache, int64_t offset, int64_t n, float* buf) {
   if (!p.fp8) return static_cast<const float*>(cache) + offset;
   const uint8_t* bytes = static_cast<const uint8_t*>(cache) + offset;
-  for (int64_t i = 0; i < n; ++i) buf[i] = kFp8Values.value[bytes[i]];
+  for (int64_t i = 0; i < n; ++i) buf[i] = jaxengine::kFp8Values.value[bytes[i]];
   return buf;
 }
 
