@@ -89,18 +89,28 @@ def attention_batch(rows, page_size, kv_heads, group, head_size, dtype, seed=0):
     return q, k, v, md, kv_bytes
 
 
+def interpret_mosaic() -> None:
+    """A dry run on the CPU: Mosaic GPU's interpreter needs the tests' patch, held from here on
+    (the patch ends when its context is collected)."""
+    global _INTERPRETER_PATCH
+    if _INTERPRETER_PATCH is None:
+        from tests.kernels.mosaic_interpret import transposed_wgmma_operands
+
+        _INTERPRETER_PATCH = transposed_wgmma_operands()
+        _INTERPRETER_PATCH.__enter__()
+
+
+_INTERPRETER_PATCH = None
+
+
 def kernel(smoke: bool, copy_gbs: float, save) -> dict:
     """``save(results)`` after each part, so a part cut short by the time limit keeps the others."""
     heads = (2, 4, 64) if smoke else (8, 4, 128)            # KV heads, group, head size
     context, batch = (64, 8) if smoke else (2048, 256)
     cases = {"decode": [(context - 1, 1)] * batch,
              "mixed": [(context - 1, 1)] * (batch // 2) + [(context // 2, context // 4)] * 4}
-    if jax.devices()[0].platform == "cpu":      # a dry run: Mosaic GPU's interpreter needs the tests' patch
-        from tests.kernels.mosaic_interpret import transposed_wgmma_operands
-
-        global _INTERPRETER_PATCH                # held: the patch ends when the context is collected
-        _INTERPRETER_PATCH = transposed_wgmma_operands()
-        _INTERPRETER_PATCH.__enter__()
+    if jax.devices()[0].platform == "cpu":
+        interpret_mosaic()
     out = {}
     for name, rows in cases.items():
         out[name] = kernel_case(rows, heads, copy_gbs, lambda part: save({**out, name: part}))
@@ -523,32 +533,36 @@ def quantized(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lamb
 
 
 def fp8_kv_attention(smoke: bool, copy_gbs: float) -> dict:
-    """Decode attention (Triton-lowered kernel, Llama-3-8B heads, 256 rows x 2k context) over a
-    bf16 cache and over the same values in an FP8 cache: ms, the cache bytes read per second,
-    and how far the FP8 output is from the bf16 one."""
-    from jaxengine.kernels.paged_attention.kernel import paged_attention_pallas
+    """Decode attention (both Pallas kernels, Llama-3-8B heads, 256 rows x 2k context) over a bf16
+    cache and over the same values in an FP8 cache: per kernel, ms, the cache bytes read per
+    second, and how far the FP8 output is from the bf16 one."""
     from jaxengine.models.layers import to_fp8
 
     heads = (2, 4, 64) if smoke else (8, 4, 128)
     context, batch = (64, 8) if smoke else (2048, 256)
     q, k, v, md, kv_bytes = attention_batch([(context - 1, 1)] * batch, 16, *heads, jnp.bfloat16)
     k8, v8 = to_fp8(k, jnp.float32(0.01)), to_fp8(v, jnp.float32(0.01))
-    fn = jax.jit(lambda q, k, v, md, s: paged_attention_pallas(q, k, v, md, scale=0.088 * s))
-    out = {}
-    for name, args, read, scale in (("bf16", (k, v), kv_bytes, 1.0), ("fp8", (k8, v8), kv_bytes // 2, 0.01)):
-        try:
-            t = timed(fn, q, *args, md, jnp.float32(scale))
-            got = np.asarray(fn(q, *args, md, jnp.float32(scale)), np.float32) * scale
-        except Exception as error:      # noqa: BLE001 - record it, measure the rest
-            out[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            continue
-        out[name] = {"ms": round(t * 1e3, 3), "cache_gbs": round(read / t / 1e9, 1),
-                     "fraction_of_copy_bw": round(read / t / 1e9 / copy_gbs, 3)}
-        out[f"{name}_out"] = got
-    if "bf16_out" in out and "fp8_out" in out:
-        out["fp8_max_abs_diff_vs_bf16"] = float(np.abs(out["fp8_out"] - out["bf16_out"]).max())
-        out["fp8_speedup_vs_bf16"] = round(out["bf16"]["ms"] / out["fp8"]["ms"], 2)
-    return {k: v for k, v in out.items() if not k.endswith("_out")}
+    if jax.devices()[0].platform == "cpu":
+        interpret_mosaic()
+    result = {}
+    for kernel_name, attention in KERNELS.items():
+        fn = jax.jit(lambda q, k, v, md, s, attention=attention: attention(q, k, v, md, scale=0.088 * s))
+        out = {}
+        for name, args, read, scale in (("bf16", (k, v), kv_bytes, 1.0), ("fp8", (k8, v8), kv_bytes // 2, 0.01)):
+            try:
+                t = timed(fn, q, *args, md, jnp.float32(scale))
+                got = np.asarray(fn(q, *args, md, jnp.float32(scale)), np.float32) * scale
+            except Exception as error:      # noqa: BLE001 - record it, measure the rest
+                out[f"{name}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                continue
+            out[name] = {"ms": round(t * 1e3, 3), "cache_gbs": round(read / t / 1e9, 1),
+                         "fraction_of_copy_bw": round(read / t / 1e9 / copy_gbs, 3)}
+            out[f"{name}_out"] = got
+        if "bf16_out" in out and "fp8_out" in out:
+            out["fp8_max_abs_diff_vs_bf16"] = float(np.abs(out["fp8_out"] - out["bf16_out"]).max())
+            out["fp8_speedup_vs_bf16"] = round(out["bf16"]["ms"] / out["fp8"]["ms"], 2)
+        result[kernel_name] = {k: v for k, v in out.items() if not k.endswith("_out")}
+    return result
 
 
 # ---------------------------------------------------------------- summary
@@ -621,9 +635,10 @@ def summary(out: Path) -> None:
     if quantized.get("hlo_fp8_gemm"):
         lines.append(f"| FP8 GEMM in the HLO (fp8 / fp8 w8a8) | {quantized['hlo_fp8_gemm'].get('fp8')} / "
                      f"{quantized['hlo_fp8_gemm'].get('fp8_w8a8')} | - | - |")
-    if "fp8" in (kv := quantized.get("fp8_kv_attention", {})) and "bf16" in kv:
-        lines.append(f"| decode attention, FP8 KV vs bf16: ms, cache GB/s | {kv['fp8']['ms']} vs {kv['bf16']['ms']}, "
-                     f"{kv['fp8']['cache_gbs']} vs {kv['bf16']['cache_gbs']} | - | - |")
+    for kernel_name, kv in quantized.get("fp8_kv_attention", {}).items():
+        if "fp8" in kv and "bf16" in kv:
+            lines.append(f"| decode attention ({kernel_name}), FP8 KV vs bf16: ms, cache GB/s | {kv['fp8']['ms']} vs "
+                         f"{kv['bf16']['ms']}, {kv['fp8']['cache_gbs']} vs {kv['bf16']['cache_gbs']} | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("quantized_experts", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens, experts bf16 / fp8 / int4 (ms) | {row.get('bf16_ms')} / "
                      f"{row.get('fp8_ms')} / {row.get('int4_ms')} | - | - |")

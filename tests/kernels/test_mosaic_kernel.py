@@ -1,7 +1,7 @@
 """The Hopper (Mosaic GPU) ragged paged-attention kernel against the plain-jnp reference, run by
 Mosaic GPU's interpreter on the CPU with its race detector on (compiled on an sm_90 GPU):
 decode-only, prefill-only and mixed batches, chunks after a prefix-cache hit, 1-token and
-many-page contexts, GQA 1/3/4/8, pages 16/32/64, head sizes 64/128, bf16 and f16, sliding
+many-page contexts, GQA 1/3/4/8, pages 16/32/64, head sizes 64/128, bf16 and f16, FP8 caches, sliding
 window, soft cap, attention sinks, ring depths, padding; its lowering for CUDA; the backend choice."""
 import jax
 import jax.numpy as jnp
@@ -88,6 +88,24 @@ def test_random_ragged_batches(seed):
     rows, options = random_ragged_batch(np.random.default_rng(200 + seed))
     got, want, real = run_both(rows, seed=seed, **options)
     assert_close(got, want, real, 2e-2)
+
+
+@pytest.mark.parametrize("dtype,head_size,page_size", [(jnp.bfloat16, 64, 16), (jnp.float16, 128, 32)])
+def test_an_fp8_cache_reads_as_the_plain_jnp_path_reads_it(dtype, head_size, page_size):
+    """FP8 pages by TMA, converted to the queries' dtype in shared memory before each WGMMA."""
+    from tests.kernels.test_paged_attention import fp8_cache
+
+    rng = np.random.default_rng(3)
+    q, kc, vc, md, _ = make_batch(rng, MIXED, page_size, 2, 4, 64, 8, head_size=head_size, num_pages=16,
+                                  max_blocks=16)
+    (k8, _), (v8, _) = fp8_cache(kc, 0.01), fp8_cache(vc, 0.004)
+    scale = head_size ** -0.5 * 0.01
+    assert supports(q.astype(dtype), k8)
+    want = paged_attention(q.astype(dtype), k8, v8, md, scale=scale, sliding_window=40)
+    kernel = lowered_and_run if ON_CPU else paged_attention_mosaic
+    got = kernel(q.astype(dtype), k8, v8, md, scale=scale, sliding_window=40)
+    assert got.dtype == dtype
+    assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in MIXED), 2e-2)
 
 
 def test_unsupported_layouts_are_refused_by_name():

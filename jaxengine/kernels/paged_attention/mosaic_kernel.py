@@ -9,8 +9,11 @@ per page on a barrier that expects one arrival per page, ``num_stages - 1`` iter
 the one in the matrix units, so the copy engine streams the cache and the SM only does arithmetic.
 The queries are gathered tile-major first, so every TMA copy starts on a 64-row boundary. Scores
 and the online softmax stay in registers in f32 (WGMMA accumulator layout); P is cast to the
-cache dtype for the second WGMMA. 16-bit dtypes only (WGMMA takes f32 only as TF32); f32 caches
-use the Triton kernel.
+cache dtype for the second WGMMA. 16-bit queries only (WGMMA takes f32 only as TF32); f32 caches
+use the Triton kernel. An FP8 (float8_e4m3fn) cache arrives by TMA as stored, half the bytes of a
+16-bit one; each step converts its K and V tiles to the queries' dtype into one staging tile in
+shared memory, which the WGMMAs read. The cache's per-tensor scales are applied outside, as for
+the Triton kernel.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ ROWS = 64                     # WGMMA's M for one warpgroup
 SWIZZLE = 128                 # bytes: a 64-element bf16 row, the widest TMA/WGMMA swizzle
 DTYPES = ("bfloat16", "float16")
 SMEM_BYTES = 227 * 1024      # shared memory one Hopper block may take
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 # By (head size, page size, dtype): pages_per_block (keys per iteration = pages_per_block * page
 # size) and num_stages (the ring's depth); block_q follows from the group (64 rows per tile) and
@@ -38,10 +42,10 @@ TUNED: dict[tuple[int, int, str], BlockSizes] = {
 
 
 def supports(q: jax.Array, k_cache: jax.Array) -> bool:
-    """Whether this kernel serves the layout (else use the Triton kernel): 16-bit q and caches of
-    one dtype, head size a multiple of 64, pages of 8+ tokens, at most 64 query heads per KV head."""
+    """Whether this kernel serves the layout (else use the Triton kernel): 16-bit q, caches of its
+    dtype or FP8, head size a multiple of 64, pages of 8+ tokens, at most 64 query heads per KV head."""
     head_size, page_size, num_kv_heads = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
-    return (jnp.dtype(q.dtype).name in DTYPES and k_cache.dtype == q.dtype and head_size % 64 == 0
+    return (jnp.dtype(q.dtype).name in DTYPES and k_cache.dtype in (q.dtype, FP8) and head_size % 64 == 0
             and page_size % 8 == 0 and q.shape[1] // num_kv_heads <= ROWS)
 
 
@@ -86,7 +90,7 @@ def paged_attention_mosaic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 def _validate_layout(q: jax.Array, k_cache: jax.Array, sizes: BlockSizes) -> None:
     if not supports(q, k_cache):
-        raise ValueError(f"mosaic kernel: needs a 16-bit q and caches of its dtype, a head size that is a multiple "
+        raise ValueError(f"mosaic kernel: needs a 16-bit q and caches of its dtype or FP8, a head size that is a multiple "
                          f"of 64, a page size of 8 or more and at most {ROWS} query heads per KV head; got "
                          f"{q.dtype}/{k_cache.dtype}, head size {q.shape[-1]}, page size {k_cache.shape[1]}, "
                          f"{q.shape[1] // k_cache.shape[2]} heads per KV head")
@@ -95,7 +99,8 @@ def _validate_layout(q: jax.Array, k_cache: jax.Array, sizes: BlockSizes) -> Non
         # 64: a 128-byte swizzle of 16-bit keys (WGMMA's K for P @ V); 256: WGMMA's largest N.
         raise ValueError(f"mosaic kernel: keys per iteration (pages_per_block * page size) must be 64, 128, 192 or "
                          f"256 and num_stages >= 2; got {span} and {sizes.num_stages}")
-    smem = (ROWS + 2 * sizes.num_stages * span) * q.shape[-1] * q.dtype.itemsize
+    staged = 2 * span if k_cache.dtype == FP8 else 0          # FP8: K and V tiles converted for WGMMA
+    smem = ((ROWS + staged) * q.dtype.itemsize + 2 * sizes.num_stages * span * k_cache.dtype.itemsize) * q.shape[-1]
     if smem > SMEM_BYTES:
         raise ValueError(f"mosaic kernel: {smem} bytes of shared memory for the query tile and a ring of "
                          f"{sizes.num_stages} x {span} keys exceed Hopper's {SMEM_BYTES}; fewer stages or keys")
@@ -110,13 +115,18 @@ def _interpret_params():
 def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *refs, plgpu,
             group, group_p, page_size, pages_per_block, stages, sliding_window, soft_cap, has_sinks):
     sinks_ref, o_ref = refs if has_sinks else (None, *refs)
-    head_size, dtype = q_ref.shape[-1], q_ref.dtype
+    head_size, dtype, cache_dtype = q_ref.shape[-1], q_ref.dtype, k_ref.dtype
     span = pages_per_block * page_size
-    swizzle = min(SWIZZLE, head_size * jnp.dtype(dtype).itemsize)
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+    staged = cache_dtype != dtype                  # an FP8 cache: converted in shared memory
 
-    def scoped(qo_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers):
+    def transforms(of):
+        itemsize = jnp.dtype(of).itemsize
+        swizzle = min(SWIZZLE, head_size * itemsize)
+        return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+    def scoped(qo_smem, k_ring, v_ring, q_barrier, k_barriers, v_barriers, *staging):
         tile, head = jax.lax.axis_index("tile"), jax.lax.axis_index("head")
+        k_stage, v_stage = staging or (None, None)
         row, count, first_pos = row_ref[tile], count_ref[tile], pos_ref[tile]
         plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(tile * ROWS, ROWS)], qo_smem, q_barrier)
         start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0) // span
@@ -128,8 +138,20 @@ def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             for j in range(pages_per_block):
                 page = tables_ref[row, step * pages_per_block + j]
                 rows = pl.ds(j * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[page, :, head, :], k_smem.at[slot, rows], k_barriers.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[page, :, head, :], v_smem.at[slot, rows], v_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, head, :], k_ring.at[slot, rows], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, head, :], v_ring.at[slot, rows], v_barriers.at[slot])
+
+        def arrived(ring, barriers, slot, stage):
+            """The slot's tile, once its copies have landed: the ring's own, or (FP8) its values
+            converted into the staging tile, which the previous step's WGMMAs have finished reading."""
+            plgpu.barrier_wait(barriers.at[slot])
+            if stage is None:
+                return ring.at[slot]
+            # e4m3 -> f16 is one PTX conversion and exact; to bf16 by way of it (PTX before 9.2
+            # has no direct e4m3 -> bf16).
+            stage[...] = ring.at[slot][...].astype(jnp.float16).astype(dtype)
+            plgpu.commit_smem()                    # generic-proxy stores, before WGMMA reads them
+            return stage
 
         for ahead in range(stages - 1):                # fill the ring
             @pl.when(start + ahead < stop)
@@ -151,10 +173,10 @@ def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
                 # The slot it refills was last read by step i - 1, whose WGMMAs have completed.
                 fetch(i + stages - 1, jax.lax.rem(i - start + stages - 1, stages))
 
-            plgpu.barrier_wait(k_barriers.at[slot])
+            k_tile = arrived(k_ring, k_barriers, slot, k_stage)
 
             def scores(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((ROWS, span), jnp.float32))
@@ -172,10 +194,10 @@ def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             l = l * correction + p.sum(axis=1)
             acc = acc * jax.lax.broadcast_in_dim(correction, acc.shape, [0])
             p16 = p.astype(dtype)
-            plgpu.barrier_wait(v_barriers.at[slot])
+            v_tile = arrived(v_ring, v_barriers, slot, v_stage)
 
             def values(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p16, v_tile)
                 return acc_ref[...]
 
             return acc + pl.run_scoped(values, plgpu.ACC((ROWS, head_size), jnp.float32)), m_new, l
@@ -197,12 +219,14 @@ def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
         plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[head, pl.ds(tile * ROWS, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
+    staging = [plgpu.SMEM((span, head_size), dtype, transforms=transforms(dtype))] * 2 if staged else []
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((ROWS, head_size), dtype, transforms=transforms),
-        plgpu.SMEM((stages, span, head_size), dtype, transforms=transforms),
-        plgpu.SMEM((stages, span, head_size), dtype, transforms=transforms),
+        plgpu.SMEM((ROWS, head_size), dtype, transforms=transforms(dtype)),
+        plgpu.SMEM((stages, span, head_size), cache_dtype, transforms=transforms(cache_dtype)),
+        plgpu.SMEM((stages, span, head_size), cache_dtype, transforms=transforms(cache_dtype)),
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        *staging,
     )
