@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+SPECULATIVE_METHODS = ("ngram",)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -84,9 +85,47 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` names). ``ngram``: prompt lookup, on the
+    host, in the request's own tokens: the latest earlier occurrence of its last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``) proposes the ``num_speculative_tokens``
+    that followed it. The target model verifies every proposal in the next step, so outputs are
+    the target's own (``spec_decode/verify.py``)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS, "speculative_config.method",
+                 f"must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                     f"speculative_config.{name}", f"must be an integer >= 1, got {value!r}")
+        _require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+                 "speculative_config.prompt_lookup_max",
+                 f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+
+    @classmethod
+    def from_dict(cls, spec: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """``--speculative-config``'s JSON object (or ``LLM(speculative_config={...})``): unknown keys
+        are errors naming them."""
+        if spec is None or isinstance(spec, cls):
+            return spec
+        _require(isinstance(spec, dict), "speculative_config", f"must be a JSON object, got {spec!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        _require(not unknown, "speculative_config", f"unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**spec)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     def replace(self, **changes) -> "EngineConfig":
         """Return a copy with fields of the sub-configs replaced, e.g. ``replace(block_size=4)``."""
@@ -96,4 +135,4 @@ class EngineConfig:
         _require(not unknown, "EngineConfig", f"unknown option(s) {sorted(unknown)}")
         cache = dataclasses.replace(self.cache, **{k: v for k, v in changes.items() if k in cache_fields})
         sched = dataclasses.replace(self.scheduler, **{k: v for k, v in changes.items() if k in sched_fields})
-        return EngineConfig(cache=cache, scheduler=sched)
+        return EngineConfig(cache=cache, scheduler=sched, speculative=self.speculative)

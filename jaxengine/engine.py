@@ -17,6 +17,24 @@ from jaxengine.structured_output import StructuredOutputManager
 from jaxengine.trace import StepTrace, TraceWriter, round_seconds
 
 
+def speculation_counts(out: SchedulerOutput, output: ModelRunnerOutput, gate) -> dict:
+    """A step's draft tokens, those accepted, how many rows accepted a draft token at each
+    position, and the gate's choice for the step (the StepTrace fields; empty without speculation)."""
+    if gate is None:
+        return {}
+    if not out.draft_token_ids:
+        return {"speculative_k": gate.last_k, "speculation_gain": gate.last_gain}
+    per_position = [0] * max(map(len, out.draft_token_ids.values()))
+    for seq_id, tokens in zip(out.seq_ids, output.sampled_token_ids):
+        if seq_id in out.draft_token_ids:
+            for j in range(len(tokens) - 1):
+                per_position[j] += 1
+    return {"num_drafts": len(out.draft_token_ids), "num_draft_tokens": out.num_draft_tokens,
+            "num_accepted_tokens": sum(per_position), "speculative_k": gate.last_k,
+            "speculation_gain": gate.last_gain,
+            "accepted_per_position": tuple(per_position)}
+
+
 class Runner(Protocol):
     """What the engine asks of a model runner. ``execute`` is all a runner must have; the rest
     is optional (the fake runners have none of it), looked up when used (a test may wrap it):
@@ -83,7 +101,8 @@ class Engine:
         self.structured = StructuredOutputManager(grammar_compiler)     # None: structured output refused
         self.runner = runner
         self.eos_token_id = eos_token_id
-        self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock)
+        self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock, speculative=config.speculative,
+                                   token_buckets=getattr(runner, "token_buckets", None))
         self.clock = clock
         self.async_scheduling = async_scheduling
         self.num_steps = 0
@@ -129,9 +148,10 @@ class Engine:
         """``request_id`` is unfinished here."""
         return request_id in self.scheduler.requests or request_id in self.structured.awaiting
 
-    def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+    def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None,
+                        num_output_tokens: int | None = None) -> None:
         """Finish one running sequence from outside (a stop string found by output processing)."""
-        self.scheduler.finish_sequence(seq, status, stop_reason)
+        self.scheduler.finish_sequence(seq, status, stop_reason, num_output_tokens)
 
     def running_requests(self) -> list[Request]:
         """The requests running now (a copy: finishing one does not change it)."""
@@ -183,8 +203,21 @@ class Engine:
         output = launched.pending.result()
         finished = self.scheduler.update_from_output(launched.out, output)
         self._unapplied.remove(launched.out)
-        self._record(launched, output.expert_tokens)
+        self._record(launched, output)
+        if self.scheduler.gate is not None:
+            self._observe_speculation(launched.out, output)
         return finished
+
+    def _observe_speculation(self, out: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """The speculation gate learns this step's time and its drafts' outcome (``spec_decode.gate``)."""
+        accepted = trials = 0
+        for seq_id, tokens in zip(out.seq_ids, output.sampled_token_ids):
+            draft = out.draft_token_ids.get(seq_id)
+            if draft and tokens:
+                accepted += len(tokens) - 1
+                trials += len(tokens) - 1 + (len(tokens) - 1 < len(draft))    # a rejection is a trial too
+        self.scheduler.gate.observe(out.total_num_scheduled_tokens, self.last_trace.step_s,
+                                    out.num_prefill_tokens > 0, accepted, trials)
 
     @property
     def is_launched(self) -> bool:
@@ -268,9 +301,10 @@ class Engine:
         self.num_run_ahead += 1
         return self._launch()
 
-    @staticmethod
-    def _can_run_ahead(out: SchedulerOutput) -> bool:
-        if not out.seq_ids or max(out.num_samples) > 1:
+    def _can_run_ahead(self, out: SchedulerOutput) -> bool:
+        # Speculative decoding: the next step's drafts start from this step's accepted tokens,
+        # which a step launched ahead cannot know (it would carry no draft).
+        if not out.seq_ids or max(out.num_samples) > 1 or self.scheduler.proposer is not None:
             return False
         return not any(seq.request.needs_history for seq in out.scheduled_seqs)
 
@@ -283,17 +317,17 @@ class Engine:
             finished += self.step()
         raise RuntimeError(f"requests still unfinished after {max_steps} steps")
 
-    def _record(self, launched: _Launch, expert_tokens: tuple[int, ...]) -> None:
+    def _record(self, launched: _Launch, output: ModelRunnerOutput) -> None:
         step_s = self.timer() - self._cycle_start
         host_s = step_s - (self._device_wait_s() - self._wait_at_start)
-        self.last_trace = self._trace(launched, step_s, host_s, expert_tokens)
+        self.last_trace = self._trace(launched, step_s, host_s, output)
         if self.traces is not None:
             self.traces.append(self.last_trace)
         if self.trace_writer is not None:
             self._unwritten = self.last_trace
         self.num_steps += 1
 
-    def _trace(self, launched: _Launch, step_s: float, host_s: float, expert_tokens: tuple[int, ...]) -> StepTrace:
+    def _trace(self, launched: _Launch, step_s: float, host_s: float, output: ModelRunnerOutput) -> StepTrace:
         s, out = self.scheduler, launched.out
         return StepTrace(
             step=self.num_steps, time=round_seconds(self._cycle_start - self._started), num_rows=len(out.seq_ids),
@@ -305,7 +339,7 @@ class Engine:
             host_s=round_seconds(host_s), device_idle_s=round_seconds(launched.device_idle_s),
             max_context_len=max(map(operator.add, out.num_computed_tokens, out.num_scheduled_tokens), default=0),
             num_context_tokens=sum(out.num_computed_tokens) + sum(out.num_scheduled_tokens),
-            expert_tokens=expert_tokens)
+            expert_tokens=output.expert_tokens, **speculation_counts(out, output, s.gate))
 
     def _write_trace(self) -> None:
         if self._unwritten is not None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
 
-from jaxengine.config import PREEMPTION_MODES, CacheConfig, EngineConfig, SchedulerConfig
+from jaxengine.config import PREEMPTION_MODES, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, \
+    SpeculativeConfig
 from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 from jaxengine.runner.compile import COMPILE_MODES
@@ -93,6 +95,12 @@ class EngineArgs:
               "--max-num-batched-tokens)")
     request_buckets: list[int] | None = _option(
         None, "step row counts compiled, comma-separated (default: powers of two up to --max-num-seqs)")
+    speculative_config: dict | None = _option(
+        None, "speculative decoding, a JSON object (vLLM's names): method (" + ", ".join(SPECULATIVE_METHODS)
+              + ": prompt lookup in the request's own tokens), num_speculative_tokens (draft tokens per step, "
+              "default 4), prompt_lookup_max / prompt_lookup_min (longest / shortest suffix looked up, default "
+              "4 / 2). Outputs are the model's own, verified token by token; requests with a grammar or a beam "
+              "search are not speculated (default: off)")
     tensor_parallel_size: int = _option(
         1, "devices each model replica is split over (tensor parallelism: attention heads, MLP columns and "
            "vocabulary split across them, the KV cache split by KV heads)")
@@ -145,6 +153,7 @@ class EngineArgs:
                     f.default is None and getattr(self, f.name) is None):
                 raise ValueError(f"{f.name}: must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         resolve_policy(self.scheduling_policy, field="scheduling_policy")
+        SpeculativeConfig.from_dict(self.speculative_config)        # refused now, naming the key
         self.step_buckets()                 # refused now, naming the option, not when the runner starts
 
     # ---- the three doors ----
@@ -239,7 +248,8 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills, policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode, delay_factor=self.scheduler_delay_factor)
-        return EngineConfig(cache=cache, scheduler=scheduler)
+        return EngineConfig(cache=cache, scheduler=scheduler,
+                            speculative=SpeculativeConfig.from_dict(self.speculative_config))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -260,6 +270,8 @@ def _flag_value(name: str, value) -> str:
     imported back from (an instance has no such text: its state would be lost)."""
     if isinstance(value, list):
         return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
     if isinstance(value, SchedulingPolicy):
         raise ValueError(f"{name}: a policy instance cannot be written as a flag; give its class or "
                          f"'module:Class'")
@@ -279,6 +291,8 @@ def _argparse_kind(hint, choices) -> dict:
     if typing.get_origin(inner) is list:
         item = typing.get_args(inner)[0]
         return {"type": comma_separated(item), "metavar": f"{item.__name__.upper()},..."}
+    if inner is dict:
+        return {"type": json_object, "metavar": "JSON"}
     kind = {"type": inner}
     if choices is not None:
         kind["choices"] = list(choices)
@@ -291,6 +305,20 @@ def _without_none(hint):
         if len(args) == 1:
             return args[0]
     return hint
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (``--speculative-config '{"method": "ngram"}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+json_object.__name__ = "JSON object"
 
 
 def comma_separated(item_type):

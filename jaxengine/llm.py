@@ -304,6 +304,9 @@ class LLM:
     def check_request(self, ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
         if isinstance(params, BeamSearchParams):
+            if self.config.speculative is not None:
+                raise ValueError("speculative_config: beam search does not run with speculative decoding (this "
+                                 "engine was started with it); start one without speculative_config")
             params = params.sampling_params()
         vocab = self.model_config.vocab_size
         if not ids:

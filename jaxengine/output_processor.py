@@ -8,7 +8,7 @@ from collections.abc import Callable
 from jaxengine.request import Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
 
-FinishSequence = Callable[[Sequence, RequestStatus, str], None]
+FinishSequence = Callable[..., None]        # (seq, status, stop_reason, num_output_tokens=...)
 REPLACEMENT = "\ufffd"      # what a decode shows for an incomplete UTF-8 sequence
 CONTEXT_TOKENS = 6          # prompt tokens decoded with the first output token (its leading space)
 
@@ -170,7 +170,9 @@ class OutputProcessor:
         start = seq.num_prompt_tokens + state.num_tokens
         text = state.add(seq.token_ids[start:seq.num_real_tokens])
         if state.stop_str is not None and not seq.is_finished:
-            self.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, state.stop_str)
+            # The tokens after the one that completed the stop string (a speculative step outputs
+            # several at once) are not the sequence's.
+            self.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, state.stop_str, num_output_tokens=state.num_tokens)
         return text + state.finish() if final else text
 
     def process(self) -> None:

@@ -149,6 +149,20 @@ class Matcher:
         """Advance by ``token``; False if the grammar does not allow it (the matcher is then dead)."""
         return self._m.consume_token(token)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar allows from here (nothing is taken in)."""
+        return self._m.validate_tokens(tokens)
+
+    def fill_along(self, tokens: list[int], rows: np.ndarray) -> None:
+        """Rows[j]: the allowed tokens after ``tokens[:j]`` (a draft's positions; the grammar
+        allows every one of them), for j = 0 .. len(tokens); the matcher ends where it began."""
+        for j, token in enumerate(tokens):
+            self.fill(rows[j])
+            self._m.consume_token(token)
+        self.fill(rows[len(tokens)])
+        if tokens:
+            self._m.rollback(len(tokens))
+
     @property
     def is_done(self) -> bool:
         """Only the end of the output can follow (the constraint is complete)."""
@@ -209,18 +223,37 @@ class StructuredOutputManager:
             yield request, None if error is None else str(error)
 
     def fill_bitmask(self, out: SchedulerOutput) -> None:
-        """Each sampling row with a grammar writes its allowed tokens into the step's bitmask
-        (``out.token_bitmask``; None when no row has a grammar)."""
+        """Each sample row with a grammar gets its allowed tokens in the step's bitmask
+        (``out.token_bitmask``, one row per sample row; None when no row has a grammar): a fork
+        row's samples its row's, a row with a draft each of its positions' (the grammar's state
+        after the draft tokens before it)."""
         import numpy as np
 
         bitmask = None
-        for i, (seq, k) in enumerate(zip(out.scheduled_seqs, out.num_samples)):
+        first = 0
+        for seq, k in zip(out.scheduled_seqs, out.num_samples):
             if k and seq.grammar is not None:
                 if bitmask is None:
                     words = bitmask_words(self.compiler.vocab_size)
-                    bitmask = np.full((len(out.scheduled_seqs), words), ALL_ALLOWED, np.int32)
-                seq.grammar.fill(bitmask[i])
+                    bitmask = np.full((sum(out.num_samples), words), ALL_ALLOWED, np.int32)
+                draft = out.draft_token_ids.get(seq.seq_id)
+                if draft:
+                    seq.grammar.fill_along(draft, bitmask[first:first + k])
+                else:
+                    seq.grammar.fill(bitmask[first])
+                    bitmask[first + 1:first + k] = bitmask[first]
+            first += k
         out.token_bitmask = bitmask
+
+    @staticmethod
+    def take_token(seq: Sequence, token: int) -> tuple[RequestStatus, str | None] | None:
+        """One more token of a running sequence with a grammar: how the grammar ends it (complete:
+        stopped; refused, which the mask makes impossible: an error), or None."""
+        if not seq.grammar.accept(token):
+            return RequestStatus.FINISHED_ERROR, f"structured output: token {token} is not allowed here"
+        if seq.grammar.is_done:
+            return RequestStatus.FINISHED_STOPPED, None
+        return None
 
     @staticmethod
     def advance(out: SchedulerOutput, sampled: list) -> list[tuple[Sequence, RequestStatus, str | None]]:
@@ -232,8 +265,8 @@ class StructuredOutputManager:
         ended = []
         for seq, tokens in zip(out.scheduled_seqs, sampled):
             if not tokens or seq.grammar is None or seq.status is not RequestStatus.RUNNING \
-                    or seq.request.beam is not None:
-                continue
+                    or seq.request.beam is not None or seq.seq_id in out.draft_token_ids:
+                continue                                # a draft's tokens: taken in as they are kept
             group = seq.request
             if len(tokens) > 1:                         # a fork: the siblings are new
                 for sibling in group.seqs:
@@ -243,10 +276,6 @@ class StructuredOutputManager:
             else:
                 pairs = [(seq, tokens[0])]
             for s, token in pairs:
-                if s.is_finished:
-                    continue
-                if not s.grammar.accept(token):
-                    ended.append((s, RequestStatus.FINISHED_ERROR, f"structured output: token {token} is not allowed here"))
-                elif s.grammar.is_done:
-                    ended.append((s, RequestStatus.FINISHED_STOPPED, None))
+                if not s.is_finished and (end := StructuredOutputManager.take_token(s, token)) is not None:
+                    ended.append((s, *end))
         return ended

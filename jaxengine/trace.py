@@ -48,6 +48,18 @@ class StepTrace:
     # A mixture of experts: tokens routed to each expert this step, summed over the layers (empty
     # for a dense model): the experts' load balance.
     expert_tokens: tuple[int, ...] = ()
+    # Speculative decoding: draft tokens the step verified, how many were accepted, and how many
+    # rows accepted their draft token at each position (0 / empty without speculation).
+    num_drafts: int = 0             # rows that carried a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+    # The speculation gate's choice for the step: the cap on every row's draft (0: off this step,
+    # the drafts' buckets predicted to cost more than their accepted tokens buy) and the predicted
+    # output tokens per second against speculation off (1.0 when off; 0 when nothing was proposed
+    # or speculation is not configured).
+    speculative_k: int = 0
+    speculation_gain: float = 0.0
 
 
 def round_seconds(seconds: float) -> float:
@@ -130,8 +142,9 @@ def read_trace(path: str | Path) -> list[StepTrace]:
 
 
 def _record(fields: dict) -> StepTrace:
-    if "expert_tokens" in fields:                   # JSON has lists only
-        fields["expert_tokens"] = tuple(fields["expert_tokens"])
+    for name in ("expert_tokens", "accepted_per_position"):      # JSON has lists only
+        if name in fields:
+            fields[name] = tuple(fields[name])
     return StepTrace(**fields)
 
 

@@ -565,6 +565,53 @@ def fp8_kv_attention(smoke: bool, copy_gbs: float) -> dict:
     return result
 
 
+def speculation(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
+    """What a speculative verify step costs on the 8B-shaped random model (bf16, the engine's
+    attention): B rows at 1k tokens of context, each with 1 token (a decode step) or with 1 + k
+    (an input token and k draft tokens, logits of every one), B = 1 and 32, k = 4: ms, and the
+    ratio to the decode step. A draft pays when its rows accept more than ratio - 1 tokens per
+    step on average; EAGLE-3's head adds one more small forward per draft token to this."""
+    from flax import nnx
+
+    from jaxengine.kernels.paged_attention.backend import select_attention
+    from jaxengine.models.forward import make_forward
+    from jaxengine.models.llama import LlamaForCausalLM, init_kv_caches
+
+    cfg = llama3_8b(smoke)
+    model = LlamaForCausalLM(cfg, jnp.bfloat16, select_attention("auto"), rngs=nnx.Rngs(0))
+    state, forward = make_forward(model)
+    block, context = 16, 64 if smoke else 1024
+    pages = -(-(context + 8) // block)
+    result = {"context": context, "rows": []}
+    for batch in (1, 32):
+        caches = init_kv_caches(cfg, 1 + batch * pages, block, jnp.bfloat16)
+        row = {"batch": batch}
+        for k in (0, 4):
+            n = batch * (1 + k)
+            rows = [(context, 1 + k, list(range(1 + r * pages, 1 + (r + 1) * pages))) for r in range(batch)]
+            md = AttentionMetadata.build(rows, block, num_tokens=n, max_blocks=pages, num_rows=batch)
+            ids = jnp.zeros(n, jnp.int32)
+
+            def step(caches, ids=ids, md=md, n=n):
+                caches, logits = forward(state, caches, ids, md, jnp.arange(n))
+                return caches, logits
+
+            caches, logits = step(caches)                       # compile
+            logits.block_until_ready()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                caches, logits = step(caches)
+                logits.block_until_ready()
+                times.append(time.perf_counter() - start)
+            row["decode_ms" if k == 0 else f"verify_k{k}_ms"] = round(statistics.median(times) * 1e3, 3)
+        row["verify_over_decode"] = round(row["verify_k4_ms"] / row["decode_ms"], 3)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        save_part(result)
+    return result
+
+
 # ---------------------------------------------------------------- summary
 TARGETS = [  # (label, file, key path, target text, passes)
     ("HBM copy bandwidth (GB/s)", "ceilings", ("copy_bandwidth_gbs",), "baseline", None),
@@ -639,6 +686,9 @@ def summary(out: Path) -> None:
         if "fp8" in kv and "bf16" in kv:
             lines.append(f"| decode attention ({kernel_name}), FP8 KV vs bf16: ms, cache GB/s | {kv['fp8']['ms']} vs "
                          f"{kv['bf16']['ms']}, {kv['fp8']['cache_gbs']} vs {kv['bf16']['cache_gbs']} | - | - |")
+    for row in results.get("kernel", {}).get("speculation", {}).get("rows", []):
+        lines.append(f"| 8B verify step, batch {row['batch']}: ms decode / 4 drafts a row (ratio) | {row['decode_ms']} / "
+                     f"{row.get('verify_k4_ms')} ({row.get('verify_over_decode')}) | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("quantized_experts", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens, experts bf16 / fp8 / int4 (ms) | {row.get('bf16_ms')} / "
                      f"{row.get('fp8_ms')} / {row.get('int4_ms')} | - | - |")
@@ -652,14 +702,14 @@ def summary(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "quantized", "summary"])
+    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "quantized", "speculation", "summary"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a dry run, also on the CPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "summary":
         return summary(args.out)
-    if args.what in ("moe", "quantized"):      # into kernel.json: the device tool brings back 8 files at most
+    if args.what in ("moe", "quantized", "speculation"):      # into kernel.json: the device tool brings back 8 files at most
         ceil = json.loads((args.out / "ceilings.json").read_text())
         kernel_file = args.out / "kernel.json"
         merged = json.loads(kernel_file.read_text()) if kernel_file.exists() else {}
@@ -668,7 +718,7 @@ def main() -> None:
             merged[args.what] = result
             kernel_file.write_text(json.dumps(merged, indent=1))
 
-        part = moe if args.what == "moe" else quantized
+        part = {"moe": moe, "quantized": quantized, "speculation": speculation}[args.what]
         save_part(part(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"], save_part))
         return None
     info = {"device": str(jax.devices()[0]), "jax": jax.__version__}

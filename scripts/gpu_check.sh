@@ -20,8 +20,10 @@
 # 7. quantized weights: Llama-3-8B's gate projection with fp8 / int8 / int4 weights through XLA's
 #    dequantise-and-dot, and fp8 with per-token fp8 activations, against bf16 at decode batches and
 #    a prefill; whether XLA wrote the dequantised weight to memory or ran an FP8 GEMM; decode
-#    attention over an FP8 KV cache against bf16, by both Pallas kernels (in kernel.json).
-# Each part has its own time limit (under 9.7 minutes in all at worst); results land in
+#    attention over an FP8 KV cache against bf16, by both Pallas kernels (in kernel.json);
+# 8. speculative decoding: the 8B model's verify step (1 + 4 tokens a row) against its decode step
+#    at batch 1 and 32 (in kernel.json).
+# Each part has its own time limit (under 9.5 minutes in all at worst, with the kernel tests); results land in
 # OUT_DIR as JSON (gpu_check.json) and a table (gpu_check.md), printed last. Add --smoke to
 # dry-run tiny sizes (also on the CPU).
 set -u
@@ -51,7 +53,7 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 130 $PY -P -m pytest -v -p no:cache
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
 log "kernel tests: $(grep -c ' PASSED' "$OUT_DIR/kernel_tests.txt") passed, $(grep -c ' FAILED' "$OUT_DIR/kernel_tests.txt") failed; $(tail -1 "$OUT_DIR/kernel_tests.txt")"
 
-for part in "ceilings 40" "kernel 125" "engine 150" "moe 35" "quantized 50"; do
+for part in "ceilings 40" "kernel 115" "engine 150" "moe 35" "quantized 50" "speculation 40"; do
   set -- $part
   log "$1"
   echo "=== $1" >> "$BENCH_LOG"

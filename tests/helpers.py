@@ -1,6 +1,8 @@
 """Small factories for host-side tests: a scheduler with a tiny pool and a simulated KV runner."""
 from __future__ import annotations
 
+import dataclasses
+
 from jaxengine.config import EngineConfig
 from jaxengine.engine import Engine
 from jaxengine.core.scheduler_output import SchedulerOutput
@@ -26,8 +28,9 @@ class Clock:
 class Harness:
     """A scheduler plus the KV-simulating runner, stepped by hand."""
 
-    def __init__(self, clock: Clock | None = None, async_scheduling: bool = False, **overrides) -> None:
-        self.config = EngineConfig().replace(**{**SMALL, **overrides})
+    def __init__(self, clock: Clock | None = None, async_scheduling: bool = False, speculative=None,
+                 **overrides) -> None:
+        self.config = dataclasses.replace(EngineConfig().replace(**{**SMALL, **overrides}), speculative=speculative)
         cache = self.config.cache
         self.clock = clock or Clock()
         self.runner = HashRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size)

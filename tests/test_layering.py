@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                "jaxengine.trace", "jaxengine.models.config", "jaxengine.models.paths")),
     ("kernels", ("jaxengine.kernels",)),
     ("models", ("jaxengine.models", "jaxengine.sample")),
-    ("core", ("jaxengine.core", "jaxengine.structured_output")),
+    ("core", ("jaxengine.core", "jaxengine.structured_output", "jaxengine.spec_decode")),
     ("runner", ("jaxengine.runner",)),
     ("engine", ("jaxengine.engine", "jaxengine.engine_args", "jaxengine.output_processor", "jaxengine.parallel",
                 "jaxengine.default_model", "jaxengine.tokenizer")),

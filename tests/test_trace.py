@@ -18,7 +18,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def record(step: int, **fields) -> StepTrace:
-    zeros = {name: 0 for name in StepTrace.__dataclass_fields__ if name != "expert_tokens"}
+    zeros = {name: 0 for name in StepTrace.__dataclass_fields__ if name not in ("expert_tokens", "accepted_per_position")}
     return StepTrace(**{**zeros, "step": step, **fields})
 
 
@@ -61,7 +61,8 @@ def test_each_line_is_the_records_fields(tmp_path):
     engine.run()
     engine.close()
     lines = path.read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [{**vars(t), "expert_tokens": list(t.expert_tokens)}
+    assert [json.loads(line) for line in lines] == [{**vars(t), "expert_tokens": list(t.expert_tokens),
+                                                         "accepted_per_position": list(t.accepted_per_position)}
                                                     for t in engine.traces]
     assert list(json.loads(lines[0])) == list(StepTrace.__dataclass_fields__)
 

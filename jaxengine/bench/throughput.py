@@ -220,7 +220,21 @@ def cache_and_step_figures(outputs, traces: list[dict]) -> dict:
             "preemptions": sum(t["num_preemptions"] for t in traces),
             "blocks_swapped_out": sum(t["num_blocks_swapped_out"] for t in traces),
             "blocks_swapped_in": sum(t["num_blocks_swapped_in"] for t in traces),
-            "peak_kv_usage": max((t["kv_usage"] for t in traces), default=0.0)}
+            "peak_kv_usage": max((t["kv_usage"] for t in traces), default=0.0), **speculation_figures(traces)}
+
+
+def speculation_figures(traces: list[dict]) -> dict:
+    """Speculative decoding: draft tokens verified and accepted, the acceptance rate, and the mean
+    acceptance length (tokens a drafted row output per step: its accepted drafts plus one); empty
+    when no step carried a draft."""
+    drafts = sum(t.get("num_drafts", 0) for t in traces)
+    if not drafts:
+        return {}
+    proposed = sum(t["num_draft_tokens"] for t in traces)
+    accepted = sum(t["num_accepted_tokens"] for t in traces)
+    return {"draft_tokens": proposed, "accepted_tokens": accepted, "acceptance_rate": accepted / proposed,
+            "mean_acceptance_length": 1 + accepted / drafts,
+            "steps_speculation_off": sum(1 for t in traces if t.get("speculation_gain") == 1.0)}
 
 
 def latency_figures(outputs) -> dict:
@@ -273,6 +287,8 @@ def table_rows(result: dict) -> list[dict]:
              "prefix hit rate": m["prefix_cache_hit_rate"], "preemptions": m["preemptions"],
              "swapped blocks": m["blocks_swapped_out"] + m["blocks_swapped_in"], "ratio": None,
              "same tokens": None}]
+    if "mean_acceptance_length" in m:
+        rows[0]["acceptance length"] = round(m["mean_acceptance_length"], 2)
     if "peak_kv_blocks" in m:
         rows[0]["peak KV blocks (copied)"] = f"{m['peak_kv_blocks']} ({m['peak_kv_blocks_copied']})"
     for name, b in result["baselines"].items():

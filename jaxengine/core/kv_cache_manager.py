@@ -194,6 +194,14 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
 
+    def trim(self, seq: Sequence, num_blocks: int) -> None:
+        """Give back the blocks past the first ``num_blocks`` (speculative decoding: the slots of
+        rejected draft tokens). They were allocated for drafts and never filled with known tokens,
+        so none is in the prefix cache."""
+        if len(seq.block_table) > num_blocks:
+            self.pool.free(reversed(seq.block_table[num_blocks:]))
+            del seq.block_table[num_blocks:]
+
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks, tail first: the tail is the least likely to be reused, so
         it is evicted first."""

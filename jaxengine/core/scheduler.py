@@ -22,13 +22,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jaxengine.config import CacheConfig, SchedulerConfig
+from jaxengine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxengine.core import beam_search
 from jaxengine.core.beam_search import BeamSearch
 from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
 from jaxengine.core.policy import resolve_policy
 from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput, StepLimits
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
+from jaxengine.spec_decode.gate import SpeculationGate
+from jaxengine.spec_decode.ngram import NgramProposer
 from jaxengine.structured_output import StructuredOutputManager
 
 RUNNING = RequestStatus.RUNNING
@@ -51,8 +53,17 @@ class StepState:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, speculative: SpeculativeConfig | None = None,
+                 token_buckets: list[int] | None = None) -> None:
+        """``token_buckets``: the runner's (the speculation gate prices a draft by the bucket it
+        moves the step to; default: every token count its own)."""
         self.config = config
+        self.proposer = self.gate = None
+        if speculative is not None:
+            self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_max,
+                                          speculative.prompt_lookup_min)
+            self.gate = SpeculationGate(speculative.num_speculative_tokens,
+                                        token_buckets or list(range(1, config.max_num_batched_tokens + 1)))
         self.kv = KVCacheManager(cache_config)
         self.block_size = cache_config.block_size
         self.clock = clock
@@ -130,12 +141,18 @@ class Scheduler:
         self._finish_request(request, status, reason)
         return True
 
-    def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+    def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None,
+                        num_output_tokens: int | None = None) -> None:
         """Finish one running sequence from outside (a stop string the detokenizer found); its
-        group finishes with its last sequence."""
+        group finishes with its last sequence. ``num_output_tokens``: its output ends there (the
+        stop string ended at that token; a speculative step may have output more after it)."""
         if seq.is_finished:
             return
         seq.stop_reason = stop_reason
+        if num_output_tokens is not None and seq.num_output_tokens > num_output_tokens:
+            seq.drop_pending()
+            del seq.token_ids[seq.num_prompt_tokens + num_output_tokens:]
+            del seq.logprobs[num_output_tokens:]
         self._finish_seq(seq.request, seq, status)
         if seq.request.is_finished:
             self.running = [g for g in self.running if g.status is RUNNING]
@@ -166,6 +183,8 @@ class Scheduler:
                 self._schedule_by_rank(step, passed_delay)
             else:
                 self._schedule_in_arrival_order(step, passed_delay)
+        if self.proposer is not None:
+            self._add_drafts(step)
         out = self._finalize(step)
         self._step = None
         return out
@@ -231,6 +250,50 @@ class Scheduler:
             if group.status is RUNNING:            # not preempted while making room
                 step.num_seqs += group.max_num_running_seqs
                 step.num_partial += self._leaves_partial(group.live_seqs)
+
+    def _add_drafts(self, step: StepState) -> None:
+        """Speculative decoding: extend the step's decode rows by their proposer's draft tokens,
+        with the budget the step's other rows left (a draft displaces no prompt token: where
+        prompts fill the budget, a rejected draft token would be work thrown away that a prompt
+        token could have done) and within its row limit (every draft token is a sample row). A
+        row gets a draft only when the host knows all its tokens (no placeholder) and its request
+        does not search beams (a grammar's row keeps the part of its draft the grammar allows),
+        and the draft's KV slots can be had without preempting anyone; the gate
+        (``spec_decode.gate``) caps every draft at the length that pays this step, or switches
+        speculation off."""
+        out, kv, propose = step.out, self.kv, self.proposer.propose
+        proposals = []                             # (row, sequence, draft)
+        for i, seq in enumerate(out.scheduled_seqs):
+            if out.num_scheduled_tokens[i] != 1 or out.num_samples[i] != 1 or out.previous_sample_rows[i] >= 0:
+                continue
+            request = seq.request
+            if request.beam is not None:
+                continue
+            # The decode's own sample is one more output token: drafts beyond max_tokens are waste.
+            draft = propose(seq.token_ids, request.max_output_tokens - seq.num_output_tokens - 1)
+            if draft and seq.grammar is not None:
+                draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
+            if draft:
+                proposals.append((i, seq, draft))
+        room = step.limits.max_num_seqs - sum(out.num_samples)      # sample rows the row bucket has left
+        k = self.gate.choose(sum(out.num_scheduled_tokens), len(out.seq_ids), [len(d) for _, _, d in proposals],
+                             max(0, min(step.budget, room)))
+        for i, seq, draft in proposals:
+            draft = draft[:min(k, step.budget, room)]
+            if not draft:
+                break
+            blocks = len(seq.block_table)
+            if not kv.allocate_slots(seq, len(draft)):         # after the decode's token (already counted)
+                continue
+            if len(seq.block_table) != blocks and not seq.is_new and seq not in step.changed_seqs:
+                step.changed_seqs.append(seq)
+            n = len(draft)
+            out.draft_token_ids[seq.seq_id] = draft
+            out.num_scheduled_tokens[i] += n
+            out.num_samples[i] += n
+            seq.num_computed_tokens += n
+            step.budget -= n
+            room -= n
 
     def _schedule_seqs(self, step: StepState, group: Request) -> None:
         """Give each live sequence of a running group its next tokens: 1 for a decode, a chunk
@@ -518,6 +581,7 @@ class Scheduler:
             if seq.request is group:
                 seq.num_computed_tokens -= out.num_scheduled_tokens[i]
                 step.budget += out.num_scheduled_tokens[i]
+                out.draft_token_ids.pop(seq.seq_id, None)
         for values in (out.seq_ids, out.num_scheduled_tokens, out.num_samples, out.scheduled_seqs,
                        out.num_computed_tokens, out.previous_sample_rows):
             values[:] = [values[i] for i in keep]   # in place: the decode pass holds these lists
@@ -574,8 +638,9 @@ class Scheduler:
     def _finalize(self, step: StepState) -> SchedulerOutput:
         out = step.out
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens)
-        out.num_decode_tokens = out.num_scheduled_tokens.count(1)
-        out.num_prefill_tokens = out.total_num_scheduled_tokens - out.num_decode_tokens
+        out.num_draft_tokens = sum(map(len, out.draft_token_ids.values()))
+        out.num_decode_tokens = out.num_scheduled_tokens.count(1) + len(out.draft_token_ids)
+        out.num_prefill_tokens = out.total_num_scheduled_tokens - out.num_decode_tokens - out.num_draft_tokens
         for seq in step.new_seqs:
             if seq.status is RUNNING and seq.is_new:
                 seq.is_new = False
@@ -604,7 +669,12 @@ class Scheduler:
             for seq, row in zip(out.scheduled_seqs, result.prompt_logprobs):
                 for position, entry in row or ():
                     seq.request.prompt_logprobs[position] = entry     # by position: recompute-safe
+        drafts = out.draft_token_ids
         for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids):
+            if drafts and seq.seq_id in drafts:
+                if seq.status is RUNNING and tokens:
+                    any_finished |= self._apply_verified(seq, len(drafts[seq.seq_id]), tokens, now)
+                continue
             if seq.status is RUNNING:
                 # Cheap pre-filter (most steps fill no block); cache_full_blocks checks the known tokens.
                 if caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
@@ -710,11 +780,46 @@ class Scheduler:
 
     @staticmethod
     def _record_logprobs(out: SchedulerOutput, logprobs: list) -> None:
-        """Before the fork: a fork row's samples go to the leader and then to its new siblings."""
+        """Before the fork: a fork row's samples go to the leader and then to its new siblings.
+        A row with a draft: one per token it outputs (``_apply_verified`` keeps those it keeps)."""
         for seq, row in zip(out.scheduled_seqs, logprobs):
             if row and not seq.is_finished and seq.request.beam is None:   # None: not asked; []: nothing sampled
+                if seq.seq_id in out.draft_token_ids:
+                    seq.logprobs.extend(row)
+                    continue
                 seq.logprobs.append(row[0])
                 seq.request.fork_logprobs = row[1:]
+
+    def _apply_verified(self, seq: Sequence, num_draft: int, tokens: list[int], now: float) -> bool:
+        """A row that carried ``num_draft`` draft tokens output ``tokens`` (the accepted drafts,
+        then the target's next token; ``spec_decode.verify``). The rejected drafts' KV is rolled
+        back: the computed tokens end at the last accepted one and blocks past the sequence's
+        tokens are freed, so no block table or prefix-cache hash ever holds a rejected token. The
+        tokens go in one at a time through the stop checks and the grammar, so a stop token,
+        max_tokens or a complete constraint inside an accepted run ends the output exactly where
+        it would end without speculation. Returns whether its group finished."""
+        request = seq.request
+        if request.times.first_token is None:
+            request.times.first_token = now
+        seq.num_computed_tokens -= num_draft - (len(tokens) - 1)
+        self.kv.trim(seq, cdiv(seq.num_tokens + len(tokens), self.block_size))
+        status = reason = None
+        for token in tokens:                       # as update_from_output takes one token: stop checks, then grammar
+            seq.token_ids.append(token)
+            status = check_stop(request, seq, token)
+            if status is None and seq.grammar is not None and \
+                    (end := StructuredOutputManager.take_token(seq, token)) is not None:
+                status, reason = end
+            if status is not None:
+                break
+        if len(seq.logprobs) > seq.num_output_tokens:        # asked for: keep those of the kept tokens
+            del seq.logprobs[seq.num_output_tokens:]
+        if self.kv.enable_caching:
+            self.kv.cache_full_blocks(seq)
+        if status is None:
+            return False
+        self._finish_seq(request, seq, status, reason)
+        return request.is_finished
 
     def _fork_seq(self, parent: Sequence, sample_index: int) -> Sequence:
         """A new running sequence with the parent's tokens and progress, sharing its blocks."""

@@ -40,6 +40,9 @@ class SchedulerOutput:
     # input (sampled but still on the device), or -1 when the host knows all the row's tokens.
     previous_sample_rows: list[int] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
+    # Speculative decoding: seq_id -> the draft tokens its decode row carries after its input token
+    # (the row has 1 + len(draft) tokens and samples each of them); rows without a draft are absent.
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     new_seqs: list[NewSequenceData] = field(default_factory=list)
     block_tables: dict[int, list[int]] = field(default_factory=dict)  # changed tables of known rows
     # Block moves to apply before the step, in this order: swap out, swap in, copy.
@@ -50,12 +53,13 @@ class SchedulerOutput:
     preempted_seq_ids: list[int] = field(default_factory=list)   # forget these (resent when resumed)
     # Step statistics for traces and metrics.
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0      # one per decoding row (its draft tokens counted apart)
+    num_draft_tokens: int = 0
     num_preemptions: int = 0
     num_swap_fallbacks: int = 0     # preemptions that meant to swap but recomputed: host pool full
     num_prefix_hit_tokens: int = 0  # prompt tokens that sequences admitted now found in the prefix cache
-    # Structured output: [B, ceil(V / 32)] int32, each sampling row's allowed tokens (all bits set
-    # for rows without a grammar); None when no row of the step has one.
+    # Structured output: [sum(num_samples), ceil(V / 32)] int32, each sample row's allowed tokens
+    # (all bits set for rows without a grammar); None when no row of the step has one.
     token_bitmask: object = None
     # Host-side handles for ``Scheduler.update_from_output`` (not for the runner).
     scheduled_seqs: list = field(default_factory=list, repr=False)
@@ -91,7 +95,8 @@ class StepLimits(NamedTuple):
 @dataclass
 class ModelRunnerOutput:
     # B lists aligned with ``SchedulerOutput.seq_ids``: the row's sampled tokens (empty when the
-    # row did not sample, n tokens at a fork).
+    # row did not sample, n tokens at a fork; a row with a draft: the accepted drafts, then the
+    # target's next token).
     sampled_token_ids: list[list[int]]
     # None, or B entries: None for rows that asked for no logprobs, else per sample
     # (logprob of the sampled token, {token id: logprob} of the top-k).

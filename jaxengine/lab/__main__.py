@@ -26,7 +26,7 @@ RESULTS_DIR = "lab_results"
 SCHEDULING_OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks", "watermark",
                       "enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold",
                       "max_num_partial_prefills", "preemption_mode", "scheduling_policy", "scheduler_delay_factor",
-                      "max_model_len", "token_buckets", "request_buckets")
+                      "max_model_len", "token_buckets", "request_buckets", "speculative_config")
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
@@ -98,9 +98,27 @@ def _profile_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--profile", required=required, help="a cost profile JSON (from calibrate)")
 
 
+def _acceptance_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--acceptance", type=float, help="speculative decoding: each draft token's probability of "
+                   "acceptance on this workload (with --speculative-config; tune: it then decides k or off)")
+    g.add_argument("--acceptance-from-trace", metavar="TRACE", help="... fitted to a step trace of a speculating "
+                   "engine (serve --trace-file)")
+
+
+def _acceptance(args: argparse.Namespace) -> float | None:
+    if args.acceptance_from_trace:
+        from jaxengine.lab.simulate import fit_acceptance
+        from jaxengine.trace import read_trace
+
+        return fit_acceptance(read_trace(args.acceptance_from_trace))
+    return args.acceptance
+
+
 def _simulate_args(p: argparse.ArgumentParser) -> None:
     _profile_arg(p)
     _workload_args(p)
+    _acceptance_args(p)
     p.add_argument("--plot", metavar="DIR", help="draw the bench tool's figures into DIR")
     _engine_args(p)
 
@@ -108,6 +126,7 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
 def _tune_args(p: argparse.ArgumentParser) -> None:
     _profile_arg(p)
     _workload_args(p)
+    _acceptance_args(p)
     p.add_argument("--max-rounds", type=int, default=4, help="passes over the options")
     p.add_argument("--plot", metavar="DIR", help="draw the trials' frontier into DIR")
     _engine_args(p)
@@ -202,7 +221,7 @@ def run_simulate(args: argparse.Namespace) -> dict:
     from jaxengine.lab.simulate import simulate
 
     result = simulate(_workload(args), load_profile(args.profile), slos=dict(args.slo), noise=args.noise,
-                      seed=args.seed, **_options(args))
+                      seed=args.seed, acceptance=_acceptance(args) or 0.0, **_options(args))
     print_table([result.summary()], title=f"simulated in {result.wall_s:.2f} s ({result.num_steps} steps)")
     if args.plot:
         for path in result.plot(args.plot):
@@ -217,7 +236,8 @@ def run_tune(args: argparse.Namespace) -> dict:
     if not args.slo:
         raise ValueError("tune: give at least one --slo, e.g. --slo ttft_ms=2000 --slo itl_ms=100")
     result = tune(_workload(args), load_profile(args.profile), dict(args.slo), base_options=_options(args),
-                  max_rounds=args.max_rounds, noise=args.noise, seed=args.seed, progress=args.progress)
+                  max_rounds=args.max_rounds, noise=args.noise, seed=args.seed, progress=args.progress,
+                  acceptance=_acceptance(args))
     print_table(result.table()[:10], title=f"best of {len(result.trials)} trials (simulated goodput, req/s)")
     print(f"defaults: goodput {result.default.goodput:.3f} req/s; tuned: {result.best.goodput:.3f} req/s")
     print(f"recommended: {result.command}")

@@ -41,20 +41,43 @@ class SimClock:
 
 class SimRunner:
     """A runner whose steps take the profile's time: it advances ``clock`` and samples ``TOKEN``.
-    ``noise``: draw each step's measured/predicted ratio from the profile's spread (seeded)."""
+    ``noise``: draw each step's measured/predicted ratio from the profile's spread (seeded).
+    Speculative decoding: a row's draft tokens are accepted one after the other with probability
+    ``acceptance`` each (the geometric model the engine's gate uses; ``fit_acceptance`` fits it to
+    a trace), seeded. Every decoding row finds a draft here: the sampled tokens are all ``TOKEN``."""
 
     def __init__(self, profile: Profile, buckets: list[int], row_buckets: list[int], clock: SimClock, *,
-                 noise: bool = True, seed: int = 0) -> None:
+                 noise: bool = True, seed: int = 0, acceptance: float = 0.0) -> None:
         self.profile, self.buckets, self.row_buckets, self.clock = profile, buckets, row_buckets, clock
         self._rng = random.Random(seed) if noise and getattr(profile, "noise", None) else None
+        self.acceptance = acceptance
+        self._accept_rng = random.Random(seed + 1)
         self.outputs: list[SchedulerOutput] = []         # every step, when ``record`` is on
         self.record = False
+        self.last_sampled: list[list[int]] = []         # the latest step's tokens per row
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.record:
             self.outputs.append(out)
         self.clock.now += self.step_seconds(out)
-        return ModelRunnerOutput([[TOKEN] * k for k in out.num_samples])
+        if not out.draft_token_ids:
+            self.last_sampled = [[TOKEN] * k for k in out.num_samples]
+        else:
+            self.last_sampled = [[TOKEN] * (self._accepted(len(out.draft_token_ids[seq_id])) + 1)
+                                 if seq_id in out.draft_token_ids else [TOKEN] * k
+                                 for seq_id, k in zip(out.seq_ids, out.num_samples)]
+        return ModelRunnerOutput(self.last_sampled)
+
+    @property
+    def token_buckets(self) -> list[int]:
+        """As the model runner's (the engine's speculation gate prices drafts by them)."""
+        return self.buckets
+
+    def _accepted(self, num_draft: int) -> int:
+        n = 0
+        while n < num_draft and self._accept_rng.random() < self.acceptance:
+            n += 1
+        return n
 
     def step_seconds(self, out: SchedulerOutput) -> float:
         shape = StepShape.of_output(out)
@@ -129,23 +152,25 @@ class SimResult:
 
 def simulate(workload: Workload | list[SimRequest], profile: Profile, *, slos: dict[str, float] | None = None,
              noise: bool = True, seed: int = 0, record_outputs: bool = False, max_steps: int = 10_000_000,
-             **engine_options) -> SimResult:
+             acceptance: float = 0.0, **engine_options) -> SimResult:
     """Run ``workload`` through the engine on ``profile``'s clock. ``engine_options``: ``EngineArgs``
     fields (``max_num_batched_tokens=1024``, ``scheduling_policy=MyPolicy``, ...); ``slos``: goodput
-    thresholds in ms (``ttft_ms``, ``itl_ms``, ``tpot_ms``, ``e2e_ms``)."""
+    thresholds in ms (``ttft_ms``, ``itl_ms``, ``tpot_ms``, ``e2e_ms``); ``acceptance``: with a
+    ``speculative_config``, each draft token's probability of acceptance (``fit_acceptance``)."""
     started = time.perf_counter()
     args = EngineArgs.from_kwargs(**engine_options)
     config = engine_config(profile, args)
     requests = workload.requests(config.scheduler.max_model_len) if isinstance(workload, Workload) else workload
     clock = SimClock()
-    runner = SimRunner(profile, *args.step_buckets(), clock, noise=noise, seed=seed)
+    runner = SimRunner(profile, *args.step_buckets(), clock, noise=noise, seed=seed, acceptance=acceptance)
     runner.record = record_outputs
     engine = Engine(config, runner, clock=clock, timer=clock, trace=True)
     timelines = _run(engine, clock, requests, getattr(profile, "request_overhead_s", 0.0), max_steps)
     metrics = _metrics(timelines, engine.traces, slos)
-    options = {k: v if isinstance(v, (int, float, str, bool, type(None), list)) else repr(v)
+    options = {k: v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
                for k, v in dataclasses.asdict(args).items() if k in engine_options}
     cfg = {"engine_options": options, "num_gpu_blocks": config.cache.num_gpu_blocks,
+           **({"acceptance": acceptance} if args.speculative_config else {}),
            "num_requests": len(requests), "slo": slos or {}, "profile": getattr(profile, "kind", "measured"),
            **({"workload": workload.to_dict()} if isinstance(workload, Workload) else {})}
     return SimResult(metrics, [dataclasses.asdict(t) for t in engine.traces], cfg, time.perf_counter() - started,
@@ -168,7 +193,7 @@ def _run(engine: Engine, clock: SimClock, requests: list[SimRequest], overhead_s
             clock.now = max(clock.now, requests[order[next_i]].arrival_s + overhead_s)
             continue
         finished = engine.step()
-        _stream(engine.last_output, timelines, clock.now)
+        _stream(engine.last_output, engine.runner.last_sampled, timelines, clock.now)
         for request in finished:
             t = timelines[int(request.request_id)]
             t.finish_s = clock.now
@@ -183,15 +208,19 @@ def _add(engine: Engine, request_id: str, r: SimRequest, overhead_s: float) -> N
                        arrival_time=r.arrival_s + overhead_s)
 
 
-def _stream(out: SchedulerOutput, timelines: list[RequestTimeline], now: float) -> None:
-    """The requests that sampled in this step get one chunk each (at ``now``) with their tokens."""
+def _stream(out: SchedulerOutput, sampled: list[list[int]], timelines: list[RequestTimeline], now: float) -> None:
+    """The requests that sampled in this step get one chunk each (at ``now``) with their tokens
+    (a row with a draft: its accepted drafts and one more; a stop at max_tokens cuts them)."""
     seen = set()
-    for seq, k in zip(out.scheduled_seqs, out.num_samples):
-        if not k:
+    for seq, tokens in zip(out.scheduled_seqs, sampled):
+        if not tokens:
             continue
         i = int(seq.request.request_id)
         t = timelines[i]
-        t.output_tokens += k
+        if seq.seq_id in out.draft_token_ids:
+            t.output_tokens = sum(s.num_output_tokens for s in seq.request.seqs)
+        else:
+            t.output_tokens += len(tokens)
         if i not in seen:
             seen.add(i)
             t.chunk_times_s.append(now)
@@ -219,6 +248,27 @@ def _metrics(timelines: list[RequestTimeline], traces, slos: dict[str, float] | 
                    kv_usage_mean=sum(usage) / len(usage), kv_usage_max=max(usage),
                    num_waiting_max=max((t.num_waiting for t in traces), default=0))
     return metrics
+
+
+def fit_acceptance(records) -> float:
+    """Each draft token's probability of acceptance, fitted to a step trace (``StepTrace`` records
+    or their dicts): the ``alpha`` whose geometric model gives the trace's mean accepted tokens per
+    draft at its mean draft length (bisection). 0 when the trace has no draft."""
+    def get(r, name):
+        return r.get(name, 0) if isinstance(r, dict) else getattr(r, name)
+
+    drafts = sum(get(r, "num_drafts") for r in records)
+    if not drafts:
+        return 0.0
+    length = sum(get(r, "num_draft_tokens") for r in records) / drafts
+    mean = sum(get(r, "num_accepted_tokens") for r in records) / drafts
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        alpha = (low + high) / 2
+        whole, part = int(length), length - int(length)
+        expected = sum(alpha ** i for i in range(1, whole + 1)) + part * alpha ** (whole + 1)
+        low, high = (alpha, high) if expected < mean else (low, alpha)
+    return round((low + high) / 2, 4)
 
 
 def goodput(result: SimResult) -> float:

@@ -30,6 +30,12 @@ SEARCH_SPACE: dict[str, list] = {
 }
 
 
+def speculation_space(max_k: int = 6) -> list:
+    """``speculative_config`` values for the search (off, or n-gram with k draft tokens): the tuner
+    tries them when it is given the workload's ``acceptance`` (``simulate.fit_acceptance``)."""
+    return [None, *({"method": "ngram", "num_speculative_tokens": k} for k in range(1, max_k + 1))]
+
+
 @dataclass
 class Trial:
     options: dict
@@ -95,12 +101,16 @@ def pareto_front(trials: list[Trial]) -> list[Trial]:
 
 def tune(workload: Workload | list[SimRequest], profile: Profile, slos: dict[str, float], *,
          space: dict[str, list] | None = None, base_options: dict | None = None, max_rounds: int = 4,
-         noise: bool = True, seed: int = 0, progress: bool = True) -> TuneResult:
+         noise: bool = True, seed: int = 0, progress: bool = True, acceptance: float | None = None) -> TuneResult:
     """Search ``space`` (default ``SEARCH_SPACE``) for the options with the highest goodput.
-    ``base_options``: options held fixed and the starting point (default: the engine's defaults)."""
+    ``base_options``: options held fixed and the starting point (default: the engine's defaults).
+    ``acceptance``: speculative decoding's acceptance on this workload; given, the search decides
+    k or off too (``speculation_space``)."""
     if not slos:
         raise ValueError("slos: give at least one, e.g. {'ttft_ms': 2000, 'itl_ms': 100}")
-    space = space or SEARCH_SPACE
+    space = dict(space or SEARCH_SPACE)
+    if acceptance is not None and "speculative_config" not in space:
+        space["speculative_config"] = speculation_space()
     unknown = set(space) - set(EngineArgs.__dataclass_fields__)
     if unknown:
         raise ValueError(f"space: not engine options: {sorted(unknown)}")
@@ -110,7 +120,7 @@ def tune(workload: Workload | list[SimRequest], profile: Profile, slos: dict[str
     def trial(options: dict) -> Trial:
         key = tuple(sorted((k, repr(v)) for k, v in options.items()))
         if key not in cache:
-            cache[key] = _trial(workload, profile, slos, options, noise, seed)
+            cache[key] = _trial(workload, profile, slos, options, noise, seed, acceptance or 0.0)
             bar.update()
         return cache[key]
 
@@ -142,9 +152,10 @@ def _ttft_p99(t: Trial) -> float:
     return math.inf if value is None else value
 
 
-def _trial(workload, profile: Profile, slos: dict, options: dict, noise: bool, seed: int) -> Trial:
+def _trial(workload, profile: Profile, slos: dict, options: dict, noise: bool, seed: int, acceptance: float) -> Trial:
     try:
-        result: SimResult = simulate(workload, profile, slos=slos, noise=noise, seed=seed, **options)
+        result: SimResult = simulate(workload, profile, slos=slos, noise=noise, seed=seed, acceptance=acceptance,
+                                     **options)
     except ValueError as e:                   # e.g. max_num_batched_tokens < max_num_seqs
         return Trial(dict(options), -math.inf, error=str(e))
     return Trial(dict(options), goodput(result), result.summary())

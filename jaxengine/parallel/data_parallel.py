@@ -95,11 +95,12 @@ class DataParallelEngine:
         replica = self._replica_of(request_id)
         return replica is not None and replica.abort(request_id)
 
-    def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+    def finish_sequence(self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None,
+                        num_output_tokens: int | None = None) -> None:
         """On the replica holding the sequence's request (none if it already finished)."""
         replica = self._replica_of(seq.request.request_id)
         if replica is not None:
-            replica.finish_sequence(seq, status, stop_reason)
+            replica.finish_sequence(seq, status, stop_reason, num_output_tokens)
 
     def _replica_of(self, request_id: str) -> Engine | None:
         return next((r for r in self.replicas if r.has_request(request_id)), None)
@@ -193,15 +194,22 @@ class DataParallelEngine:
             kv_usage=s.kv_usage, num_prefix_hit_tokens=total("num_prefix_hit_tokens"), num_waiting=s.num_waiting,
             num_running=s.num_running, num_swapped=s.num_swapped, step_s=round_seconds(step_s),
             host_s=round_seconds(step_s - device_wait_s), device_idle_s=round_seconds(total("device_idle_s")),
-            expert_tokens=_summed_expert_tokens(traces))
+            expert_tokens=_summed_per_index(traces, "expert_tokens"), num_drafts=total("num_drafts"),
+            num_draft_tokens=total("num_draft_tokens"),
+            num_accepted_tokens=total("num_accepted_tokens"),
+            accepted_per_position=_summed_per_index(traces, "accepted_per_position"))
         if self.traces is not None:
             self.traces.append(self.last_trace)
         self.num_steps += 1
 
-def _summed_expert_tokens(traces: list[StepTrace]) -> tuple[int, ...]:
-    """Each expert's tokens over the replicas (an empty step's record has none)."""
-    loads = [t.expert_tokens for t in traces if t.expert_tokens]
-    return tuple(map(sum, zip(*loads))) if loads else ()
+def _summed_per_index(traces: list[StepTrace], name: str) -> tuple[int, ...]:
+    """A per-index count (each expert's tokens, each draft position's acceptances) summed over
+    the replicas; a replica's record without it counts zeros."""
+    counts = [getattr(t, name) for t in traces if getattr(t, name)]
+    if not counts:
+        return ()
+    width = max(map(len, counts))
+    return tuple(sum(c[i] for c in counts if i < len(c)) for i in range(width))
 
 
 def _completes(replica: Engine) -> bool:

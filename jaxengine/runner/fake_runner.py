@@ -15,6 +15,7 @@ import zlib
 import numpy as np
 
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxengine.spec_decode.verify import accepted_tokens
 
 UNWRITTEN = -1
 
@@ -35,14 +36,32 @@ class HashRunner:
         sampled, logprobs = [], []
         for seq_id, start, n, k in zip(out.seq_ids, out.num_computed_tokens, out.num_scheduled_tokens,
                                        out.num_samples):
+            draft = out.draft_token_ids.get(seq_id)
+            if draft:
+                self._verify(seq_id, start, draft, sampled, logprobs)
+                continue
             self._write(seq_id, start, n)
             sampled.append([self._sample(seq_id, start + n, i) for i in range(k)])
             top_k = self.num_logprobs[seq_id]
             logprobs.append(None if top_k is None else [self._top(seq_id, start + n, i, top_k) for i in range(k)])
-        for seq_id, tokens in zip(out.seq_ids, sampled):
-            if tokens:   # at a fork the leader keeps the first sample; siblings arrive as new
-                self.tokens[seq_id].append(tokens[0])
+            if sampled[-1]:   # at a fork the leader keeps the first sample; siblings arrive as new
+                self.tokens[seq_id].append(sampled[-1][0])
         return ModelRunnerOutput(sampled, logprobs if any(row is not None for row in logprobs) else None)
+
+    def _verify(self, seq_id: int, start: int, draft: list[int], sampled: list, logprobs: list) -> None:
+        """A row with a draft: its input token and the draft are written, each position samples
+        from the context read back through the block table, and the row outputs what
+        ``spec_decode.verify`` accepts (so a rejected draft's KV left in a block shows up as a
+        wrong token in a later step if the scheduler ever counted it as computed)."""
+        tokens = self.tokens[seq_id]
+        tokens[start + 1:] = draft
+        self._write(seq_id, start, 1 + len(draft))
+        samples = [self._sample(seq_id, start + 1 + j, 0) for j in range(len(draft) + 1)]
+        kept = accepted_tokens(draft, samples)
+        tokens[start + 1:] = kept
+        sampled.append(kept)
+        top_k = self.num_logprobs[seq_id]
+        logprobs.append(None if top_k is None else [self._top(seq_id, start + 1 + j, 0, top_k) for j in range(len(kept))])
 
     def _sync_state(self, out: SchedulerOutput) -> None:
         for seq_id in (*out.finished_seq_ids, *out.preempted_seq_ids):

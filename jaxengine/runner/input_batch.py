@@ -120,6 +120,7 @@ class InputBatch:
         n = np.asarray(out.num_scheduled_tokens, np.int32)
         samples = np.asarray(out.num_samples, np.int32)
         computed = np.asarray(out.num_computed_tokens, np.int32)
+        drafted = self._write_drafts(out, slots, computed)
         num_rows, num_tokens, num_samples = len(slots), int(n.sum()), int(samples.sum())
         t_pad, b_pad = step_bucket(num_tokens, max(num_rows, num_samples), self.token_buckets, self.request_buckets)
         ends, seq_lens = np.cumsum(n), computed + n
@@ -128,9 +129,23 @@ class InputBatch:
         pos = np.arange(num_tokens) - (ends - n)[token_row] + computed[token_row]
         input_ids, prev_index = self._input_ids(token_slot, pos, ends, out.previous_sample_rows, t_pad)
         attention = self._attention(slots, token_slot, pos, ends, seq_lens, t_pad, b_pad)
-        sampling, logits_indices = self._sampling(slots, samples, ends, seq_lens, b_pad, out.token_bitmask)
+        sampling, logits_indices = self._sampling(slots, samples, ends, seq_lens, b_pad, out.token_bitmask, drafted)
         want, target = self._prompt_logprob_targets(token_slot, pos, t_pad)
         return StepInputs(input_ids, prev_index, attention, logits_indices, sampling, want, target, num_samples), slots
+
+    def _write_drafts(self, out: SchedulerOutput, slots: np.ndarray, computed: np.ndarray) -> np.ndarray | None:
+        """Rows with draft tokens (speculative decoding): the drafts go into the token buffer after
+        the row's input token; returns which rows carry one (None: no row does)."""
+        if not out.draft_token_ids:
+            return None
+        drafted = np.zeros(len(slots), bool)
+        for i, seq_id in enumerate(out.seq_ids):
+            draft = out.draft_token_ids.get(seq_id)
+            if draft:
+                start = computed[i] + 1
+                self.tokens[slots[i], start:start + len(draft)] = draft
+                drafted[i] = True
+        return drafted
 
     def _input_ids(self, token_slot, pos, ends, previous_sample_rows: list[int], t_pad: int):
         input_ids = np.zeros(t_pad, np.int32)
@@ -156,27 +171,35 @@ class InputBatch:
         block_tables[:num_rows] = self.block_tables[slots]
         return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables)
 
-    def _sampling(self, slots, samples, ends, seq_lens, b_pad: int,
-                  token_bitmask: np.ndarray | None = None) -> tuple[SamplingMetadata, np.ndarray]:
-        """Per sample row (a fork row samples the group's n streams 0..n-1, other rows their own).
-        Fields of one dtype are rows of one array: few allocations on the per-step path."""
+    def _sampling(self, slots, samples, ends, seq_lens, b_pad: int, token_bitmask: np.ndarray | None = None,
+                  drafted: np.ndarray | None = None) -> tuple[SamplingMetadata, np.ndarray]:
+        """Per sample row (a fork row samples the group's n streams 0..n-1; a row with a draft
+        samples each of its positions, each with its own output position's stream; other rows
+        their own). Fields of one dtype are rows of one array: few allocations on the per-step path."""
         sample_row = np.repeat(np.arange(len(slots)), samples)
         s, r = slots[sample_row], len(sample_row)
         floats = np.zeros((7, b_pad), np.float32)
         floats[(1, 5, 6), :] = 1.0                         # padding: top_p, repetition penalty off; logprobs at 1
         floats[:, :r] = self.float_params[:, s]
         ints = np.zeros((4, b_pad), np.int32)              # logits index, top_k, sample index, step
-        ints[0, :r] = ends[sample_row] - 1
         ints[1, :r] = self.top_k[s]
         ints[2, :r] = self.sample_index[s]
+        back = 0                                           # a draft's sample rows: positions before the row's last
         if r and samples.max() > 1:
             within = np.arange(r) - (np.cumsum(samples) - samples)[sample_row]
-            ints[2, :r] = np.where(samples[sample_row] > 1, within, ints[2, :r])
-        ints[3, :r] = seq_lens[sample_row] - self.num_prompt_tokens[s]
+            forks = samples[sample_row] > 1
+            if drafted is not None:
+                spec = drafted[sample_row]
+                back = np.where(spec, samples[sample_row] - 1 - within, 0)
+                forks &= ~spec
+            ints[2, :r] = np.where(forks, within, ints[2, :r])
+        ints[0, :r] = ends[sample_row] - 1 - back
+        sample_lens = seq_lens[sample_row] - back          # the context each sample row samples after
+        ints[3, :r] = sample_lens - self.num_prompt_tokens[s]
         seed, want = np.zeros((b_pad, 2), np.uint32), np.zeros(b_pad, bool)
         seed[:r], want[:r] = self.seed[s], self.num_logprobs[s] >= 0
         bias_ids, bias_values = self._logit_bias(s, b_pad)
-        history, num_prompt, num_history = self._history(s, seq_lens[sample_row], floats[3:6, :r], b_pad)
+        history, num_prompt, num_history = self._history(s, sample_lens, floats[3:6, :r], b_pad)
         md = SamplingMetadata(
             temperature=floats[0], top_p=floats[1], top_k=ints[1], min_p=floats[2], seed=seed, sample_index=ints[2],
             step=ints[3], want_logprobs=want, presence_penalty=floats[3], frequency_penalty=floats[4],
@@ -185,15 +208,15 @@ class InputBatch:
             **self._token_bitmask(token_bitmask, sample_row, b_pad))
         return md, ints[0]
 
-    def _token_bitmask(self, rows_bitmask: np.ndarray | None, sample_row, b_pad: int) -> dict:
-        """Structured output's allowed tokens per sample row (a fork's samples share their row's);
+    def _token_bitmask(self, samples_bitmask: np.ndarray | None, sample_row, b_pad: int) -> dict:
+        """Structured output's allowed tokens per sample row (``StructuredOutputManager.fill_bitmask``);
         in steps without a grammar, the device's all-allowed mask."""
         constrained = np.zeros(b_pad, bool)
-        if rows_bitmask is None:
+        if samples_bitmask is None:
             return {"token_bitmask": self._device_full((b_pad, self.bitmask_words), ALL_ALLOWED),
                     "constrained": constrained}
         bitmask = np.full((b_pad, self.bitmask_words), ALL_ALLOWED, np.int32)
-        bitmask[:len(sample_row)] = rows_bitmask[sample_row]
+        bitmask[:len(sample_row)] = samples_bitmask
         constrained[:len(sample_row)] = True
         return {"token_bitmask": bitmask, "constrained": constrained}
 
@@ -246,12 +269,22 @@ class InputBatch:
             array = self._zeros.setdefault(key, jax.device_put(np.full(shape, value, dtype), self.placement))
         return array
 
-    def record_samples(self, out: SchedulerOutput, slots: np.ndarray, tokens: np.ndarray) -> None:
+    def record_samples(self, out: SchedulerOutput, slots: np.ndarray, tokens: np.ndarray,
+                       verified: list[list[int]] | None = None) -> None:
         """A step's sampled tokens (a fork row's first, the leader's) join the token buffer after
-        each sampling row's tokens, for sequences still in the slot the step used."""
+        each sampling row's tokens, for sequences still in the slot the step used. A row with a
+        draft (``verified``: each row's output tokens) ends after its accepted drafts, which the
+        buffer already holds: its last output token goes after them."""
         samples = np.asarray(out.num_samples)
         rows = np.flatnonzero(samples > 0)
         seq_ids, slot_of = out.seq_ids, self.slot_of
         rows = rows[np.fromiter((slot_of.get(seq_ids[i]) == slots[i] for i in rows), bool, len(rows))]
         positions = np.asarray(out.num_computed_tokens)[rows] + np.asarray(out.num_scheduled_tokens)[rows]
-        self.tokens[slots[rows], positions] = tokens[(np.cumsum(samples) - samples)[rows]]
+        values = tokens[(np.cumsum(samples) - samples)[rows]]
+        if out.draft_token_ids:
+            for j, i in enumerate(rows.tolist()):
+                draft = out.draft_token_ids.get(seq_ids[i])
+                if draft:
+                    positions[j] -= len(draft) + 1 - len(verified[i])
+                    values[j] = verified[i][-1]
+        self.tokens[slots[rows], positions] = values

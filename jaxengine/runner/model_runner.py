@@ -29,6 +29,7 @@ from jaxengine.runner.kv_cache import BlockMover
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.sampler import SamplerOutput, logprobs_of, sample
 from jaxengine.sampling_params import MAX_LOGPROBS
+from jaxengine.spec_decode.verify import verify_drafts
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05      # an empty step waits this long at most for buckets still compiling
@@ -327,12 +328,14 @@ class ModelRunner:
             tokens = np.asarray(result.token_ids)[:inputs.num_sample_rows]
         self._last_ready = time.perf_counter()
         self.device_wait_s += self._last_ready - wait
-        self.batch.record_samples(out, slots, tokens)
         samples = np.asarray(out.num_samples, np.int32)
         first = np.cumsum(samples) - samples
         tolist = tokens.tolist()
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
-        return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples),
+        if out.draft_token_ids:
+            sampled = verify_drafts(out, sampled)
+        self.batch.record_samples(out, slots, tokens, sampled)
+        return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples, sampled),
                                  self._prompt_logprobs(inputs, slots, out, prompt_lp),
                                  tuple(np.asarray(expert_tokens).tolist()))
 
@@ -365,8 +368,9 @@ class ModelRunner:
             start += n
         return rows
 
-    def _logprobs(self, slots: np.ndarray, result: SamplerOutput, first, samples) -> list | None:
-        """Per row, for requests that asked for logprobs: per sample (logprob, {token: logprob} top-k)."""
+    def _logprobs(self, slots: np.ndarray, result: SamplerOutput, first, samples, sampled) -> list | None:
+        """Per row, for requests that asked for logprobs: per sample (logprob, {token: logprob} top-k);
+        a row with a draft: per token it outputs."""
         ks = self.batch.num_logprobs[slots]
         if not (ks >= 0).any():
             return None
@@ -375,5 +379,5 @@ class ModelRunner:
         for i in np.flatnonzero(ks >= 0):
             k = int(ks[i])
             rows[i] = [(float(lp[r]), dict(zip(ids[r, :k].tolist(), top[r, :k].tolist())))
-                       for r in range(first[i], first[i] + samples[i])]
+                       for r in range(first[i], first[i] + min(samples[i], len(sampled[i])))]
         return rows

@@ -59,6 +59,13 @@ class EngineMetrics:
         self.expert_tokens = Counter("jaxengine:expert_tokens", "Tokens routed to each expert of a mixture of "
                                      "experts, summed over its layers (a hot expert stands out).",
                                      ["model_name", "expert"], registry=r)
+        # Speculative decoding, vLLM's spec_decode names (acceptance rate = accepted / draft tokens).
+        self.spec_drafts = counter("spec_decode_num_drafts", "Rows that carried draft tokens (speculative decoding).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter(
+            "jaxengine:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position.",
+            ["model_name", "position"], registry=r)
         self._seen_queries = self._seen_hits = 0
         self.replicas = ReplicaMetrics(model_name, r)
         self.dashboard = DashboardCollector()
@@ -73,6 +80,12 @@ class EngineMetrics:
             self.step_tokens.observe(tokens)
         for expert, count in enumerate(trace.expert_tokens):
             self.expert_tokens.labels(self.model_name, str(expert)).inc(count)
+        if trace.num_draft_tokens:
+            self.spec_draft_tokens.inc(trace.num_draft_tokens)
+            self.spec_accepted_tokens.inc(trace.num_accepted_tokens)
+            self.spec_drafts.inc(trace.num_drafts)
+            for position, count in enumerate(trace.accepted_per_position):
+                self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(count)
         self._set_state(engine)
 
     def on_tokens(self, request: Request, num_tokens: int, itl: float | None) -> None:

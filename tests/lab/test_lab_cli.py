@@ -30,6 +30,21 @@ def test_simulate_writes_a_bench_style_result_and_its_figures(tmp_path, profile_
     assert "simulated in" in capsys.readouterr().out
 
 
+def test_simulate_speculation_with_an_acceptance_fitted_to_a_trace(tmp_path, profile_file):
+    """The trace of one simulated run gives back its acceptance; a second run fitted to it."""
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    common = ["simulate", "--profile", profile_file, "--num-requests", "4", "--input-len", "16", "--output-len",
+              "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--no-noise"]
+    main([*common, "--acceptance", "0.75", "--result-file", str(first)])
+    trace = json.loads(first.read_text())["trace"]
+    assert sum(t["num_draft_tokens"] for t in trace) > 0
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trace))
+    main([*common, "--acceptance-from-trace", str(tmp_path / "t.jsonl"), "--result-file", str(second)])
+    result = json.loads(second.read_text())
+    assert abs(result["config"]["acceptance"] - 0.75) < 0.1
+    assert result["config"]["engine_options"]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+
+
 def test_tune_prints_the_serve_flags(tmp_path, profile_file, capsys):
     out = tmp_path / "tune.json"
     main(["tune", "--profile", profile_file, "--num-requests", "60", "--input-len", "32", "--output-len", "8",

@@ -175,3 +175,28 @@ def test_the_result_draws_the_bench_figures(tmp_path):
     assert result.to_dict()["simulated"] is True
     row = result.summary()
     assert row["requests"] == 30 and math.isfinite(row["ttft_p99_ms"])
+
+
+def test_speculation_is_simulated_with_its_acceptance_and_the_gate_switches_it_off_where_it_costs():
+    """Batch 1 on a profile where a step of 8 tokens costs 1.5 x one of 1: speculation with a high
+    acceptance shortens the run by the steps it saves; at batch 32, where drafts move the step
+    to a bucket that costs 3 x, the gate keeps it off (within 3% of no speculation). The
+    acceptance fitted to the run's own trace is the one it ran with."""
+    from jaxengine.lab.simulate import fit_acceptance
+
+    profile = CostProfile({1: [0.010, 0, 0, 0, 0], 2: [0.011, 0, 0, 0, 0], 4: [0.012, 0, 0, 0, 0],
+                           8: [0.015, 0, 0, 0, 0], 32: [0.020, 0, 0, 0, 0], 64: [0.060, 0, 0, 0, 0],
+                           128: [0.120, 0, 0, 0, 0]}, num_gpu_blocks=4000, noise=None)
+    options = dict(block_size=16, max_num_batched_tokens=128, max_num_seqs=64, token_buckets=[1, 2, 4, 8, 32, 64, 128])
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    one = [SimRequest(0.0, prompt(8), 200)]
+    off = simulate(one, profile, noise=False, **options)
+    on = simulate(one, profile, noise=False, acceptance=0.8, speculative_config=spec, **options)
+    assert on.metrics["total_output_tokens"] == off.metrics["total_output_tokens"] == 200
+    assert on.metrics["duration_s"] < 0.5 * off.metrics["duration_s"]
+    assert fit_acceptance(on.trace) == pytest.approx(0.8, abs=0.06)
+    many = [SimRequest(0.0, prompt(8, 10 * i), 100) for i in range(32)]
+    off = simulate(many, profile, noise=False, **options)
+    on = simulate(many, profile, noise=False, acceptance=0.8, speculative_config=spec, **options)
+    assert on.metrics["duration_s"] <= 1.03 * off.metrics["duration_s"]
+    assert sum(t["speculation_gain"] == 1.0 for t in on.trace) > 0.8 * len(on.trace)

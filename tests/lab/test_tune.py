@@ -55,3 +55,22 @@ def test_bad_arguments_name_what_is_wrong():
         tune(WORKLOAD, CLIFF, {}, progress=False)
     with pytest.raises(ValueError, match="not engine options"):
         tune(WORKLOAD, CLIFF, SLOS, space={"max_num_tokens": [1]}, progress=False)
+
+
+def test_given_an_acceptance_the_tuner_decides_speculation():
+    """Requests one at a time under a TPOT SLO that plain decoding (10 ms a token) misses and
+    speculation at a high acceptance meets; at acceptance 0 speculation only costs and stays off."""
+    from jaxengine.lab.tune import speculation_space
+    from jaxengine.lab.workload import SimRequest
+
+    profile = CostProfile({1: [0.010, 0, 0, 0, 0], 8: [0.012, 0, 0, 0, 0], 64: [0.05, 0, 0, 0, 0]},
+                          num_gpu_blocks=4000, noise=None)
+    requests = [SimRequest(2.0 * i, tuple(range(8 * i + 1, 8 * i + 9)), 64) for i in range(4)]
+    space = {"speculative_config": speculation_space(4)}
+    options = dict(max_num_batched_tokens=64, token_buckets=[1, 2, 4, 8, 16, 32, 64])
+    high = tune(requests, profile, {"tpot_ms": 8}, space=space, base_options=options, progress=False, acceptance=0.9,
+                noise=False)
+    assert high.best.options["speculative_config"] is not None and high.best.goodput > high.default.goodput == 0
+    none = tune(requests, profile, {"tpot_ms": 12}, space=space, base_options=options, progress=False, acceptance=0.0,
+                noise=False)
+    assert none.best.options["speculative_config"] is None

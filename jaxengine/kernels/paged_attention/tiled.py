@@ -1,9 +1,10 @@
 """Paged attention in plain jnp, organised for speed on the CPU (the engine's CPU path).
 
-The reference reads every context page once per query token. Here decode tokens (rows with one
-query) go one by one, compacted to at most B of them, through ``cpu_decode``'s compiled kernel
-where it serves the layer (the jnp loop below otherwise), while prefill rows are cut into
-query tiles of ``q_tile`` tokens that read each page once per tile. Whichever part a step does
+The reference reads every context page once per query token. Here the tokens of short rows (a
+decode, a decode with its speculative draft tokens: at most ``SHORT_ROW`` queries) go one by one,
+compacted, through ``cpu_decode``'s compiled kernel where it serves the layer (the jnp loop below
+otherwise), each attending to its own causal length; longer (prefill) rows are cut into query
+tiles of ``q_tile`` tokens that read each page once per tile. Whichever part a step does
 not need is skipped at run time (``lax.cond``). Tested against ``reference.paged_attention``.
 
 Tiles (decode tokens are tiles of one) are sorted by their furthest query position and attended
@@ -26,6 +27,8 @@ import jax.numpy as jnp
 from jaxengine.kernels.paged_attention import cpu_decode, online_softmax
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
+SHORT_ROW = 8       # rows of at most this many queries attend token by token (the decode kernel)
+
 
 def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
                           scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
@@ -42,9 +45,10 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     attend = dict(k_cache=k_cache, v_cache=v_cache, md=md, sliding_window=sliding_window, soft_cap=soft_cap,
                   sinks=sinks, pages_per_step=pages_per_step, group_size=group_size)
 
-    # Decode tokens: one query per tile, at most B of them.
-    is_decode = jnp.repeat(q_lens == 1, q_lens, total_repeat_length=num_tokens)
-    dec_idx = jnp.nonzero(is_decode, size=num_rows, fill_value=num_tokens)[0]
+    # Short rows' tokens: one query per tile, at most min(T, B * SHORT_ROW) of them.
+    short = (q_lens >= 1) & (q_lens <= SHORT_ROW)
+    is_decode = jnp.repeat(short, q_lens, total_repeat_length=num_tokens)
+    dec_idx = jnp.nonzero(is_decode, size=min(num_tokens, num_rows * SHORT_ROW), fill_value=num_tokens)[0]
     if cpu_decode.serves(q, k_cache) if decode_kernel is None else decode_kernel:
         decode = functools.partial(_decode_in_place, qg, dec_idx, k_cache, v_cache, md,
                                    sliding_window=sliding_window, soft_cap=soft_cap,
@@ -54,7 +58,7 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)
 
     # Prefill rows: tiles of q_tile consecutive queries of one row.
-    tiles_per_row = jnp.where(q_lens > 1, (q_lens + q_tile - 1) // q_tile, 0)
+    tiles_per_row = jnp.where(q_lens > SHORT_ROW, (q_lens + q_tile - 1) // q_tile, 0)
     num_tiles = num_tokens // q_tile + num_rows                          # static bound
     ends = jnp.cumsum(tiles_per_row)
     tile = jnp.arange(num_tiles)
@@ -68,8 +72,8 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
 
 def _decode_in_place(qg: jax.Array, dec_idx: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      md: AttentionMetadata, out: jax.Array, **kw) -> jax.Array:
-    """The decode tokens dec_idx [B] (index T = none) through the compiled kernel, their rows'
-    pages read in place."""
+    """The short rows' tokens dec_idx [n] (index T = none) through the compiled kernel, their rows'
+    pages read in place, each token over its own causal length."""
     num_tokens = qg.shape[0]
     safe = jnp.minimum(dec_idx, num_tokens - 1)
     rows = jnp.minimum(md.token_rows[safe], md.block_tables.shape[0] - 1)

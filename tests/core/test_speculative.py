@@ -1,0 +1,144 @@
+"""Speculative decoding on the host: the n-gram proposer, and the scheduler with drafts over random
+workloads and configurations with the KV-simulating runner (whose tokens hash the context read
+back through the block table, so a rejected draft counted as computed, a wrong rollback or a
+stale block changes the tokens). Outputs equal those without speculation; after every step the
+invariants of the property tests hold, every row's draft fits its budget, max_num_seqs counts the
+drafts' sample rows, and the prefix cache's hashes are those of the sequences' own tokens (no
+rejected token in any hash); at the end every block is free."""
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tests.core.test_scheduler_properties as props
+from jaxengine.config import SpeculativeConfig
+from jaxengine.core.block_hash import extend_block_hashes
+from jaxengine.spec_decode.ngram import NgramProposer
+from jaxengine.spec_decode.verify import accepted_tokens
+from tests.core.test_scheduler_properties import (REFERENCE, SETTINGS, Spec, assert_all_released, check_invariants,
+                                                  configs, run_workload, specs)
+
+SPEC_VOCAB = 5          # a tiny vocabulary: n-grams recur and drafts get accepted
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    p = NgramProposer(3, prompt_lookup_max=3, prompt_lookup_min=1)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]) == [7, 5, 1]        # the 3-gram's latest match
+    assert p.propose([4, 2, 3, 8, 8, 1, 2, 3]) == [8, 8, 1]                    # 2-gram "2 3"
+    assert p.propose([5, 6, 7, 8]) == []                                       # nothing recurs
+    assert p.propose([1, 2, 1, 2], max_tokens=1) == [1]                        # cut to what is left
+    assert p.propose([7, 7]) == [7]                                            # all that follows
+    assert p.propose([1, 1, 1, 1, 1, 1]) == [1, 1, 1]                          # a run: a match 3 tokens follow
+    assert p.propose([3, 1, 1, 4, 1, 1]) == [4, 1, 1]                          # the latest with 3 after it
+    assert p.propose([5, 1, 1, 6, 1, 1, 1]) == [6, 1, 1]                       # none whole: the earliest
+    assert NgramProposer(4, 4, 2).propose([3, 1, 5, 3, 1]) == [5, 3, 1]        # min 2: "3 1"
+    assert NgramProposer(4, 4, 2).propose([3, 9, 5, 3]) == []                  # a 1-gram is too short
+
+
+def test_verification_keeps_the_confirmed_drafts_then_the_first_other_sample():
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]            # all, and the bonus token
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accepted_tokens([5, 6, 7], [4, 6, 7, 8]) == [4]
+
+
+def spec_configs(draw):
+    k = draw(st.integers(1, 5))
+    low = draw(st.integers(1, 2))
+    return SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=low,
+                             prompt_lookup_max=draw(st.integers(low, 4)))
+
+
+def check_speculation(h) -> None:
+    out, cfg = h.last, h.config.scheduler
+    check_invariants(h)
+    assert sum(out.num_samples) <= cfg.max_num_seqs                      # drafts' sample rows included
+    for seq, n, samples in zip(out.scheduled_seqs, out.num_scheduled_tokens, out.num_samples):
+        draft = out.draft_token_ids.get(seq.seq_id)
+        if draft:
+            assert n == samples == 1 + len(draft) and not seq.request.waits_for_tokens
+    for group in h.scheduler.running:
+        for seq in group.live_seqs:
+            hashes = extend_block_hashes([], seq.token_ids, seq.num_cached_blocks, h.kv.block_size,
+                                         seq.request.cache_salt)
+            assert seq.block_hashes[:seq.num_cached_blocks] == hashes[:seq.num_cached_blocks]
+
+
+@SETTINGS
+@given(st.data())
+def test_outputs_with_speculation_equal_those_without(data):
+    workload = data.draw(specs(with_aborts=False))
+    config = {**data.draw(configs(workload)), "speculative": spec_configs(data.draw)}
+    old, props.VOCAB = props.VOCAB, SPEC_VOCAB
+    try:
+        expected = run_workload(workload, REFERENCE, check=False).outputs()
+        h = run_workload(workload, config, observe=lambda h, step: check_speculation(h))
+    finally:
+        props.VOCAB = old
+    assert h.outputs() == expected
+    assert_all_released(h)
+
+
+def test_drafts_are_accepted_rolled_back_and_preempted_over_a_tiny_pool():
+    """A fixed workload where drafts are accepted and rejected, sequences are preempted (recompute
+    and swap) and prompts hit the prefix cache: the same outputs as without speculation."""
+    workload = [Spec(f"r{i}", (1, 2, 3, 1, 2, 3, 1, 2)[:3 + i % 5] + (i % 4,), 24, 1 + (i % 3 == 0), 0, i // 2, 0,
+                     i != 5, None) for i in range(8)]
+    config = dict(block_size=2, num_gpu_blocks=30, num_cpu_blocks=16, watermark=0.0, enable_prefix_caching=True,
+                  max_num_batched_tokens=20, max_num_seqs=6, max_model_len=256, enable_chunked_prefill=True,
+                  long_prefill_token_threshold=0, max_num_partial_prefills=2, policy="fcfs", preemption_mode="auto")
+    traces = []
+    old, props.VOCAB = props.VOCAB, SPEC_VOCAB
+    try:
+        expected = run_workload(workload, REFERENCE, check=False).outputs()
+        h = run_workload(workload, {**config, "speculative": SpeculativeConfig(num_speculative_tokens=3,
+                                                                                prompt_lookup_min=1)},
+                         observe=lambda h, step: (check_speculation(h), traces.append(h.engine.last_trace)))
+    finally:
+        props.VOCAB = old
+    assert h.outputs() == expected
+    drafted, accepted = sum(t.num_draft_tokens for t in traces), sum(t.num_accepted_tokens for t in traces)
+    assert 0 < accepted < drafted
+    assert sum(t.num_preemptions for t in traces) > 0 and sum(t.num_prefix_hit_tokens for t in traces) > 0
+    assert_all_released(h)
+
+
+def test_a_speculating_engine_does_not_run_ahead():
+    from tests.helpers import Harness
+
+    h = Harness(async_scheduling=True, speculative=SpeculativeConfig(prompt_lookup_min=1))
+    h.add("a", [1, 2, 1, 2, 1], max_tokens=12)
+    h.run()
+    assert h.engine.num_run_ahead == 0 and h.requests["a"].is_finished
+    assert dataclasses.replace(h.config).speculative.num_speculative_tokens == 4
+
+
+def test_the_gate_speculates_where_its_measured_step_times_say_it_pays():
+    from jaxengine.spec_decode.gate import SpeculationGate, expected_accepted
+
+    gate = SpeculationGate(4, [1, 2, 4, 8, 16, 32, 64])
+    assert gate.choose(1, 1, [4]) == 4                     # nothing measured: try it
+    # Batch 1: a step of 1 token takes 20 ms, of 8 tokens 38 ms (this CPU's); acceptance 0.9.
+    gate.observe(1, 0.020, False, 0, 0)
+    gate.observe(8, 0.038, False, 0, 0)
+    gate.observe(2, 0.5, True, 0, 0)                       # a prefill step: not a decode's time
+    assert gate.step_s == {1: 0.020, 8: 0.038}
+    gate.observe(1, 0.020, False, 36, 40)
+    assert gate.alpha == 0.9
+    assert gate.choose(1, 1, [4]) == 3                     # bucket 4 not measured: priced as bucket 1's
+    gate.observe(4, 0.034, False, 0, 0)
+    assert gate.choose(1, 1, [4]) == 4 and gate.last_gain > 1
+    assert round(gate.last_gain, 3) == round((1 + expected_accepted(0.9, 4)) / 0.038 / (1 / 0.020), 3)
+    # Batch 32: the drafts take the step from 32 to 64 tokens (all the budget leaves), which costs
+    # three times as much.
+    gate.observe(32, 0.100, False, 0, 0)
+    gate.observe(64, 0.300, False, 0, 0)
+    assert gate.choose(32, 32, [4] * 32, max_draft_tokens=32) == 0 and gate.last_gain == 1.0
+    # A low acceptance switches it off at batch 1 too.
+    for _ in range(40):
+        gate.observe(1, 0.020, False, 1, 20)
+    assert gate.alpha < 0.1 and gate.choose(1, 1, [4]) == 1      # bucket 2 not measured: try it
+    gate.observe(2, 0.025, False, 0, 0)
+    assert gate.choose(1, 1, [4]) == 0
+    assert gate.choose(1, 1, []) == 0 and gate.last_gain == 0.0
