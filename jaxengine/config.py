@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -89,13 +89,16 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` names). ``ngram``: prompt lookup, on the
     host, in the request's own tokens: the latest earlier occurrence of its last n tokens (n from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``) proposes the ``num_speculative_tokens``
-    that followed it. The target model verifies every proposal in the next step, so outputs are
-    the target's own (``spec_decode/verify.py``)."""
+    that followed it. ``draft_model``: ``model``, a smaller checkpoint with the model's vocabulary,
+    proposes them greedily on the device from its own KV cache (``runner/drafter.py``). The target
+    model verifies every proposal in the next step, so outputs are the target's own
+    (``spec_decode/verify.py``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS, "speculative_config.method",
@@ -107,6 +110,11 @@ class SpeculativeConfig:
         _require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
                  "speculative_config.prompt_lookup_max",
                  f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+        if self.method == "draft_model":
+            _require(bool(self.model), "speculative_config.model", "the draft model's checkpoint is required with "
+                     "method draft_model")
+        else:
+            _require(self.model is None, "speculative_config.model", f"only for method draft_model, not {self.method!r}")
 
     @classmethod
     def from_dict(cls, spec: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

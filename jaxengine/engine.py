@@ -101,8 +101,10 @@ class Engine:
         self.structured = StructuredOutputManager(grammar_compiler)     # None: structured output refused
         self.runner = runner
         self.eos_token_id = eos_token_id
-        self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock, speculative=config.speculative,
-                                   token_buckets=getattr(runner, "token_buckets", None))
+        spec = config.speculative
+        drafter = getattr(runner, "drafter", None) if spec is not None and spec.method == "draft_model" else None
+        self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock, speculative=spec,
+                                   token_buckets=getattr(runner, "token_buckets", None), proposer=drafter)
         self.clock = clock
         self.async_scheduling = async_scheduling
         self.num_steps = 0

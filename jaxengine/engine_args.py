@@ -97,10 +97,12 @@ class EngineArgs:
         None, "step row counts compiled, comma-separated (default: powers of two up to --max-num-seqs)")
     speculative_config: dict | None = _option(
         None, "speculative decoding, a JSON object (vLLM's names): method (" + ", ".join(SPECULATIVE_METHODS)
-              + ": prompt lookup in the request's own tokens), num_speculative_tokens (draft tokens per step, "
-              "default 4), prompt_lookup_max / prompt_lookup_min (longest / shortest suffix looked up, default "
-              "4 / 2). Outputs are the model's own, verified token by token; requests with a grammar or a beam "
-              "search are not speculated (default: off)")
+              + "; ngram: prompt lookup in the request's own tokens; draft_model: a smaller checkpoint of the same "
+              "vocabulary, model, proposes greedily from its own KV cache beside the model's), "
+              "num_speculative_tokens (draft tokens per step, default 4), prompt_lookup_max / prompt_lookup_min "
+              "(ngram: longest / shortest suffix looked up, default 4 / 2). Outputs are the model's own, verified "
+              "token by token; beam search does not run with it; each step a gate measures whether drafts pay "
+              "(default: off)")
     tensor_parallel_size: int = _option(
         1, "devices each model replica is split over (tensor parallelism: attention heads, MLP columns and "
            "vocabulary split across them, the KV cache split by KV heads)")
@@ -201,15 +203,16 @@ class EngineArgs:
         return argv
 
     # ---- the frozen configs ----
-    def create_engine_config(self, model_config, kv_dtype=None, devices=None) -> EngineConfig:
+    def create_engine_config(self, model_config, kv_dtype=None, devices=None, draft_config=None) -> EngineConfig:
         """The engine's configuration for this model; the KV pool is sized for ``kv_dtype`` (default:
         the dtype ``auto`` resolves to with no checkpoint to read) unless ``num_kv_blocks`` fixes it.
         Under tensor parallelism a block costs each device its share of the KV heads, and the
-        budget is what the tightest of ``devices`` (default: the first device) has free."""
+        budget is what the tightest of ``devices`` (default: the first device) has free. With a
+        draft model (``draft_config``) a block holds its KV too."""
         from jaxengine.runner.kv_cache import num_blocks_for_budget
 
         mc = model_config
-        per_block = self.kv_bytes_per_block(mc, kv_dtype)
+        per_block = self.kv_bytes_per_block(mc, kv_dtype, draft_config)
         num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(
             kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices), per_block)
         num_cpu_blocks = int(self.swap_space * GiB) // (per_block * self.tensor_parallel_size)
@@ -221,15 +224,20 @@ class EngineArgs:
 
         return jnp.dtype(jnp.float8_e4m3fn) if self.kv_cache_dtype == "fp8" else jnp.dtype(dtype)
 
-    def kv_bytes_per_block(self, model_config, kv_dtype=None) -> int:
+    def kv_bytes_per_block(self, model_config, kv_dtype=None, draft_config=None) -> int:
         """What one KV block costs each device: its share of the KV heads (under tensor
-        parallelism, with the heads repeated when there are fewer than devices)."""
+        parallelism, with the heads repeated when there are fewer than devices), and of a draft
+        model's (``draft_config``), whose cache shares the block tables."""
         from jaxengine.models.mesh import kv_heads_per_device
         from jaxengine.runner.kv_cache import bytes_per_block
 
         kv_dtype = kv_dtype if kv_dtype is not None else self.resolve_kv_dtype(resolve_dtype(self.dtype, None))
-        heads = kv_heads_per_device(model_config, self.tensor_parallel_size)
-        return bytes_per_block(model_config.num_layers, self.block_size, heads, model_config.head_dim, kv_dtype)
+        total = 0
+        for cfg in (model_config, draft_config):
+            if cfg is not None:
+                heads = kv_heads_per_device(cfg, self.tensor_parallel_size)
+                total += bytes_per_block(cfg.num_layers, self.block_size, heads, cfg.head_dim, kv_dtype)
+        return total
 
     def step_buckets(self) -> tuple[list[int], list[int]]:
         """The token and row buckets the runner compiles: those given, else its defaults."""

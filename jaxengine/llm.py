@@ -94,6 +94,7 @@ class LLM:
         self._meshes = _replica_meshes(args.tensor_parallel_size, args.data_parallel_size)
         self.mesh = self._meshes[0]
         self._load(args, module, model_config, progress)
+        self._load_draft(args, progress)
         self._module_copies = _copies(module, len(self._meshes) - 1)    # before the first runner shards it
         check_model_kernels(self.model, self.model_config, args.block_size, self.dtype,
                             enabled=False if args.skip_kernel_check else None)
@@ -102,7 +103,8 @@ class LLM:
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_id())
         self.kv_dtype = args.resolve_kv_dtype(self.dtype)
-        self.config = args.create_engine_config(self.model_config, self.kv_dtype, list(self.mesh.devices.flat))
+        self.config = args.create_engine_config(self.model_config, self.kv_dtype, list(self.mesh.devices.flat),
+                                                self.draft_config)
         self._log_kv_cache()
         self.runner = self._runner(self.model, self.mesh, progress)   # the first replica's under data parallelism
         self.channel = None
@@ -110,8 +112,34 @@ class LLM:
             self.channel = StepChannel(self.runner, self.distributed)
             self.channel.warm_up()
 
+    def _load_draft(self, args: EngineArgs, progress: bool) -> None:
+        """The draft model of ``speculative_config`` method draft_model, on the model's mesh and in
+        its dtype; its vocabulary must be the model's."""
+        from jaxengine.config import SpeculativeConfig
+        from jaxengine.models.weights import load_model
+
+        self.draft_model = self.draft_config = None
+        spec = SpeculativeConfig.from_dict(args.speculative_config)
+        if spec is None or spec.method != "draft_model":
+            return
+        if args.data_parallel_size > 1 or self.distributed is not None:
+            raise ValueError("speculative_config.model: a draft model runs in one process on one replica "
+                             "(data_parallel_size 1, one process)")
+        start = time.perf_counter()
+        self.draft_model, self.draft_config = load_model(Path(spec.model), self.dtype, mesh=self.mesh,
+                                                         attention_fn=select_attention(args.attention_backend),
+                                                         **_layout(args))
+        if self.draft_config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft model's vocabulary has "
+                             f"{self.draft_config.vocab_size} tokens, the model's {self.model_config.vocab_size}: "
+                             f"a draft must share the model's tokenizer")
+        if progress:
+            print(f"jaxengine: loaded the draft model {Path(spec.model).name} in {time.perf_counter() - start:.1f} s",
+                  flush=True)
+
     def _log_kv_cache(self) -> None:
-        cc, per_block = self.config.cache, self.engine_args.kv_bytes_per_block(self.model_config, self.kv_dtype)
+        cc = self.config.cache
+        per_block = self.engine_args.kv_bytes_per_block(self.model_config, self.kv_dtype, self.draft_config)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per device), %s", cc.num_gpu_blocks, cc.block_size,
                     cc.num_gpu_blocks * per_block / (1 << 20), self.kv_dtype.name)
 
@@ -129,9 +157,11 @@ class LLM:
     def _runner(self, model, mesh, progress: bool) -> ModelRunner:
         args = self.engine_args
         token_buckets, request_buckets = args.step_buckets()
+        spec = self.config.speculative
+        draft = None if self.draft_model is None else (self.draft_model, self.draft_config, spec.num_speculative_tokens)
         return ModelRunner(model, self.model_config, self.config, dtype=self.kv_dtype, warm_up=args.warm_up,
                            progress=progress, token_buckets=token_buckets, request_buckets=request_buckets,
-                           mesh=mesh, compile_mode=args.compile_mode)
+                           mesh=mesh, compile_mode=args.compile_mode, draft=draft)
 
     def _replica_model(self, modules: list, replica: int, mesh, progress: bool):
         """Data-parallel replica ``replica``'s model: a copy of the given module, or the

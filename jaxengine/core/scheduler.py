@@ -54,14 +54,18 @@ class StepState:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
                  clock: Callable[[], float] = time.monotonic, speculative: SpeculativeConfig | None = None,
-                 token_buckets: list[int] | None = None) -> None:
+                 token_buckets: list[int] | None = None, proposer=None) -> None:
         """``token_buckets``: the runner's (the speculation gate prices a draft by the bucket it
-        moves the step to; default: every token count its own)."""
+        moves the step to; default: every token count its own). ``proposer``: the draft model's
+        (``runner.drafter.Drafter``: ``propose_rows``), for method draft_model."""
         self.config = config
         self.proposer = self.gate = None
         if speculative is not None:
-            self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_max,
-                                          speculative.prompt_lookup_min)
+            if speculative.method == "draft_model" and proposer is None:
+                raise ValueError("speculative_config.method: draft_model needs the runner's draft model (a model "
+                                 "runner built with it)")
+            self.proposer = proposer or NgramProposer(speculative.num_speculative_tokens,
+                                                      speculative.prompt_lookup_max, speculative.prompt_lookup_min)
             self.gate = SpeculationGate(speculative.num_speculative_tokens,
                                         token_buckets or list(range(1, config.max_num_batched_tokens + 1)))
         self.kv = KVCacheManager(cache_config)
@@ -261,39 +265,80 @@ class Scheduler:
         and the draft's KV slots can be had without preempting anyone; the gate
         (``spec_decode.gate``) caps every draft at the length that pays this step, or switches
         speculation off."""
-        out, kv, propose = step.out, self.kv, self.proposer.propose
-        proposals = []                             # (row, sequence, draft)
+        out = step.out
+        candidates = []                             # (row, sequence, the most draft tokens it may take)
         for i, seq in enumerate(out.scheduled_seqs):
             if out.num_scheduled_tokens[i] != 1 or out.num_samples[i] != 1 or out.previous_sample_rows[i] >= 0:
                 continue
-            request = seq.request
-            if request.beam is not None:
-                continue
-            # The decode's own sample is one more output token: drafts beyond max_tokens are waste.
-            draft = propose(seq.token_ids, request.max_output_tokens - seq.num_output_tokens - 1)
+            if seq.request.beam is None:
+                # The decode's own sample is one more output token: drafts beyond max_tokens are waste.
+                candidates.append((i, seq, seq.request.max_output_tokens - seq.num_output_tokens - 1))
+        if not candidates:
+            return
+        room = step.limits.max_num_seqs - sum(out.num_samples)      # sample rows the row bucket has left
+        if getattr(self.proposer, "needs_slots", False):
+            self._add_model_drafts(step, candidates, room)
+            return
+        proposals = []
+        for i, seq, most in candidates:
+            draft = self.proposer.propose(seq.token_ids, most)
             if draft and seq.grammar is not None:
                 draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
             if draft:
                 proposals.append((i, seq, draft))
-        room = step.limits.max_num_seqs - sum(out.num_samples)      # sample rows the row bucket has left
         k = self.gate.choose(sum(out.num_scheduled_tokens), len(out.seq_ids), [len(d) for _, _, d in proposals],
                              max(0, min(step.budget, room)))
         for i, seq, draft in proposals:
             draft = draft[:min(k, step.budget, room)]
             if not draft:
                 break
-            blocks = len(seq.block_table)
-            if not kv.allocate_slots(seq, len(draft)):         # after the decode's token (already counted)
-                continue
-            if len(seq.block_table) != blocks and not seq.is_new and seq not in step.changed_seqs:
-                step.changed_seqs.append(seq)
-            n = len(draft)
-            out.draft_token_ids[seq.seq_id] = draft
-            out.num_scheduled_tokens[i] += n
-            out.num_samples[i] += n
-            seq.num_computed_tokens += n
-            step.budget -= n
-            room -= n
+            if self._draft_slots(step, seq, len(draft)):
+                self._take_draft(step, i, seq, draft)
+                room -= len(draft)
+
+    def _add_model_drafts(self, step: StepState, candidates: list, room: int) -> None:
+        """A draft model's drafts: the gate's length first, then the slots, then the proposals
+        (the draft model writes its KV at the draft positions)."""
+        out, k_max = step.out, self.proposer.k
+        lengths = [max(0, min(k_max, most)) for _, _, most in candidates]
+        k = self.gate.choose(sum(out.num_scheduled_tokens), len(out.seq_ids), [n for n in lengths if n],
+                             max(0, min(step.budget, room)))
+        rows = []
+        for (i, seq, _), n in zip(candidates, lengths):
+            n = min(n, k, step.budget, room)
+            if n > 0 and self._draft_slots(step, seq, n):
+                rows.append((i, seq, n))
+                step.budget -= n
+                room -= n
+        if not rows:
+            return
+        drafts = self.proposer.propose_rows([(seq, n) for _, seq, n in rows])
+        for (i, seq, n), draft in zip(rows, drafts):
+            step.budget += n                        # charged again by _take_draft, as kept
+            if seq.grammar is not None:
+                draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
+                self.kv.trim(seq, cdiv(seq.num_computed_tokens + len(draft), self.block_size))
+            if draft:
+                self._take_draft(step, i, seq, draft)
+
+    def _draft_slots(self, step: StepState, seq: Sequence, n: int) -> bool:
+        """KV slots for ``n`` draft tokens after the decode's (never by preempting anyone)."""
+        blocks = len(seq.block_table)
+        if not self.kv.allocate_slots(seq, n):
+            return False
+        if len(seq.block_table) != blocks and not seq.is_new and seq not in step.changed_seqs:
+            step.changed_seqs.append(seq)
+        return True
+
+    @staticmethod
+    def _take_draft(step: StepState, i: int, seq: Sequence, draft: list[int]) -> None:
+        """Row ``i`` (``seq``'s decode) carries ``draft`` after its input token."""
+        out, n = step.out, len(draft)
+        out.draft_token_ids[seq.seq_id] = draft
+        out.num_scheduled_tokens[i] += n
+        out.num_samples[i] += n
+        seq.num_computed_tokens += n
+        step.budget -= n
 
     def _schedule_seqs(self, step: StepState, group: Request) -> None:
         """Give each live sequence of a running group its next tokens: 1 for a decode, a chunk

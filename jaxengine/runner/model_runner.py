@@ -24,6 +24,7 @@ from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, sh
 from jaxengine.runner.buckets import step_buckets
 from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of, step_pairs
 from jaxengine.runner.compile_cache import enable_persistent_cache
+from jaxengine.runner.drafter import Drafter
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
 from jaxengine.sample.metadata import SamplingMetadata
@@ -79,11 +80,13 @@ class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, dtype=jnp.float32,
                  warm_up: bool = True, progress: bool = True, token_buckets: list[int] | None = None,
                  request_buckets: list[int] | None = None, mesh: Mesh | None = None, compile_mode: str = "eager",
-                 before_compile: Callable[[tuple[int, int]], None] | None = None) -> None:
+                 before_compile: Callable[[tuple[int, int]], None] | None = None, draft=None) -> None:
         """``warm_up``: compile the step buckets and block moves at start-up, every one before
         returning (``compile_mode="eager"``) or the smallest bucket now and the others on a thread
         (``"background"``, ``compile_in_background``; ``before_compile`` runs there before each).
-        Without it each compiles on first use, counted in ``num_compiles``."""
+        Without it each compiles on first use, counted in ``num_compiles``. ``draft``: (the draft
+        model, its config, k) of the ``draft_model`` proposer (``runner.drafter``), whose steps
+        compile with these."""
         sc, cc = config.scheduler, config.cache
         self.mesh = mesh
         self._replicated = None if mesh is None else replicated(mesh)
@@ -101,6 +104,14 @@ class ModelRunner:
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
                                 sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
+        self.drafter = None
+        if draft is not None:
+            draft_model, draft_config, k = draft
+            self.drafter = Drafter(draft_model, draft_config, k=k, num_gpu_blocks=cc.num_gpu_blocks,
+                                   num_cpu_blocks=cc.num_cpu_blocks, block_size=cc.block_size,
+                                   max_blocks_per_seq=cdiv(sc.max_model_len, cc.block_size),
+                                   row_buckets=self.request_buckets, max_num_seqs=sc.max_num_seqs, dtype=dtype,
+                                   mesh=mesh, on_compile=self._note_compile)
         max_rows = self.request_buckets[-1]
         self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows),
                                                 mesh=mesh, expert_counts=True)
@@ -145,7 +156,7 @@ class ModelRunner:
         executable never compiles again, so a step can only compile by reaching a bucket that
         has none."""
         start = time.perf_counter()
-        self.mover.compile_all(self.kv_caches)
+        self._compile_moves()
         stages = compile_stages(self.token_buckets, self.request_buckets)
         pairs = [pair for stage in stages for pair in stage.pairs]
         for pair in tqdm(pairs, desc="compiling buckets", disable=not progress):
@@ -160,7 +171,7 @@ class ModelRunner:
         ``step_limits`` keeps the steps within the buckets compiled so far, so none compiles on
         the serving path."""
         start = time.perf_counter()
-        self.mover.compile_all(self.kv_caches)
+        self._compile_moves()
         first, *rest = compile_stages(self.token_buckets, self.request_buckets)
         for pair in first.pairs:
             self._compile_pair(pair)
@@ -178,8 +189,18 @@ class ModelRunner:
                                               f"background)", progress))
         self._compiler.start()
 
+    def _compile_moves(self) -> None:
+        """The block moves (and a draft model's moves and proposal steps)."""
+        self.mover.compile_all(self.kv_caches)
+        if self.drafter is not None:
+            self.drafter.mover.compile_all(self.drafter.kv_caches)
+            self.drafter.compile_proposals()
+
     def _compile_pair(self, pair: tuple[int, int]) -> None:
-        self._executables[pair] = self._compile_step(self.batch.padded(*pair))    # once compiled
+        inputs = self.batch.padded(*pair)
+        if self.drafter is not None:        # before the step is published as compiled
+            self.drafter.compile_sync(pair, self._draft_ids(inputs), inputs.attention)
+        self._executables[pair] = self._compile_step(inputs)    # once compiled
 
     def _publish(self, limits: StepLimits) -> None:
         self._limits = limits
@@ -284,11 +305,18 @@ class ModelRunner:
         ``inputs`` (None: moves only). Returns the step's device result without waiting for it."""
         if moves:
             self.kv_caches = self.mover.apply(self.kv_caches, moves.swap_out, moves.swap_in, moves.copy)
+            if self.drafter is not None:
+                self.drafter.apply_moves(moves)
         if inputs is None:
             return None
+        if self.drafter is not None:          # the draft model's cache takes the step's tokens too
+            self.drafter.sync(inputs.bucket, self._draft_ids(inputs), inputs.attention)
         device_result = self._run(inputs)
         self._previous_tokens = device_result[2]
         return device_result
+
+    def _draft_ids(self, inputs: StepInputs) -> tuple:
+        return inputs.input_ids, self._previous_tokens, inputs.prev_index
 
     def reset_previous_tokens(self) -> None:
         """Forget the last launched step's tokens (they may hold a failed step's error)."""
