@@ -168,6 +168,20 @@ def test_a_bad_list_flag_is_a_usage_error(capsys):
     assert "expected comma-separated int values, got '16,x'" in capsys.readouterr().err
 
 
+def test_the_speculative_config_flag_is_a_json_object_that_round_trips(capsys):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    args = EngineArgs.from_cli_args(serve_args(["--speculative-config", json.dumps(spec)]))
+    assert args.speculative_config == spec
+    assert EngineArgs.from_cli_args(serve_args(args.to_cli_args())) == args
+    config = args.create_engine_config(CFG, jnp.float32)
+    assert (config.speculative.method, config.speculative.num_speculative_tokens, config.speculative.prompt_lookup_min,
+            config.speculative.prompt_lookup_max) == ("ngram", 3, 1, 4)
+    assert EngineArgs().create_engine_config(CFG, jnp.float32).speculative is None
+    with pytest.raises(SystemExit):
+        serve_args(["--speculative-config", "[1, 2]"])
+    assert "expected a JSON object, got '[1, 2]'" in capsys.readouterr().err
+
+
 def test_help_comes_from_the_fields(capsys):
     with pytest.raises(SystemExit):
         serve_args(["--help"])

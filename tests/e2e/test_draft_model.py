@@ -103,3 +103,16 @@ def test_a_draft_of_another_vocabulary_or_none_is_refused_by_name(chat_checkpoin
         LLM(chat_checkpoint, speculative_config={"method": "draft_model"}, **OPTIONS)
     with pytest.raises(ValueError, match="speculative_config.model: only for method draft_model"):
         LLM(chat_checkpoint, speculative_config={"method": "ngram", "model": str(tmp_path)}, **OPTIONS)
+
+
+def test_the_draft_model_splits_over_two_devices_as_the_model_does(engines, chat_checkpoint, small_draft):
+    """Tensor parallel 2 (simulated devices): the draft sharded like the model, the same tokens."""
+    plain, _, _ = engines
+    tp2 = LLM(chat_checkpoint, tensor_parallel_size=2, speculative_config={
+        "method": "draft_model", "model": str(small_draft), "num_speculative_tokens": 3}, **OPTIONS)
+    gate = tp2.engine.scheduler.gate
+    gate.choose = lambda *args, **kwargs: gate.k
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    assert outputs(tp2, PROMPTS, params) == outputs(plain, PROMPTS, params)
+    assert tp2.engine.runner.drafter.num_proposals > 0
+    assert len(tp2.engine.runner.drafter.kv_caches[0].sharding.device_set) == 2
