@@ -26,7 +26,7 @@ PERCENTILES = (50, 90, 99)
 # Numeric StepTrace fields, summed per second and since start, of those this engine records.
 SUMMED_CANDIDATES = ("num_decode_tokens", "num_prefill_tokens", "num_preemptions", "num_blocks_swapped_in",
                      "num_blocks_swapped_out", "num_swap_fallbacks", "num_rows", "num_prefix_hit_tokens",
-                     "step_s", "host_s", "device_idle_s")
+                     "step_s", "host_s", "device_idle_s", "num_draft_tokens", "num_accepted_tokens")
 SUMMED = tuple(name for name in SUMMED_CANDIDATES if name in StepTrace.__dataclass_fields__)
 TRACE_FIELDS = tuple(StepTrace.__dataclass_fields__)
 COUNTED = ("steps", "output_tokens", "finished") + SUMMED

@@ -74,6 +74,22 @@ def test_at_most_max_samples_are_kept():
     assert c.snapshot()["latency_s"]["itl"] == {"count": 3, "p50": 0.2, "p90": 0.3, "p99": 0.3}
 
 
+def test_speculative_drafts_and_their_acceptance_are_summed():
+    clock = FakeClock(1000.0)
+    c = DashboardCollector(window_s=10, clock=clock)
+    engine = SimpleNamespace(last_trace=None)
+    for now, (drafted, accepted) in ((1000.0, (8, 6)), (1001.0, (4, 1)), (1002.0, (0, 0))):
+        clock.now, engine.last_trace = now, trace(0, 2, 0, num_draft_tokens=drafted, num_accepted_tokens=accepted)
+        c.on_step(engine)
+    clock.now = 1003.0
+    s = c.snapshot()
+    assert (s["totals"]["num_draft_tokens"], s["totals"]["num_accepted_tokens"]) == (12, 7)
+    assert s["per_second"]["num_draft_tokens"][-3:] == [8, 4, 0]
+    assert (s["last_minute"]["num_draft_tokens"], s["last_minute"]["num_accepted_tokens"]) == (12, 7)
+    page = (Path(__file__).resolve().parents[2] / "jaxengine/serve/static/dashboard.html").read_text()
+    assert 'id="spec-card"' in page and "minute.num_accepted_tokens / minute.num_draft_tokens" in page
+
+
 def test_per_second_sums_rate_and_recent_steps():
     clock = FakeClock(1000.2)
     c = DashboardCollector(window_s=10, step_history=3, clock=clock)
