@@ -142,3 +142,48 @@ def test_the_gate_speculates_where_its_measured_step_times_say_it_pays():
     gate.observe(2, 0.025, False, 0, 0)
     assert gate.choose(1, 1, [4]) == 0
     assert gate.choose(1, 1, []) == 0 and gate.last_gain == 0.0
+
+
+def test_verification_of_sampled_rows_keeps_the_target_distribution():
+    """A small vocabulary: the target's distribution at two positions (the second given the first
+    is the draft's token), a one-token draft, 4,000 seeded streams through the engine's sampler
+    and ``accepted_tokens``. The first output token is distributed as the target's first
+    position (chi-square), the second (when the draft was accepted) as its second; and each
+    stream's output is what that stream samples without speculation, token for token."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxengine.sample.metadata import SamplingMetadata
+    from jaxengine.sample.sampler import sample
+
+    p = np.array([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1]])      # positions 0 and 1 (after the draft token)
+    draft, n = [0], 4000
+
+    def stream(position: int):
+        """Every stream's token at output ``position`` (the per-request key of seed and position)."""
+        rows = n
+        md = SamplingMetadata(
+            temperature=jnp.ones(rows), top_p=jnp.ones(rows), top_k=jnp.zeros(rows, jnp.int32), min_p=jnp.zeros(rows),
+            seed=jnp.stack([jnp.zeros(rows, jnp.uint32), jnp.arange(rows, dtype=jnp.uint32)], 1),
+            sample_index=jnp.zeros(rows, jnp.int32), step=jnp.full(rows, position, jnp.int32),
+            want_logprobs=jnp.zeros(rows, bool), presence_penalty=jnp.zeros(rows), frequency_penalty=jnp.zeros(rows),
+            repetition_penalty=jnp.ones(rows), history=jnp.zeros((rows, 1), jnp.int32),
+            num_prompt=jnp.zeros(rows, jnp.int32), num_history=jnp.zeros(rows, jnp.int32),
+            bias_ids=jnp.zeros((rows, 1), jnp.int32), bias_values=jnp.zeros((rows, 1)),
+            logprobs_temperature=jnp.ones(rows), token_bitmask=jnp.full((rows, 1), -1, jnp.int32),
+            constrained=jnp.zeros(rows, bool))
+        logits = jnp.log(jnp.broadcast_to(jnp.asarray(p[position], jnp.float32), (rows, 4)))
+        return np.asarray(jax.jit(sample, static_argnums=2)(logits, md, 1).token_ids)
+
+    first, second = stream(0), stream(1)
+    outputs = [accepted_tokens(draft, [int(a), int(b)]) for a, b in zip(first, second)]
+    counts = np.bincount([o[0] for o in outputs], minlength=4)
+    chi2 = ((counts - n * p[0]) ** 2 / (n * p[0])).sum()
+    assert chi2 < 16.3                                             # 3 degrees of freedom, p = 0.001
+    seconds = [o[1] for o in outputs if len(o) == 2]
+    assert abs(len(seconds) - n * p[0][0]) < 4 * np.sqrt(n * p[0][0] * (1 - p[0][0]))
+    counts = np.bincount(seconds, minlength=4)
+    assert ((counts - len(seconds) * p[1]) ** 2 / (len(seconds) * p[1])).sum() < 16.3
+    # Without speculation stream s outputs first[s] and then, after token 0, second[s]: the same.
+    assert all(o == ([int(a), int(b)] if a == 0 else [int(a)]) for o, a, b in zip(outputs, first, second))
