@@ -49,6 +49,18 @@ def test_greedy_and_seeded_sampling_give_the_same_outputs_and_drafts_are_accepte
     assert all(t.num_accepted_tokens <= t.num_draft_tokens for t in traces)
 
 
+def test_penalties_are_computed_per_draft_position(engines):
+    """Each draft position's penalties count the tokens before it (the drafts included), as that
+    position's would without speculation."""
+    plain, spec = engines
+    before = sum(t.num_draft_tokens for t in spec.engine.traces)
+    for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=0.6,
+                                  frequency_penalty=0.3)):
+        assert outputs(spec, PROMPTS, params) == outputs(plain, PROMPTS, params)
+    assert sum(t.num_draft_tokens for t in spec.engine.traces) > before
+
+
 def test_logprobs_stop_strings_and_max_tokens_end_where_they_would(engines):
     plain, spec = engines
     for params in (SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2),
