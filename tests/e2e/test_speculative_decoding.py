@@ -3,6 +3,8 @@ sampling alike, n > 1 groups, logprobs, stop strings and max_tokens inside an ac
 preemption on a tiny pool and prefix-cache hits; drafts are proposed and accepted; no
 compilation after start-up; the step traces count drafts; bad options name their field."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.sampling_params import BeamSearchParams
@@ -47,6 +49,25 @@ def test_greedy_and_seeded_sampling_give_the_same_outputs_and_drafts_are_accepte
     assert drafted > 0 and accepted > 0
     assert accepted == sum(sum(t.accepted_per_position) for t in traces)
     assert all(t.num_accepted_tokens <= t.num_draft_tokens for t in traces)
+
+
+@settings(max_examples=10, deadline=None)
+@given(prompts=st.lists(st.text("abc ", min_size=1, max_size=24), min_size=1, max_size=5), k=st.integers(1, 3),
+       max_tokens=st.integers(1, 30), n=st.sampled_from([1, 1, 2]), seed=st.none() | st.integers(0, 99),
+       stop_token=st.none() | st.integers(97, 99))
+def test_random_workloads_give_the_same_outputs(engines, prompts, k, max_tokens, n, seed, stop_token):
+    """Prompts of a 4-letter alphabet (n-grams recur), k from 1 to 3, max_tokens anywhere in an
+    accepted run, n > 1, greedy or seeded sampling, a stop token ("a", "b" or "c")."""
+    from jaxengine.spec_decode.ngram import NgramProposer
+
+    plain, spec = engines
+    spec.engine.scheduler.proposer = NgramProposer(k, SPEC.get("prompt_lookup_max", 4), SPEC["prompt_lookup_min"])
+    params = SamplingParams(temperature=0.0 if seed is None else 0.9, seed=seed, max_tokens=max_tokens, n=n,
+                            stop_token_ids=[] if stop_token is None else [stop_token])
+    try:
+        assert outputs(spec, prompts, params) == outputs(plain, prompts, params)
+    finally:
+        spec.engine.scheduler.proposer = NgramProposer(SPEC["num_speculative_tokens"], 4, SPEC["prompt_lookup_min"])
 
 
 def test_penalties_are_computed_per_draft_position(engines):
