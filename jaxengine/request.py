@@ -55,7 +55,7 @@ class Sequence:
     __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "block_table", "block_hashes", "num_cached_blocks", "status", "stop_reason",
                  "sample_index", "is_new", "logprobs", "num_pending", "pending_sample_row",
-                 "cumulative_logprob", "grammar")
+                 "cumulative_logprob", "grammar", "spec_accepted", "spec_trials")
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int) -> None:
         self.seq_id: int = next(_seq_ids)
@@ -77,6 +77,9 @@ class Sequence:
         self.pending_sample_row = -1          # the latest placeholder's sample row in its step
         self.cumulative_logprob = 0.0         # beam search: of the output tokens
         self.grammar = None                   # structured output: this sequence's matcher
+        # Speculative decoding: its draft tokens accepted, and tried (accepted + rejections), decayed.
+        self.spec_accepted = 0.0
+        self.spec_trials = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -79,7 +79,7 @@ def main() -> None:
         llm = LLM(module, model_config=cfg, speculative_config={"method": "draft_model", "model": draft_path,
                                                                 "num_speculative_tokens": k}, **OPTIONS)
         gate = llm.engine.scheduler.gate
-        gate.choose = lambda *a, gate=gate, **kw: gate.k
+        gate.plan = lambda tokens, rows, proposals, limit=None, gate=gate: [min(n, gate.k) for n, _ in proposals]
         drafter = llm.engine.runner.drafter
         start = time.perf_counter()
         steps, got = timed_steps(llm, args.tokens)

@@ -34,6 +34,7 @@ from jaxengine.spec_decode.ngram import NgramProposer
 from jaxengine.structured_output import StructuredOutputManager
 
 RUNNING = RequestStatus.RUNNING
+SPEC_DECAY = 0.9          # weight of a sequence's earlier drafts in its acceptance
 
 
 @dataclass(slots=True)
@@ -286,13 +287,12 @@ class Scheduler:
                 draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
             if draft:
                 proposals.append((i, seq, draft))
-        k = self.gate.choose(sum(out.num_scheduled_tokens), len(out.seq_ids), [len(d) for _, _, d in proposals],
-                             max(0, min(step.budget, room)))
-        for i, seq, draft in proposals:
-            draft = draft[:min(k, step.budget, room)]
-            if not draft:
-                break
-            if self._draft_slots(step, seq, len(draft)):
+        lengths = self.gate.plan(sum(out.num_scheduled_tokens), len(out.seq_ids),
+                                 [(len(d), self._acceptance(seq)) for _, seq, d in proposals],
+                                 max(0, min(step.budget, room)))
+        for (i, seq, draft), n in zip(proposals, lengths):
+            draft = draft[:min(n, step.budget, room)]
+            if draft and self._draft_slots(step, seq, len(draft)):
                 self._take_draft(step, i, seq, draft)
                 room -= len(draft)
 
@@ -300,12 +300,12 @@ class Scheduler:
         """A draft model's drafts: the gate's length first, then the slots, then the proposals
         (the draft model writes its KV at the draft positions)."""
         out, k_max = step.out, self.proposer.k
-        lengths = [max(0, min(k_max, most)) for _, _, most in candidates]
-        k = self.gate.choose(sum(out.num_scheduled_tokens), len(out.seq_ids), [n for n in lengths if n],
-                             max(0, min(step.budget, room)))
+        lengths = self.gate.plan(sum(out.num_scheduled_tokens), len(out.seq_ids),
+                                 [(max(0, min(k_max, most)), self._acceptance(seq)) for _, seq, most in candidates],
+                                 max(0, min(step.budget, room)))
         rows = []
         for (i, seq, _), n in zip(candidates, lengths):
-            n = min(n, k, step.budget, room)
+            n = min(n, step.budget, room)
             if n > 0 and self._draft_slots(step, seq, n):
                 rows.append((i, seq, n))
                 step.budget -= n
@@ -320,6 +320,9 @@ class Scheduler:
                 self.kv.trim(seq, cdiv(seq.num_computed_tokens + len(draft), self.block_size))
             if draft:
                 self._take_draft(step, i, seq, draft)
+
+    def _acceptance(self, seq: Sequence) -> float:
+        return self.gate.row_alpha(seq.spec_accepted, seq.spec_trials)
 
     def _draft_slots(self, step: StepState, seq: Sequence, n: int) -> bool:
         """KV slots for ``n`` draft tokens after the decode's (never by preempting anyone)."""
@@ -846,7 +849,11 @@ class Scheduler:
         request = seq.request
         if request.times.first_token is None:
             request.times.first_token = now
-        seq.num_computed_tokens -= num_draft - (len(tokens) - 1)
+        accepted = len(tokens) - 1
+        seq.num_computed_tokens -= num_draft - accepted
+        # Its own acceptance (decayed: a request's text changes), for the gate's plan.
+        seq.spec_accepted = SPEC_DECAY * seq.spec_accepted + accepted
+        seq.spec_trials = SPEC_DECAY * seq.spec_trials + accepted + (accepted < num_draft)
         self.kv.trim(seq, cdiv(seq.num_tokens + len(tokens), self.block_size))
         status = reason = None
         for token in tokens:                       # as update_from_output takes one token: stop checks, then grammar

@@ -1,4 +1,4 @@
-"""When speculation pays: each step's draft length (or none) from a measured cost model.
+"""When speculation pays: each step's draft lengths (or none) from a measured cost model.
 
 A step computes its whole padded token bucket, so what a draft costs is the step time of the
 bucket it moves the step to, and what it buys is the draft tokens expected to be accepted. The
@@ -8,17 +8,18 @@ gate keeps both measured while the engine serves:
   (decodes and verifications), an exponential moving average so it follows the machine; a bucket
   not measured yet takes the time of the largest measured one below it (optimistic: a step
   there measures it, and a bucket that does not pay is then avoided);
-- the acceptance rate, as a geometric model: each draft token is accepted with probability
-  ``alpha`` given the ones before it were, estimated from the steps' drafts (accepted tokens over
-  accepted tokens plus rejections).
+- the acceptance, as a geometric model: each draft token is accepted with probability ``alpha``
+  given the ones before it were (accepted tokens over accepted tokens plus rejections), for the
+  engine as a whole and for each sequence (its own drafts, starting from the engine's figure:
+  a request that quotes its prompt accepts more than one that writes freely).
 
-Each step it picks the cap ``k`` (0 to ``num_speculative_tokens``) on every row's draft that
-maximises the expected output tokens per second, ``(rows + sum_r sum_{i <= min(k, len_r)}
-alpha^i) / t(bucket(tokens + sum_r min(k, len_r)))``, against speculation off (k = 0). At a
-small batch the bucket hardly moves and speculation pays; at a large one the drafts push the step
-into a dearer bucket than their accepted tokens are worth, and it is switched off. The chosen cap
-and its predicted gain go into the step's trace (``StepTrace.speculative_k``,
-``speculation_gain``)."""
+Each step it plans every row's draft length: row r's i-th draft token is worth ``alpha_r^i``
+expected tokens, so the tokens go in order of worth, and the plan stops at the number of draft
+tokens that maximises the expected output tokens per second, ``(rows + worth of the tokens
+taken) / t(bucket(tokens + tokens taken))``, against speculation off. At a small batch the bucket
+hardly moves and speculation pays; at a large one the drafts push the step into a dearer bucket
+than their accepted tokens are worth, and it is switched off. The longest planned draft and the
+predicted gain go into the step's trace (``StepTrace.speculative_k``, ``speculation_gain``)."""
 from __future__ import annotations
 
 import bisect
@@ -26,6 +27,7 @@ import bisect
 EMA = 0.2                 # weight of a new measurement
 PRIOR_ALPHA = 0.6         # acceptance before any draft was verified
 MIN_TRIALS = 16           # draft tokens tried before the measured acceptance replaces the prior
+ROW_PRIOR = 4.0           # a sequence's acceptance starts as this many trials at the engine's
 
 
 class SpeculationGate:
@@ -73,38 +75,38 @@ class SpeculationGate:
         above = [size for size in self.step_s if size > b]
         return self.step_s[min(above)] * b / min(above) if above else None
 
-    def choose(self, num_tokens: int, num_rows: int, proposals: list[int], max_draft_tokens: int | None = None) -> int:
-        """The cap on each row's draft this step: ``num_tokens`` already scheduled (``num_rows`` of
-        them decodes), ``proposals`` the lengths of the rows' proposed drafts, of which at most
-        ``max_draft_tokens`` in all can go (the budget and rows left; the rows in order)."""
+    def row_alpha(self, accepted: float, trials: float) -> float:
+        """A sequence's acceptance from its own drafts' outcome, starting from the engine's."""
+        return (accepted + ROW_PRIOR * self.alpha) / (trials + ROW_PRIOR)
+
+    def plan(self, num_tokens: int, num_rows: int, proposals: list[tuple[int, float]],
+             max_draft_tokens: int | None = None) -> list[int]:
+        """Each proposal's draft length this step (0: none). ``num_tokens`` are already
+        scheduled (``num_rows`` of them decodes); ``proposals`` are the rows' (proposed length,
+        acceptance); at most ``max_draft_tokens`` draft tokens in all can go (the budget and rows
+        left)."""
+        lengths = [0] * len(proposals)
         if not proposals:
             self.last_k, self.last_gain = 0, 0.0
-            return 0
-        alpha, rows = self.alpha, max(num_rows, 1)
+            return lengths
+        worth = sorted(((alpha ** i, r) for r, (n, alpha) in enumerate(proposals)
+                        for i in range(1, min(n, self.k) + 1)), key=lambda item: -item[0])
+        if max_draft_tokens is not None:
+            worth = worth[:max(0, max_draft_tokens)]
+        rows = max(num_rows, 1)
         base = self.seconds(num_tokens)
-        best_k, best = 0, 1.0
-        for k in range(1, self.k + 1):
-            lengths = cut([min(k, n) for n in proposals], max_draft_tokens)
-            expected = rows + sum(expected_accepted(alpha, n) for n in lengths)
-            t = self.seconds(num_tokens + sum(lengths))
+        expected, best, taken = float(rows), 1.0, 0
+        for j, (value, _) in enumerate(worth, 1):
+            expected += value
+            t = self.seconds(num_tokens + j)
             # Nothing measured there yet: the tokens alone (a step there measures it).
             gain = expected / rows if base is None or t is None else (expected / t) / (rows / base)
             if gain > best:
-                best_k, best = k, gain
-        self.last_k, self.last_gain = best_k, round(best, 3)
-        return best_k
-
-
-def cut(lengths: list[int], total: int | None) -> list[int]:
-    """Draft lengths in row order, the later ones cut so they sum to at most ``total``."""
-    if total is None:
+                best, taken = gain, j
+        for _, r in worth[:taken]:
+            lengths[r] += 1
+        self.last_k, self.last_gain = max(lengths), round(best, 3)
         return lengths
-    out = []
-    for n in lengths:
-        n = max(0, min(n, total))
-        out.append(n)
-        total -= n
-    return out
 
 
 def expected_accepted(alpha: float, n: int) -> float:

@@ -118,7 +118,7 @@ def test_the_gate_speculates_where_its_measured_step_times_say_it_pays():
     from jaxengine.spec_decode.gate import SpeculationGate, expected_accepted
 
     gate = SpeculationGate(4, [1, 2, 4, 8, 16, 32, 64])
-    assert gate.choose(1, 1, [4]) == 4                     # nothing measured: try it
+    assert gate.plan(1, 1, [(4, 0.6)]) == [4]              # nothing measured: try it
     # Batch 1: a step of 1 token takes 20 ms, of 8 tokens 38 ms (this CPU's); acceptance 0.9.
     gate.observe(1, 0.020, False, 0, 0)
     gate.observe(8, 0.038, False, 0, 0)
@@ -126,22 +126,28 @@ def test_the_gate_speculates_where_its_measured_step_times_say_it_pays():
     assert gate.step_s == {1: 0.020, 8: 0.038}
     gate.observe(1, 0.020, False, 36, 40)
     assert gate.alpha == 0.9
-    assert gate.choose(1, 1, [4]) == 3                     # bucket 4 not measured: priced as bucket 1's
+    assert gate.plan(1, 1, [(4, 0.9)]) == [3]              # bucket 4 not measured: priced as bucket 1's
     gate.observe(4, 0.034, False, 0, 0)
-    assert gate.choose(1, 1, [4]) == 4 and gate.last_gain > 1
+    assert gate.plan(1, 1, [(4, 0.9)]) == [4] and gate.last_k == 4
     assert round(gate.last_gain, 3) == round((1 + expected_accepted(0.9, 4)) / 0.038 / (1 / 0.020), 3)
     # Batch 32: the drafts take the step from 32 to 64 tokens (all the budget leaves), which costs
     # three times as much.
     gate.observe(32, 0.100, False, 0, 0)
     gate.observe(64, 0.300, False, 0, 0)
-    assert gate.choose(32, 32, [4] * 32, max_draft_tokens=32) == 0 and gate.last_gain == 1.0
+    assert gate.plan(32, 32, [(4, 0.9)] * 32, max_draft_tokens=32) == [0] * 32 and gate.last_gain == 1.0
+    # Two rows by their own acceptance: the tokens worth the most go first (all four of row 1's,
+    # 0.95^4 > 0.5, then row 0's), and the plan stops where the 8-token bucket is full (16 costs 80 ms).
+    gate.observe(16, 0.080, False, 0, 0)
+    assert gate.plan(2, 2, [(4, 0.5), (4, 0.95)]) == [2, 4] and gate.last_k == 4
+    assert gate.plan(2, 2, [(4, 0.5), (4, 0.95)], max_draft_tokens=4) == [0, 4]
+    assert gate.row_alpha(0.0, 0.0) == gate.alpha and gate.row_alpha(10.0, 10.0) > gate.alpha
     # A low acceptance switches it off at batch 1 too.
     for _ in range(40):
         gate.observe(1, 0.020, False, 1, 20)
-    assert gate.alpha < 0.1 and gate.choose(1, 1, [4]) == 1      # bucket 2 not measured: try it
+    assert gate.alpha < 0.1 and gate.plan(1, 1, [(4, gate.alpha)]) == [1]      # bucket 2 not measured: try it
     gate.observe(2, 0.025, False, 0, 0)
-    assert gate.choose(1, 1, [4]) == 0
-    assert gate.choose(1, 1, []) == 0 and gate.last_gain == 0.0
+    assert gate.plan(1, 1, [(4, gate.alpha)]) == [0]
+    assert gate.plan(1, 1, []) == [] and gate.last_gain == 0.0
 
 
 def test_verification_of_sampled_rows_keeps_the_target_distribution():

@@ -26,7 +26,7 @@ def speculating(target, draft, k=3):
     llm = LLM(target, speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": k},
               **OPTIONS)
     gate = llm.engine.scheduler.gate
-    gate.choose = lambda *args, **kwargs: gate.k       # every draft goes: these tests are about the outputs
+    gate.plan = lambda tokens, rows, proposals, limit=None: [min(n, gate.k) for n, _ in proposals]       # every draft goes: these tests are about the outputs
     llm.engine.traces = []
     return llm
 
@@ -111,7 +111,7 @@ def test_the_draft_model_splits_over_two_devices_as_the_model_does(engines, chat
     tp2 = LLM(chat_checkpoint, tensor_parallel_size=2, speculative_config={
         "method": "draft_model", "model": str(small_draft), "num_speculative_tokens": 3}, **OPTIONS)
     gate = tp2.engine.scheduler.gate
-    gate.choose = lambda *args, **kwargs: gate.k
+    gate.plan = lambda tokens, rows, proposals, limit=None: [min(n, gate.k) for n, _ in proposals]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     assert outputs(tp2, PROMPTS, params) == outputs(plain, PROMPTS, params)
     assert tp2.engine.runner.drafter.num_proposals > 0
