@@ -264,7 +264,7 @@ class Scheduler:
         row gets a draft only when the host knows all its tokens (no placeholder) and its request
         does not search beams (a grammar's row keeps the part of its draft the grammar allows),
         and the draft's KV slots can be had without preempting anyone; the gate
-        (``spec_decode.gate``) caps every draft at the length that pays this step, or switches
+        (``spec_decode.gate``) plans each row's draft length by what pays this step, or switches
         speculation off."""
         out = step.out
         candidates = []                             # (row, sequence, the most draft tokens it may take)
