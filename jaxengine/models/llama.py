@@ -63,6 +63,14 @@ class LlamaForCausalLM(nnx.Module):
                                    md: AttentionMetadata) -> tuple[jax.Array, KVCache, jax.Array]:
         """As ``__call__``, plus the tokens routed to each expert, summed over the layers [E]
         (E = 0 for a dense model): the step's expert load."""
+        hidden, kv_caches, counts, _ = self.forward_with_aux_hidden(input_ids, kv_caches, md)
+        return hidden, kv_caches, counts
+
+    def forward_with_aux_hidden(self, input_ids: jax.Array, kv_caches: KVCache, md: AttentionMetadata,
+                                aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, jax.Array, jax.Array]:
+        """As ``forward_with_expert_counts``, plus the hidden states entering each layer of
+        ``aux_layers`` (the residual stream before it: transformers' ``hidden_states[i]``),
+        concatenated [T, len(aux_layers) * D] ([T, 0] for none): what an EAGLE-3 head reads."""
         inv_freq = rope_inv_freq(self.config)
         x = self.embed(input_ids)
         # The projections stay stacked and go in whole with the layer's index; the rest (norms,
@@ -74,12 +82,17 @@ class LlamaForCausalLM(nnx.Module):
         # l*P + b. Writes and reads then hit the one donated buffer in place (slicing a layer out
         # as scan input/output would copy the whole cache every step).
         flat = tuple(c.reshape(num_layers * num_blocks, *shape[2:]) for c in kv_caches)
+        wanted = jnp.asarray(aux_layers, jnp.int32)
+        # Carried, not a scan output: [len(aux_layers), T, D], where every layer's would be [L, T, D].
+        aux = jnp.zeros((len(aux_layers), *x.shape), x.dtype)
 
         mlp = self._mlp_of_layer(md)
 
         def layer_step(carry, per_layer):
-            x, k, v = carry
+            x, k, v, aux = carry
             rest_of_layer, layer = per_layer
+            if aux_layers:
+                aux = jnp.where((wanted == layer)[:, None, None], x[None], aux)
             offset = layer * num_blocks
             md_layer = dataclasses.replace(md, block_tables=md.block_tables + offset,
                                            slot_mapping=md.slot_mapping + offset * block_size)
@@ -90,10 +103,11 @@ class LlamaForCausalLM(nnx.Module):
                 x, h, (k, v) = decoder.attend(x, (k, v), md_layer, inv_freq, layer)
                 out, counts = mlp(h, layer)
                 x = x + out
-            return (x, k, v), counts
+            return (x, k, v, aux), counts
 
-        (x, k, v), counts = jax.lax.scan(layer_step, (x, *flat), (rest, jnp.arange(num_layers)))
-        return self.norm(x), (k.reshape(shape), v.reshape(shape)), counts.sum(axis=0)
+        (x, k, v, aux), counts = jax.lax.scan(layer_step, (x, *flat, aux), (rest, jnp.arange(num_layers)))
+        aux = aux.transpose(1, 0, 2).reshape(x.shape[0], -1)
+        return self.norm(x), (k.reshape(shape), v.reshape(shape)), counts.sum(axis=0), aux
 
     def _mlp_of_layer(self, md: AttentionMetadata) -> Callable | None:
         """With dense layers among sparse ones: ``mlp(h, layer)`` running layer ``layer``'s MLP from

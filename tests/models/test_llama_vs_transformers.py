@@ -90,3 +90,26 @@ def test_yarn_rope_matches_transformers_past_the_original_context(tmp_path):
     (cached / _PARAMS).mkdir(parents=True)
     (cached / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     assert cached_config(cached) == cfg
+
+
+def test_the_hidden_states_entering_chosen_layers_are_transformers_hidden_states(tmp_path):
+    """What an EAGLE-3 head reads: the residual stream entering layers (0, 2, 3) of a 4-layer
+    Llama, concatenated, against transformers' ``hidden_states[i]``; the logits unchanged."""
+    import jax
+
+    from tests.conftest import make_checkpoint
+
+    hf_model = make_checkpoint(tmp_path, "llama", num_hidden_layers=4)
+    model, cfg = load_model(tmp_path)
+    ids = PROMPTS[2]
+    caches = init_kv_caches(cfg, 16, BLOCK)
+    md = AttentionMetadata.build([(0, len(ids), list(range(1, 8)))], BLOCK, num_tokens=len(ids), max_blocks=8)
+    hidden, _, _, aux = jax.jit(lambda x, c, m: model.forward_with_aux_hidden(x, c, m, (0, 2, 3)))(
+        jnp.asarray(ids), caches, md)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids]), output_hidden_states=True)
+    want = np.concatenate([ref.hidden_states[i][0].numpy() for i in (0, 2, 3)], axis=-1)
+    assert aux.shape == (len(ids), 3 * cfg.hidden_size)
+    np.testing.assert_allclose(np.asarray(aux), want, atol=2e-5 * np.abs(want).max(), rtol=0)     # f32, |h| ~ 40
+    logits = np.asarray(model.compute_logits(hidden))
+    np.testing.assert_allclose(logits, ref.logits[0].numpy(), atol=1e-4, rtol=0)
