@@ -169,9 +169,10 @@ class OutputProcessor:
         state = self._state(seq)
         start = seq.num_prompt_tokens + state.num_tokens
         text = state.add(seq.token_ids[start:seq.num_real_tokens])
-        if state.stop_str is not None and not seq.is_finished:
+        if state.stop_str is not None and (not seq.is_finished or seq.num_output_tokens > state.num_tokens):
             # The tokens after the one that completed the stop string (a speculative step outputs
-            # several at once) are not the sequence's.
+            # several at once, and a later one may already have ended the sequence) are not the
+            # sequence's.
             self.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, state.stop_str, num_output_tokens=state.num_tokens)
         return text + state.finish() if final else text
 

@@ -151,13 +151,18 @@ class Scheduler:
         """Finish one running sequence from outside (a stop string the detokenizer found); its
         group finishes with its last sequence. ``num_output_tokens``: its output ends there (the
         stop string ended at that token; a speculative step may have output more after it)."""
-        if seq.is_finished:
-            return
-        seq.stop_reason = stop_reason
         if num_output_tokens is not None and seq.num_output_tokens > num_output_tokens:
             seq.drop_pending()
             del seq.token_ids[seq.num_prompt_tokens + num_output_tokens:]
             del seq.logprobs[num_output_tokens:]
+            if seq.is_finished:
+                # A later token of the same accepted run ended it (a stop token, max_tokens, its
+                # grammar): the stop string came first, so it ends as the stop string ends it.
+                seq.status, seq.stop_reason = status, stop_reason
+                return
+        if seq.is_finished:
+            return
+        seq.stop_reason = stop_reason
         self._finish_seq(seq.request, seq, status)
         if seq.request.is_finished:
             self.running = [g for g in self.running if g.status is RUNNING]
@@ -287,7 +292,7 @@ class Scheduler:
                 draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
             if draft:
                 proposals.append((i, seq, draft))
-        lengths = self.gate.plan(sum(out.num_scheduled_tokens), len(out.seq_ids),
+        lengths = self.gate.plan(sum(out.num_scheduled_tokens), _sampling_rows(out),
                                  [(len(d), self._acceptance(seq)) for _, seq, d in proposals],
                                  max(0, min(step.budget, room)))
         for (i, seq, draft), n in zip(proposals, lengths):
@@ -300,7 +305,9 @@ class Scheduler:
         """A draft model's drafts: the gate's length first, then the slots, then the proposals
         (the draft model writes its KV at the draft positions)."""
         out, k_max = step.out, self.proposer.k
-        lengths = self.gate.plan(sum(out.num_scheduled_tokens), len(out.seq_ids),
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or self.kv.pending_copies:
+            return            # its proposal runs now, before the step's block moves: none this step
+        lengths = self.gate.plan(sum(out.num_scheduled_tokens), _sampling_rows(out),
                                  [(max(0, min(k_max, most)), self._acceptance(seq)) for _, seq, most in candidates],
                                  max(0, min(step.budget, room)))
         rows = []
@@ -322,6 +329,7 @@ class Scheduler:
                 self._take_draft(step, i, seq, draft)
 
     def _acceptance(self, seq: Sequence) -> float:
+        """The sequence's acceptance as the gate estimates it."""
         return self.gate.row_alpha(seq.spec_accepted, seq.spec_trials)
 
     def _draft_slots(self, step: StepState, seq: Sequence, n: int) -> bool:
@@ -898,3 +906,8 @@ class Scheduler:
         if not request.live_seqs and request.forked:
             self._mark_finished(request, status, reason)
             self._finished.append(request)
+
+
+def _sampling_rows(out: SchedulerOutput) -> int:
+    """The step's rows that output a token (a row part-way through its prompt outputs none)."""
+    return sum(1 for k in out.num_samples if k)

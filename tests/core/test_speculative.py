@@ -57,7 +57,7 @@ def check_speculation(h) -> None:
     for seq, n, samples in zip(out.scheduled_seqs, out.num_scheduled_tokens, out.num_samples):
         draft = out.draft_token_ids.get(seq.seq_id)
         if draft:
-            assert n == samples == 1 + len(draft) and not seq.request.waits_for_tokens
+            assert n == samples == 1 + len(draft) and seq.request.beam is None
     for group in h.scheduler.running:
         for seq in group.live_seqs:
             hashes = extend_block_hashes([], seq.token_ids, seq.num_cached_blocks, h.kv.block_size,
@@ -193,3 +193,41 @@ def test_verification_of_sampled_rows_keeps_the_target_distribution():
     assert ((counts - len(seconds) * p[1]) ** 2 / (len(seconds) * p[1])).sum() < 16.3
     # Without speculation stream s outputs first[s] and then, after token 0, second[s]: the same.
     assert all(o == ([int(a), int(b)] if a == 0 else [int(a)]) for o, a, b in zip(outputs, first, second))
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_output_there_even_if_a_later_token_ended_it():
+    """Prompt "abcdab", stop string "da": the first output token is "c", the draft "da" is
+    accepted and the step's last token "x" is max_tokens' (or EOS). The stop string came first:
+    as without speculation, the tokens end at "cda", the text is "c", and it stopped at "da"."""
+    from jaxengine.config import EngineConfig
+    from jaxengine.core.scheduler import Scheduler
+    from jaxengine.core.scheduler_output import ModelRunnerOutput
+    from jaxengine.output_processor import OutputProcessor
+    from jaxengine.request import Request, RequestStatus
+    from jaxengine.sampling_params import SamplingParams
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    a, b, c, d, x = map(ord, "abcdx")
+    for max_tokens, eos in ((4, None), (60, x)):
+        cfg = EngineConfig().replace(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
+                                     enable_prefix_caching=False)
+        s = Scheduler(cfg.scheduler, cfg.cache, speculative=SpeculativeConfig(num_speculative_tokens=3,
+                                                                             prompt_lookup_min=1))
+        s.gate.plan = lambda tokens, rows, proposals, limit=None: [n for n, _ in proposals]
+        r = Request("r", [a, b, c, d, a, b], SamplingParams(max_tokens=max_tokens, stop=["da"]), eos_token_id=eos)
+        s.add_request(r)
+        texts = OutputProcessor(r, Chars(), s.finish_sequence)
+        out = s.schedule()
+        s.update_from_output(out, ModelRunnerOutput([[c]]))
+        texts.process()
+        out = s.schedule()
+        seq = r.seqs[0]
+        assert out.draft_token_ids[seq.seq_id][:2] == [d, a]
+        s.update_from_output(out, ModelRunnerOutput([[d, a, x]]))      # d, a accepted; x sampled after them
+        texts.process()
+        assert texts.final_texts() == ["c"]
+        assert (seq.output_token_ids, seq.status, seq.stop_reason) == ([c, d, a], RequestStatus.FINISHED_STOPPED, "da")
+        assert s.kv.num_free_blocks == s.kv.num_usable_blocks
