@@ -22,6 +22,7 @@ from jaxengine.lab.profile import CostProfile, StepShape
 from jaxengine.lab.roofline import RooflineProfile
 from jaxengine.lab.workload import SimRequest, Workload
 from jaxengine.sampling_params import SamplingParams
+from jaxengine.spec_decode.gate import expected_accepted
 
 TOKEN = 1                   # what every row samples (never an end of sequence: the engine has none)
 EMPTY_STEP_S = 1e-4         # an empty step still takes the host a moment (and time must move)
@@ -266,7 +267,7 @@ def fit_acceptance(records) -> float:
     for _ in range(50):
         alpha = (low + high) / 2
         whole, part = int(length), length - int(length)
-        expected = sum(alpha ** i for i in range(1, whole + 1)) + part * alpha ** (whole + 1)
+        expected = expected_accepted(alpha, whole) + part * alpha ** (whole + 1)
         low, high = (alpha, high) if expected < mean else (low, alpha)
     return round((low + high) / 2, 4)
 

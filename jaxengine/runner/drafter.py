@@ -53,6 +53,9 @@ class Drafter:
         self.on_compile = on_compile
         self.kv_caches = init_kv_caches(model_config, num_gpu_blocks, block_size, dtype,
                                         sharding=None if mesh is None else kv_cache_sharding(mesh))
+        # Its steps compile against the caches' shapes (a compile must not touch the donated caches).
+        self._kv_spec = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding),
+                                     self.kv_caches)
         kv_shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
         self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
                                 max_num_seqs, on_compile=on_compile, mesh=mesh)
@@ -69,8 +72,7 @@ class Drafter:
 
     # ---- compilation ----
     def compile_sync(self, bucket: tuple[int, int], ids, md) -> None:
-        spec = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding), self.kv_caches)
-        self._sync_executables[bucket] = self._sync.lower(self.state, spec, ids, md).compile()
+        self._sync_executables[bucket] = self._sync.lower(self.state, self._kv_spec, ids, md).compile()
 
     def compile_proposals(self) -> None:
         """Every row bucket's proposal step."""
@@ -84,9 +86,8 @@ class Drafter:
                 self.on_compile(f"draft proposal for {rows} rows")
             args = self._propose_args(np.zeros(rows, np.int32), np.zeros(rows, np.int32),
                                       np.zeros((rows, self.max_blocks), np.int32), np.zeros(rows, np.int32))
-            spec = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding),
-                                self.kv_caches)
-            executable = self._propose_executables[rows] = self._propose.lower(self.state, spec, *args).compile()
+            executable = self._propose_executables[rows] = self._propose.lower(self.state, self._kv_spec,
+                                                                               *args).compile()
         return executable
 
     # ---- each step ----

@@ -95,10 +95,14 @@ class SpeculationGate:
             worth = worth[:max(0, max_draft_tokens)]
         rows = max(num_rows, 1)
         base = self.seconds(num_tokens)
+        by_bucket: dict[int, float | None] = {}        # a bucket's time, looked up once per plan
         expected, best, taken = float(rows), 1.0, 0
         for j, (value, _) in enumerate(worth, 1):
             expected += value
-            t = self.seconds(num_tokens + j)
+            b = self.bucket(num_tokens + j)
+            if b not in by_bucket:
+                by_bucket[b] = self.seconds(b)
+            t = by_bucket[b]
             # Nothing measured there yet: the tokens alone (a step there measures it).
             gain = expected / rows if base is None or t is None else (expected / t) / (rows / base)
             if gain > best:
