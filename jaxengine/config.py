@@ -8,7 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
+MODEL_PROPOSERS = ("draft_model", "eagle3")     # the methods that run a model of their own on the device
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -90,7 +91,9 @@ class SpeculativeConfig:
     host, in the request's own tokens: the latest earlier occurrence of its last n tokens (n from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``) proposes the ``num_speculative_tokens``
     that followed it. ``draft_model``: ``model``, a smaller checkpoint with the model's vocabulary,
-    proposes them greedily on the device from its own KV cache (``runner/drafter.py``). The target
+    proposes them greedily on the device from its own KV cache (``runner/drafter.py``); ``eagle3``:
+    ``model``, an EAGLE-3 head checkpoint trained for the model, proposes them greedily from the
+    model's own hidden states (``runner/eagle_drafter.py``). The target
     model verifies every proposal in the next step, so outputs are the target's own
     (``spec_decode/verify.py``)."""
 
@@ -110,11 +113,12 @@ class SpeculativeConfig:
         _require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
                  "speculative_config.prompt_lookup_max",
                  f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
-        if self.method == "draft_model":
-            _require(bool(self.model), "speculative_config.model", "the draft model's checkpoint is required with "
-                     "method draft_model")
+        if self.method in MODEL_PROPOSERS:
+            _require(bool(self.model), "speculative_config.model", f"the draft model's checkpoint is required with "
+                     f"method {self.method}")
         else:
-            _require(self.model is None, "speculative_config.model", f"only for method draft_model, not {self.method!r}")
+            _require(self.model is None, "speculative_config.model",
+                     f"only for methods {' and '.join(MODEL_PROPOSERS)}, not {self.method!r}")
 
     @classmethod
     def from_dict(cls, spec: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

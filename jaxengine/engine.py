@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from jaxengine.config import EngineConfig
+from jaxengine.config import MODEL_PROPOSERS, EngineConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepLimits
 from jaxengine.request import Request, RequestStatus, Sequence
@@ -102,7 +102,7 @@ class Engine:
         self.runner = runner
         self.eos_token_id = eos_token_id
         spec = config.speculative
-        drafter = getattr(runner, "drafter", None) if spec is not None and spec.method == "draft_model" else None
+        drafter = getattr(runner, "drafter", None) if spec is not None and spec.method in MODEL_PROPOSERS else None
         self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock, speculative=spec,
                                    token_buckets=getattr(runner, "token_buckets", None), proposer=drafter)
         self.clock = clock

@@ -233,7 +233,7 @@ class EngineArgs:
 
         kv_dtype = kv_dtype if kv_dtype is not None else self.resolve_kv_dtype(resolve_dtype(self.dtype, None))
         total = 0
-        for cfg in (model_config, draft_config):
+        for cfg in (model_config, getattr(draft_config, "layer", draft_config)):    # an EAGLE-3 head: its layer
             if cfg is not None:
                 heads = kv_heads_per_device(cfg, self.tensor_parallel_size)
                 total += bytes_per_block(cfg.num_layers, self.block_size, heads, cfg.head_dim, kv_dtype)

@@ -113,22 +113,30 @@ class LLM:
             self.channel.warm_up()
 
     def _load_draft(self, args: EngineArgs, progress: bool) -> None:
-        """The draft model of ``speculative_config`` method draft_model, on the model's mesh and in
-        its dtype; its vocabulary must be the model's."""
-        from jaxengine.config import SpeculativeConfig
+        """The draft model of ``speculative_config`` method draft_model (on the model's mesh) or
+        eagle3 (its head, placed by the drafter), in the model's dtype; its vocabulary must be the
+        model's."""
+        from jaxengine.config import MODEL_PROPOSERS, SpeculativeConfig
+        from jaxengine.models.eagle3 import load_eagle3
         from jaxengine.models.weights import load_model
 
         self.draft_model = self.draft_config = None
         spec = SpeculativeConfig.from_dict(args.speculative_config)
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method not in MODEL_PROPOSERS:
             return
         if args.data_parallel_size > 1 or self.distributed is not None:
             raise ValueError("speculative_config.model: a draft model runs in one process on one replica "
                              "(data_parallel_size 1, one process)")
         start = time.perf_counter()
-        self.draft_model, self.draft_config = load_model(Path(spec.model), self.dtype, mesh=self.mesh,
-                                                         attention_fn=select_attention(args.attention_backend),
-                                                         **_layout(args))
+        attention_fn = select_attention(args.attention_backend)
+        if spec.method == "eagle3":
+            self.draft_model, self.draft_config = load_eagle3(Path(spec.model), self.model, self.dtype, attention_fn)
+            if kv_head_repeats(self.draft_config.layer, args.tensor_parallel_size) > 1:
+                raise ValueError(f"tensor_parallel_size: the EAGLE-3 head's {self.draft_config.layer.num_kv_heads} "
+                                 f"KV heads cannot be split {args.tensor_parallel_size} ways")
+        else:
+            self.draft_model, self.draft_config = load_model(Path(spec.model), self.dtype, mesh=self.mesh,
+                                                             attention_fn=attention_fn, **_layout(args))
         if self.draft_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft model's vocabulary has "
                              f"{self.draft_config.vocab_size} tokens, the model's {self.model_config.vocab_size}: "

@@ -570,9 +570,9 @@ def speculation(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=la
     attention): B rows at 1k tokens of context, each with 1 token (a decode step) or with 1 + k
     (an input token and k draft tokens, logits of every one), B = 1 and 32, k = 4: ms, and the
     ratio to the decode step. A draft pays when its rows accept more than ratio - 1 tokens per
-    step on average. EAGLE-3-shaped: one decoder layer of the model's width with its LM head (the
-    head's shape, near enough: its layer reads twice the width) for B rows of one token, the cost
-    of each draft token it proposes, so its step is about verify + k x that."""
+    step on average. An EAGLE-3 head for the model (``models.eagle3``: one layer of its width, a
+    32,000-token draft vocabulary) drafting for B rows of one token: the cost of each draft token
+    it proposes, so a speculating step is about verify + k x that."""
     from flax import nnx
 
     from jaxengine.kernels.paged_attention.backend import select_attention
@@ -618,29 +618,37 @@ def speculation(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=la
 
 
 def head_step_ms(cfg, batch: int, block: int, context: int, pages: int) -> float:
-    """One decoder layer of ``cfg``'s width and its LM head over ``batch`` rows of one token."""
+    """One drafting step of an EAGLE-3 head for ``cfg`` (its one layer of the model's width, a
+    32,000-token draft vocabulary) over ``batch`` rows of one token."""
     import dataclasses
 
     from flax import nnx
 
     from jaxengine.kernels.paged_attention.backend import select_attention
-    from jaxengine.models.forward import make_forward
-    from jaxengine.models.llama import LlamaForCausalLM, init_kv_caches
+    from jaxengine.models.eagle3 import Eagle3Config, Eagle3Head
+    from jaxengine.models.llama import init_kv_caches
 
-    head_cfg = dataclasses.replace(cfg, num_layers=1)
-    state, forward = make_forward(LlamaForCausalLM(head_cfg, jnp.bfloat16, select_attention("auto"),
-                                                   rngs=nnx.Rngs(1)))
-    caches = init_kv_caches(head_cfg, 1 + batch * pages, block, jnp.bfloat16)
+    head_cfg = Eagle3Config(dataclasses.replace(cfg, num_layers=1), cfg.hidden_size, 32000,
+                            (2, cfg.num_layers // 2, cfg.num_layers - 3))
+    graphdef, state = nnx.split(Eagle3Head(head_cfg, jnp.bfloat16, select_attention("auto"), rngs=nnx.Rngs(1)))
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, caches, ids, hidden, md):
+        head = nnx.merge(graphdef, state)
+        normed, hidden, caches = head(ids, hidden, caches, md)
+        return caches, head.draft_tokens(normed), hidden
+
+    caches = init_kv_caches(head_cfg.layer, 1 + batch * pages, block, jnp.bfloat16)
     rows = [(context, 1, list(range(1 + r * pages, 1 + (r + 1) * pages))) for r in range(batch)]
     md = AttentionMetadata.build(rows, block, num_tokens=batch, max_blocks=pages, num_rows=batch)
-    ids, index = jnp.zeros(batch, jnp.int32), jnp.arange(batch)
-    caches, logits = forward(state, caches, ids, md, index)
-    logits.block_until_ready()
+    ids, hidden = jnp.zeros(batch, jnp.int32), jnp.zeros((batch, cfg.hidden_size), jnp.bfloat16)
+    caches, tokens, hidden = step(state, caches, ids, hidden, md)
+    tokens.block_until_ready()
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        caches, logits = forward(state, caches, ids, md, index)
-        logits.block_until_ready()
+        caches, tokens, hidden = step(state, caches, tokens, hidden, md)
+        tokens.block_until_ready()
         times.append(time.perf_counter() - start)
     return round(statistics.median(times) * 1e3, 3)
 
@@ -722,7 +730,7 @@ def summary(out: Path) -> None:
     for row in results.get("kernel", {}).get("speculation", {}).get("rows", []):
         lines.append(f"| 8B verify step, batch {row['batch']}: ms decode / 4 drafts a row (ratio) | {row['decode_ms']} / "
                      f"{row.get('verify_k4_ms')} ({row.get('verify_over_decode')}) | - | - |")
-        lines.append(f"| EAGLE-3-shaped head step, batch {row['batch']}: ms (k = 4 step over decode) | "
+        lines.append(f"| EAGLE-3 head's drafting step, batch {row['batch']}: ms (k = 4 step over decode) | "
                      f"{row.get('eagle3_head_step_ms')} ({row.get('eagle3_step_k4_over_decode')}) | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("quantized_experts", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens, experts bf16 / fp8 / int4 (ms) | {row.get('bf16_ms')} / "

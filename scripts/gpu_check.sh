@@ -22,7 +22,7 @@
 #    a prefill; whether XLA wrote the dequantised weight to memory or ran an FP8 GEMM; decode
 #    attention over an FP8 KV cache against bf16, by both Pallas kernels (in kernel.json);
 # 8. speculative decoding: the 8B model's verify step (1 + 4 tokens a row) against its decode step
-#    at batch 1 and 32, and an EAGLE-3-shaped head step (one layer of its width and the LM head)
+#    at batch 1 and 32, and an EAGLE-3 head's drafting step (one layer of its width, its LM head)
 #    (in kernel.json).
 # Each part has its own time limit (under 9.5 minutes in all at worst, with the kernel tests); results land in
 # OUT_DIR as JSON (gpu_check.json) and a table (gpu_check.md), printed last. Add --smoke to

@@ -324,6 +324,7 @@ class Scheduler:
             step.budget += n                        # charged again by _take_draft, as kept
             if seq.grammar is not None:
                 draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
+            if len(draft) < n:                      # cut, or none proposed: the slots past it go back
                 self.kv.trim(seq, cdiv(seq.num_computed_tokens + len(draft), self.block_size))
             if draft:
                 self._take_draft(step, i, seq, draft)

@@ -21,8 +21,8 @@ def feed_previous_tokens(input_ids: jax.Array, previous: jax.Array, index: jax.A
     return jnp.where(index >= 0, previous[jnp.maximum(index, 0)], input_ids)
 
 
-def make_forward(model: nnx.Module, head: Callable = _logits, mesh=None,
-                 expert_counts: bool = False) -> tuple[nnx.State, Callable]:
+def make_forward(model: nnx.Module, head: Callable = _logits, mesh=None, expert_counts: bool = False,
+                 aux_layers: tuple[int, ...] = ()) -> tuple[nnx.State, Callable]:
     """Returns (state, forward); ``forward(state, kv_caches, input_ids, md, logits_indices, *extra)``
     (``input_ids`` may be ``(ids, previous step's tokens, index into them or -1)``)
     -> (kv_caches, head(model, hidden [T, D], logits_indices, *extra)); the default head returns the
@@ -30,13 +30,17 @@ def make_forward(model: nnx.Module, head: Callable = _logits, mesh=None,
     donated: use the returned ones. With a ``mesh`` the caches keep their KV-head sharding and
     what the head returns is replicated (host inputs are replicated too). With ``expert_counts``
     the head must return a tuple, and the step's tokens routed to each expert [E] (E = 0 for a
-    dense model) come after its items."""
+    dense model) come after its items, and with ``aux_layers`` the hidden states entering those
+    layers after them ([T, len(aux_layers) * D], what an EAGLE-3 head reads)."""
     graphdef, state = nnx.split(model)
 
     def forward(state, kv_caches, input_ids, md: AttentionMetadata, logits_indices: jax.Array, *extra):
         if isinstance(input_ids, tuple):
             input_ids = feed_previous_tokens(*input_ids)
         m = nnx.merge(graphdef, state)
+        if aux_layers:
+            hidden, kv_caches, counts, aux = m.forward_with_aux_hidden(input_ids, kv_caches, md, aux_layers)
+            return kv_caches, (*head(m, hidden, logits_indices, *extra), counts, aux)
         hidden, kv_caches, counts = m.forward_with_expert_counts(input_ids, kv_caches, md)
         out = head(m, hidden, logits_indices, *extra)
         return kv_caches, (*out, counts) if expert_counts else out

@@ -131,11 +131,15 @@ def to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, *, input_size: int | None = None,
+                 rngs: nnx.Rngs) -> None:
+        """``input_size``: the width q/k/v project from, when it is not the model's (an EAGLE-3
+        head's takes the embedding and a hidden state side by side)."""
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = weight(cfg, "q_proj", rngs, (d, n, h), dtype, (None, M, None))
-        self.k_proj = weight(cfg, "k_proj", rngs, (d, k, h), dtype, (None, M, None))
-        self.v_proj = weight(cfg, "v_proj", rngs, (d, k, h), dtype, (None, M, None))
+        d_in = input_size or d
+        self.q_proj = weight(cfg, "q_proj", rngs, (d_in, n, h), dtype, (None, M, None))
+        self.k_proj = weight(cfg, "k_proj", rngs, (d_in, k, h), dtype, (None, M, None))
+        self.v_proj = weight(cfg, "v_proj", rngs, (d_in, k, h), dtype, (None, M, None))
         self.o_proj = weight(cfg, "o_proj", rngs, (n, h, d), dtype, (M, None, None))
         if cfg.attention_bias:
             self.q_bias = _sharded(jnp.zeros((n, h), dtype), (M, None))

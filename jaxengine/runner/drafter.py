@@ -17,6 +17,9 @@ functions keep it in step:
 A greedy proposal puts all its mass on one token, so ``spec_decode.verify`` keeps the outputs
 the target's own. Positions past a rejected draft hold stale KV that the next steps overwrite
 before anything reads them (the scheduler rolls its computed tokens back).
+
+``runner.eagle_drafter`` builds the ``eagle3`` proposer on the same pieces (the cache, its block
+moves, the per-bucket executables, ``propose_rows``), with a sync that runs after the model's step.
 """
 from __future__ import annotations
 
@@ -60,19 +63,31 @@ class Drafter:
         self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
                                 max_num_seqs, on_compile=on_compile, mesh=mesh)
         graphdef, self.state = nnx.split(model)
-        shardings = {} if mesh is None else {"out_shardings": kv_cache_sharding(mesh)}
-        self._sync = jax.jit(_sync_fn(graphdef), donate_argnums=(1,), **shardings)
+        shardings = {} if mesh is None else {"out_shardings": self._sync_shardings(mesh)}
+        self._sync = jax.jit(self._sync_fn(graphdef), donate_argnums=(1,), **shardings)
         propose_shardings = {} if mesh is None else {"out_shardings": (kv_cache_sharding(mesh), replicated(mesh))}
-        self._propose = jax.jit(_propose_fn(graphdef, k, block_size), donate_argnums=(1,), **propose_shardings)
+        self._propose = jax.jit(self._propose_fn(graphdef), donate_argnums=(1,), **propose_shardings)
         self._placement = None if mesh is None else replicated(mesh)
         self._sync_executables: dict[tuple, object] = {}
         self._propose_executables: dict[int, object] = {}
         self.num_proposals = 0
         self.propose_s = 0.0              # host time blocked on proposals (they run before their step)
 
+    # ---- the compiled functions (the ``eagle3`` proposer has its own) ----
+    def _sync_fn(self, graphdef) -> Callable:
+        return _sync_fn(graphdef)
+
+    def _propose_fn(self, graphdef) -> Callable:
+        return _propose_fn(graphdef, self.k, self.block_size)
+
+    @staticmethod
+    def _sync_shardings(mesh):
+        return kv_cache_sharding(mesh)
+
     # ---- compilation ----
-    def compile_sync(self, bucket: tuple[int, int], ids, md) -> None:
-        self._sync_executables[bucket] = self._sync.lower(self.state, self._kv_spec, ids, md).compile()
+    def compile_step(self, bucket: tuple[int, int], inputs, ids, step_outputs) -> None:
+        """The sync of one step bucket (``step_outputs``: the model step's outputs, as shapes)."""
+        self._sync_executables[bucket] = self._sync.lower(self.state, self._kv_spec, ids, inputs.attention).compile()
 
     def compile_proposals(self) -> None:
         """Every row bucket's proposal step."""
@@ -84,21 +99,27 @@ class Drafter:
         if executable is None:
             if not compiling:
                 self.on_compile(f"draft proposal for {rows} rows")
-            args = self._propose_args(np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                                      np.zeros((rows, self.max_blocks), np.int32), np.zeros(rows, np.int32))
+            args = self._propose_args(*self._row_arrays(rows))
             executable = self._propose_executables[rows] = self._propose.lower(self.state, self._kv_spec,
                                                                                *args).compile()
         return executable
 
     # ---- each step ----
-    def sync(self, bucket: tuple[int, int], ids, md) -> None:
+    def before_step(self, inputs, ids) -> None:
         """The draft model over the target step's tokens (its cache gets their KV)."""
+        bucket = inputs.bucket
         executable = self._sync_executables.get(bucket)
         if executable is None:
             self.on_compile(f"draft step bucket {bucket}")
-            self.compile_sync(bucket, ids, md)
+            self.compile_step(bucket, inputs, ids, None)
             executable = self._sync_executables[bucket]
-        self.kv_caches = executable(self.state, self.kv_caches, ids, md)
+        self.kv_caches = executable(self.state, self.kv_caches, ids, inputs.attention)
+
+    def after_step(self, inputs, step_outputs) -> None:
+        """What follows the model's step on the device (the ``eagle3`` head's sync)."""
+
+    def note_verified(self, out, first_sample_rows, sampled: list[list[int]]) -> None:
+        """A step's verified tokens (the ``eagle3`` head drafts on from them)."""
 
     def apply_moves(self, moves) -> None:
         self.kv_caches = self.mover.apply(self.kv_caches, moves.swap_out, moves.swap_in, moves.copy)
@@ -108,21 +129,30 @@ class Drafter:
         holds the slots of its next n positions)."""
         start = time.perf_counter()
         size = pick_bucket(len(rows), self.row_buckets)
-        tokens, positions = np.zeros(size, np.int32), np.zeros(size, np.int32)
-        tables, counts = np.zeros((size, self.max_blocks), np.int32), np.zeros(size, np.int32)
+        starts, positions, tables, counts = self._row_arrays(size)
         for r, (seq, n) in enumerate(rows):
-            tokens[r], positions[r], counts[r] = seq.token_ids[-1], len(seq.token_ids) - 1, n
+            starts[r], positions[r], counts[r] = self._row_start(seq), len(seq.token_ids) - 1, n
             tables[r, :len(seq.block_table)] = seq.block_table
+        counts[:len(rows)] = np.where(starts[:len(rows)] >= 0, counts[:len(rows)], 0)
         executable = self._propose_executable(size)
         self.kv_caches, drafts = executable(self.state, self.kv_caches,
-                                            *self._propose_args(tokens, positions, tables, counts))
+                                            *self._propose_args(np.maximum(starts, 0), positions, tables, counts))
         drafts = np.asarray(drafts)
         self.num_proposals += 1
         self.propose_s += time.perf_counter() - start
-        return [drafts[r, :n].tolist() for r, (_, n) in enumerate(rows)]
+        return [drafts[r, :counts[r]].tolist() for r in range(len(rows))]
 
-    def _propose_args(self, tokens, positions, tables, counts) -> tuple:
-        return tuple(jax.device_put(a, self._placement) for a in (tokens, positions, tables, counts))
+    def _row_start(self, seq) -> int:
+        """What a row's proposal starts from: its last token (-1: it cannot be proposed for)."""
+        return seq.token_ids[-1]
+
+    def _row_arrays(self, rows: int) -> tuple[np.ndarray, ...]:
+        """(starts, positions, block tables, counts) of ``rows`` rows, zero."""
+        return (np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, self.max_blocks), np.int32),
+                np.zeros(rows, np.int32))
+
+    def _propose_args(self, *arrays) -> tuple:
+        return tuple(jax.device_put(a, self._placement) for a in arrays)
 
 
 def _sync_fn(graphdef):

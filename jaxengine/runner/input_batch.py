@@ -36,6 +36,9 @@ class StepInputs:
     sampling: SamplingMetadata
     prompt_lp_want: np.ndarray    # [T] bool: this token's logits score the next prompt token
     prompt_lp_target: np.ndarray  # [T] i32: that next prompt token
+    # [T] i32: the token after each one where the host knows it, else 0 (an EAGLE-3 head's input;
+    # None unless the batch is asked for it)
+    following_ids: np.ndarray | None = None
     num_sample_rows: int = field(default=0, metadata={"static": True})   # host-side: how many sample rows are real
 
     @property
@@ -79,6 +82,7 @@ class InputBatch:
         self._zeros: dict[tuple, jax.Array] = {}
         self.placement = placement          # where device-resident inputs live (replicated over the mesh)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.with_following_ids = False     # StepInputs.following_ids wanted (an EAGLE-3 head reads them)
 
     # ---- state updates from the scheduler ----
     def update(self, out: SchedulerOutput) -> None:
@@ -131,7 +135,18 @@ class InputBatch:
         attention = self._attention(slots, token_slot, pos, ends, seq_lens, t_pad, b_pad)
         sampling, logits_indices = self._sampling(slots, samples, ends, seq_lens, b_pad, out.token_bitmask, drafted)
         want, target = self._prompt_logprob_targets(token_slot, pos, t_pad)
-        return StepInputs(input_ids, prev_index, attention, logits_indices, sampling, want, target, num_samples), slots
+        following = self._following_ids(token_slot, pos, t_pad)
+        return StepInputs(input_ids, prev_index, attention, logits_indices, sampling, want, target, following,
+                          num_samples), slots
+
+    def _following_ids(self, token_slot, pos, t_pad: int) -> np.ndarray | None:
+        """The buffer's token after each position (a draft, the next prompt token; past a row's
+        known tokens whatever the buffer holds, which the head's sync replaces by the sample)."""
+        if not self.with_following_ids:
+            return None
+        following = np.zeros(t_pad, np.int32)
+        following[:len(pos)] = self.tokens[token_slot, np.minimum(pos + 1, self.tokens.shape[1] - 1)]
+        return following
 
     def _write_drafts(self, out: SchedulerOutput, slots: np.ndarray, computed: np.ndarray) -> np.ndarray | None:
         """Rows with draft tokens (speculative decoding): the drafts go into the token buffer after
@@ -255,7 +270,8 @@ class InputBatch:
         attention = self._attention(none, none, none, none, none, t_pad, b_pad)
         sampling, logits_indices = self._sampling(none, none, none, none, b_pad)
         return StepInputs(np.zeros(t_pad, np.int32), np.full(t_pad, -1, np.int32), attention, logits_indices,
-                          sampling, np.zeros(t_pad, bool), np.zeros(t_pad, np.int32))
+                          sampling, np.zeros(t_pad, bool), np.zeros(t_pad, np.int32),
+                          np.zeros(t_pad, np.int32) if self.with_following_ids else None)
 
     def _device_zeros(self, shape: tuple, dtype) -> jax.Array:
         """What a step without penalties or logit bias passes for their large inputs: one

@@ -18,6 +18,7 @@ from jaxengine.config import EngineConfig
 from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.core.scheduler_output import BlockMoves, ModelRunnerOutput, SchedulerOutput, StepLimits
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.eagle3 import Eagle3Config
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
@@ -25,6 +26,7 @@ from jaxengine.runner.buckets import step_buckets
 from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of, step_pairs
 from jaxengine.runner.compile_cache import enable_persistent_cache
 from jaxengine.runner.drafter import Drafter
+from jaxengine.runner.eagle_drafter import EagleDrafter
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
 from jaxengine.sample.metadata import SamplingMetadata
@@ -107,14 +109,17 @@ class ModelRunner:
         self.drafter = None
         if draft is not None:
             draft_model, draft_config, k = draft
-            self.drafter = Drafter(draft_model, draft_config, k=k, num_gpu_blocks=cc.num_gpu_blocks,
+            drafter = EagleDrafter if isinstance(draft_config, Eagle3Config) else Drafter
+            self.drafter = drafter(draft_model, draft_config, k=k, num_gpu_blocks=cc.num_gpu_blocks,
                                    num_cpu_blocks=cc.num_cpu_blocks, block_size=cc.block_size,
                                    max_blocks_per_seq=cdiv(sc.max_model_len, cc.block_size),
                                    row_buckets=self.request_buckets, max_num_seqs=sc.max_num_seqs, dtype=dtype,
                                    mesh=mesh, on_compile=self._note_compile)
+        aux_layers = getattr(self.drafter, "aux_layers", ())
+        self.batch.with_following_ids = bool(aux_layers)
         max_rows = self.request_buckets[-1]
         self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows),
-                                                mesh=mesh, expert_counts=True)
+                                                mesh=mesh, expert_counts=True, aux_layers=aux_layers)
         self._previous_tokens = self._zero_tokens(max_rows)      # the last launched step's tokens
         self._uncollected: collections.deque[PendingStep] = collections.deque()
         self.num_compiles = 0            # compilations after start-up
@@ -198,9 +203,10 @@ class ModelRunner:
 
     def _compile_pair(self, pair: tuple[int, int]) -> None:
         inputs = self.batch.padded(*pair)
+        executable = self._compile_step(inputs)
         if self.drafter is not None:        # before the step is published as compiled
-            self.drafter.compile_sync(pair, self._draft_ids(inputs), inputs.attention)
-        self._executables[pair] = self._compile_step(inputs)    # once compiled
+            self.drafter.compile_step(pair, inputs, self._draft_ids(inputs), executable.out_info[1])
+        self._executables[pair] = executable
 
     def _publish(self, limits: StepLimits) -> None:
         self._limits = limits
@@ -310,9 +316,11 @@ class ModelRunner:
         if inputs is None:
             return None
         if self.drafter is not None:          # the draft model's cache takes the step's tokens too
-            self.drafter.sync(inputs.bucket, self._draft_ids(inputs), inputs.attention)
+            self.drafter.before_step(inputs, self._draft_ids(inputs))
         device_result = self._run(inputs)
         self._previous_tokens = device_result[2]
+        if self.drafter is not None:          # an EAGLE-3 head's takes them after the step
+            self.drafter.after_step(inputs, device_result)
         return device_result
 
     def _draft_ids(self, inputs: StepInputs) -> tuple:
@@ -349,7 +357,7 @@ class ModelRunner:
             raise RuntimeError("steps must be collected in launch order")
         self._uncollected.popleft()
         out, inputs, slots = step.out, step.inputs, step.slots
-        result, prompt_lp, _, expert_tokens = step.device_result
+        result, prompt_lp, _, expert_tokens = step.device_result[:4]
         wait = time.perf_counter()
         with self.channel.waiting("reading a step's results") if self.channel is not None else \
                 contextlib.nullcontext():
@@ -362,6 +370,8 @@ class ModelRunner:
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
         if out.draft_token_ids:
             sampled = verify_drafts(out, sampled)
+        if self.drafter is not None:
+            self.drafter.note_verified(out, first, sampled)
         self.batch.record_samples(out, slots, tokens, sampled)
         return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples, sampled),
                                  self._prompt_logprobs(inputs, slots, out, prompt_lp),

@@ -101,7 +101,7 @@ def test_a_draft_of_another_vocabulary_or_none_is_refused_by_name(chat_checkpoin
         LLM(chat_checkpoint, speculative_config={"method": "draft_model", "model": str(tmp_path)}, **OPTIONS)
     with pytest.raises(ValueError, match="speculative_config.model: the draft model's checkpoint is required"):
         LLM(chat_checkpoint, speculative_config={"method": "draft_model"}, **OPTIONS)
-    with pytest.raises(ValueError, match="speculative_config.model: only for method draft_model"):
+    with pytest.raises(ValueError, match="speculative_config.model: only for methods draft_model and eagle3"):
         LLM(chat_checkpoint, speculative_config={"method": "ngram", "model": str(tmp_path)}, **OPTIONS)
 
 

@@ -1,0 +1,156 @@
+"""The ``eagle3`` proposer: an EAGLE-3 head (``models.eagle3``) drafts from the model's hidden
+states, on the device, greedily.
+
+The head's one-layer KV cache sits under the model's block tables, as a draft model's does
+(``runner.drafter``), and at the same positions: its entry at position p is made of the model's
+hidden states at p and the token at p + 1, so it lags the model's by one token. Two compiled
+functions keep it in step:
+
+- ``sync``, right after each model step and on the device: the head runs over every token of
+  the step, each with the token that follows it (the next prompt token, or the token sampled at
+  that position: for a row with a draft, a position's own sample, so the accepted positions get
+  the tokens that were output), and with the step's aux hidden states, which never leave the
+  device. For every sample row it keeps the head's first draft token and pre-norm output;
+  positions past a rejected draft hold stale KV that the next steps overwrite before anything
+  reads them;
+- ``propose``, as the next step is scheduled: a row starts from the sample row its verified
+  tokens ended on (known to the host once the step is verified), whose first draft is the
+  row's first draft token, and drafts on, each step feeding back the head's pre-norm output,
+  writing its KV at the row's next positions (slots the scheduler allocated). One executable
+  per row bucket, compiled at start-up.
+
+A sequence that was not in the last step (a swap-in, a fork's new sequences) gets no draft in
+its first step. Where a fork row samples several tokens at one position, the head's KV there
+holds the first one's (acceptance, never outputs, depends on it).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxengine.kernels.paged_attention import AttentionMetadata
+from jaxengine.models.mesh import kv_cache_sharding, replicated
+from jaxengine.runner.drafter import Drafter
+
+
+class EagleDrafter(Drafter):
+    """The EAGLE-3 head, its cache and its compiled steps (see the module's docstring)."""
+
+    def __init__(self, model, model_config, **kw) -> None:
+        self.aux_layers = model_config.aux_layers
+        self.max_rows = kw["row_buckets"][-1]
+        self.hidden_size = model_config.layer.hidden_size
+        super().__init__(model, model_config.layer, **kw)
+        dtype = model.fc[...].dtype
+        # The last step's per-sample-row first draft and pre-norm output, padded to the most rows.
+        self._last = (self._device(np.zeros(self.max_rows, np.int32)),
+                      self._device(np.zeros((self.max_rows, self.hidden_size), dtype)))
+        self._rows: dict[int, int] = {}       # seq_id -> its sample row in the last step, once verified
+
+    def _device(self, a: np.ndarray) -> jax.Array:
+        return jax.device_put(a, None if self.mesh is None else replicated(self.mesh))
+
+    def _sync_fn(self, graphdef) -> Callable:
+        return _sync_fn(graphdef, self.max_rows)
+
+    def _propose_fn(self, graphdef) -> Callable:
+        return _propose_fn(graphdef, self.k, self.block_size)
+
+    @staticmethod
+    def _sync_shardings(mesh):
+        return kv_cache_sharding(mesh), replicated(mesh), replicated(mesh)
+
+    # ---- compilation ----
+    def compile_step(self, bucket: tuple[int, int], inputs, ids, step_outputs) -> None:
+        """``step_outputs``: the model step's outputs, as shapes (its sampled tokens and aux states)."""
+        self._sync_executables[bucket] = self._sync.lower(
+            self.state, self._kv_spec, *self._sync_args(inputs, step_outputs)).compile()
+
+    @staticmethod
+    def _sync_args(inputs, step_outputs) -> tuple:
+        result, aux = step_outputs[0], step_outputs[-1]
+        return aux, inputs.following_ids, _sample_targets(inputs), result.token_ids, inputs.attention, \
+            inputs.logits_indices
+
+    # ---- each step ----
+    def before_step(self, inputs, ids) -> None:
+        """(The head runs after the model's step.)"""
+
+    def after_step(self, inputs, step_outputs) -> None:
+        bucket = inputs.bucket
+        executable = self._sync_executables.get(bucket)
+        if executable is None:
+            self.on_compile(f"EAGLE-3 head step bucket {bucket}")
+            self.compile_step(bucket, inputs, None, step_outputs)
+            executable = self._sync_executables[bucket]
+        self.kv_caches, *last = executable(self.state, self.kv_caches, *self._sync_args(inputs, step_outputs))
+        self._last = tuple(last)
+        self._rows = {}                  # until the step is verified
+
+    def note_verified(self, out, first_sample_rows, sampled: list[list[int]]) -> None:
+        """Each sequence's sample row its output ended on: after its accepted drafts, or the first
+        (a fork row's first sample is the one the head saw)."""
+        self._rows = {seq_id: int(first_sample_rows[i]) + (len(sampled[i]) - 1 if seq_id in out.draft_token_ids else 0)
+                      for i, seq_id in enumerate(out.seq_ids) if out.num_samples[i] > 0}
+
+    def _row_start(self, seq) -> int:
+        return self._rows.get(seq.seq_id, -1)
+
+    def _propose_args(self, *arrays) -> tuple:
+        return (*self._last, *super()._propose_args(*arrays))
+
+
+def _sample_targets(inputs) -> np.ndarray:
+    """Per sample row, the token whose following token its sample is (a row past the real ones,
+    or a fork row's later samples at the same position: the step's width, which the scatter
+    drops)."""
+    indices, n, width = inputs.logits_indices, inputs.num_sample_rows, len(inputs.input_ids)
+    targets = np.full(len(indices), width, np.int32)
+    if n:
+        first = np.ones(n, bool)
+        first[1:] = indices[1:n] != indices[:n - 1]
+        targets[:n] = np.where(first, indices[:n], width)
+    return targets
+
+
+def _sync_fn(graphdef, max_rows: int):
+    def sync(state, kv_caches, aux, following, targets, sampled, md: AttentionMetadata, logits_indices):
+        head = nnx.merge(graphdef, state)
+        next_ids = following.at[targets].set(sampled, mode="drop")
+        normed, prenorm, kv_caches = head(next_ids, head.combine(aux), kv_caches, md)
+        first = head.draft_tokens(normed[logits_indices])
+
+        def padded(x):
+            return jnp.zeros((max_rows, *x.shape[1:]), x.dtype).at[:x.shape[0]].set(x)
+        return kv_caches, padded(first), padded(prenorm[logits_indices])
+    return sync
+
+
+def _propose_fn(graphdef, k: int, block_size: int):
+    def propose(state, kv_caches, first, prenorm, starts, positions, tables, counts):
+        """The first draft from the last step, then k - 1 steps of the head; step i of a row with
+        counts <= i + 1 writes into the null block."""
+        head = nnx.merge(graphdef, state)
+        rows = starts.shape[0]
+        row_index = jnp.arange(rows)
+
+        def step(carry, i):
+            kv_caches, tokens, hidden = carry
+            pos = positions + i
+            live = i + 1 < counts
+            block = jnp.take_along_axis(tables, (pos // block_size)[:, None], axis=1)[:, 0]
+            slots = jnp.where(live, block * block_size + pos % block_size, row_index % block_size)
+            md = AttentionMetadata(jnp.where(live, pos, 0), slots, jnp.arange(rows + 1, dtype=jnp.int32),
+                                   jnp.where(live, pos + 1, 0), tables)
+            normed, hidden, kv_caches = head(tokens, hidden, kv_caches, md)
+            nxt = head.draft_tokens(normed)
+            return (kv_caches, nxt, hidden), nxt
+
+        tokens = first[starts]
+        (kv_caches, _, _), rest = jax.lax.scan(step, (kv_caches, tokens, prenorm[starts]), jnp.arange(k - 1))
+        return kv_caches, jnp.concatenate([tokens[:, None], rest.T], axis=1)
+    return propose
