@@ -75,3 +75,11 @@ def scheduled_by_request(out: SchedulerOutput) -> dict[str, int]:
         rid = seq.request.request_id
         rows[rid] = rows.get(rid, 0) + n
     return rows
+
+
+def every_draft_goes(llm):
+    """Override a speculating engine's gate: each row's whole proposal goes (for tests of the
+    outputs, not of the gate's choice)."""
+    gate = llm.engine.scheduler.gate
+    gate.plan = lambda tokens, rows, proposals, limit=None: [min(n, gate.k) for n, _ in proposals]
+    return llm

@@ -105,14 +105,19 @@ class Drafter:
         return executable
 
     # ---- each step ----
-    def before_step(self, inputs, ids) -> None:
-        """The draft model over the target step's tokens (its cache gets their KV)."""
+    def _sync_executable(self, inputs, ids, step_outputs, what: str):
+        """The sync of the step's bucket (compiled now if it has none, counted as after start-up)."""
         bucket = inputs.bucket
         executable = self._sync_executables.get(bucket)
         if executable is None:
-            self.on_compile(f"draft step bucket {bucket}")
-            self.compile_step(bucket, inputs, ids, None)
+            self.on_compile(f"{what} step bucket {bucket}")
+            self.compile_step(bucket, inputs, ids, step_outputs)
             executable = self._sync_executables[bucket]
+        return executable
+
+    def before_step(self, inputs, ids) -> None:
+        """The draft model over the target step's tokens (its cache gets their KV)."""
+        executable = self._sync_executable(inputs, ids, None, "draft")
         self.kv_caches = executable(self.state, self.kv_caches, ids, inputs.attention)
 
     def after_step(self, inputs, step_outputs) -> None:

@@ -81,12 +81,7 @@ class EagleDrafter(Drafter):
         """(The head runs after the model's step.)"""
 
     def after_step(self, inputs, step_outputs) -> None:
-        bucket = inputs.bucket
-        executable = self._sync_executables.get(bucket)
-        if executable is None:
-            self.on_compile(f"EAGLE-3 head step bucket {bucket}")
-            self.compile_step(bucket, inputs, None, step_outputs)
-            executable = self._sync_executables[bucket]
+        executable = self._sync_executable(inputs, None, step_outputs, "EAGLE-3 head")
         self.kv_caches, *last = executable(self.state, self.kv_caches, *self._sync_args(inputs, step_outputs))
         self._last = tuple(last)
         self._rows = {}                  # until the step is verified

@@ -5,6 +5,7 @@ vocabulary, or none, is refused by name."""
 import pytest
 
 from jaxengine import LLM, SamplingParams
+from tests.helpers import every_draft_goes
 
 OPTIONS = dict(max_num_batched_tokens=32, max_num_seqs=8, block_size=4, max_model_len=128, swap_space=0.002,
                num_kv_blocks=50, progress=False, compile_mode="eager")
@@ -25,8 +26,7 @@ def small_draft(tmp_path_factory):
 def speculating(target, draft, k=3):
     llm = LLM(target, speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": k},
               **OPTIONS)
-    gate = llm.engine.scheduler.gate
-    gate.plan = lambda tokens, rows, proposals, limit=None: [min(n, gate.k) for n, _ in proposals]       # every draft goes: these tests are about the outputs
+    every_draft_goes(llm)
     llm.engine.traces = []
     return llm
 
@@ -110,8 +110,7 @@ def test_the_draft_model_splits_over_two_devices_as_the_model_does(engines, chat
     plain, _, _ = engines
     tp2 = LLM(chat_checkpoint, tensor_parallel_size=2, speculative_config={
         "method": "draft_model", "model": str(small_draft), "num_speculative_tokens": 3}, **OPTIONS)
-    gate = tp2.engine.scheduler.gate
-    gate.plan = lambda tokens, rows, proposals, limit=None: [min(n, gate.k) for n, _ in proposals]
+    every_draft_goes(tp2)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     assert outputs(tp2, PROMPTS, params) == outputs(plain, PROMPTS, params)
     assert tp2.engine.runner.drafter.num_proposals > 0

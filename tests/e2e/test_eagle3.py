@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jaxengine import LLM, SamplingParams
+from tests.helpers import every_draft_goes
 
 OPTIONS = dict(max_num_batched_tokens=32, max_num_seqs=8, block_size=4, max_model_len=128, swap_space=0.002,
                num_kv_blocks=50, progress=False, compile_mode="eager")
@@ -125,8 +126,7 @@ def reference_drafts(target, head, tokens: list[int], k: int) -> list[int]:
 def speculating(target, head_folder, k=3):
     llm = LLM(target, speculative_config={"method": "eagle3", "model": str(head_folder), "num_speculative_tokens": k},
               **OPTIONS)
-    gate = llm.engine.scheduler.gate
-    gate.plan = lambda tokens, rows, proposals, limit=None: [min(n, gate.k) for n, _ in proposals]   # every draft goes
+    every_draft_goes(llm)
     llm.engine.traces = []
     return llm
 
@@ -262,8 +262,7 @@ def test_the_head_splits_over_two_devices_as_the_model_does(engines, chat_checkp
     folder, head = heads[0]
     tp2 = LLM(chat_checkpoint, tensor_parallel_size=2, speculative_config={
         "method": "eagle3", "model": str(folder), "num_speculative_tokens": 3}, **OPTIONS)
-    gate = tp2.engine.scheduler.gate
-    gate.plan = lambda tokens, rows, proposals, limit=None: [min(n, gate.k) for n, _ in proposals]
+    every_draft_goes(tp2)
     made = recording(tp2)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert outputs(tp2, PROMPTS, params) == outputs(plain, PROMPTS, params)

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
+from tests.helpers import every_draft_goes
 from jaxengine.sampling_params import BeamSearchParams
 
 OPTIONS = dict(max_num_batched_tokens=32, max_num_seqs=8, block_size=4, max_model_len=128, swap_space=0.002,
@@ -26,8 +27,7 @@ def engines(chat_checkpoint):
     spec.engine.traces = []                 # keep every step's record
     # Every draft proposed goes (the gate would switch speculation off on a random model, whose
     # drafts are seldom accepted): these tests are about the outputs with drafts.
-    gate = spec.engine.scheduler.gate
-    gate.plan = lambda tokens, rows, proposals, limit=None: [min(n, gate.k) for n, _ in proposals]
+    every_draft_goes(spec)
     return plain, spec
 
 
