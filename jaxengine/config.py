@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 MODEL_PROPOSERS = ("draft_model", "eagle3")     # the methods that run a model of their own on the device
+DRAFT_SAMPLING = ("greedy", "sampled")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -102,6 +103,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
+    # How a model proposer drafts for a request that samples: "greedy" (its most likely tokens:
+    # outputs stay the seeded stream's own, token for token) or "sampled" (drawn from its
+    # distribution at the request's temperature and accepted with probability min(1, p/q):
+    # more drafts kept, outputs distributed as the model's but not the same draws).
+    draft_sampling: str = "greedy"
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS, "speculative_config.method",
@@ -113,6 +119,11 @@ class SpeculativeConfig:
         _require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
                  "speculative_config.prompt_lookup_max",
                  f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+        _require(self.draft_sampling in DRAFT_SAMPLING, "speculative_config.draft_sampling",
+                 f"must be one of {list(DRAFT_SAMPLING)}, got {self.draft_sampling!r}")
+        _require(self.draft_sampling == "greedy" or self.method in MODEL_PROPOSERS,
+                 "speculative_config.draft_sampling", f"'sampled' is for methods {' and '.join(MODEL_PROPOSERS)} "
+                 f"(the n-gram proposer picks its tokens outright)")
         if self.method in MODEL_PROPOSERS:
             _require(bool(self.model), "speculative_config.model", f"the draft model's checkpoint is required with "
                      f"method {self.method}")

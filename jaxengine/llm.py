@@ -166,7 +166,8 @@ class LLM:
         args = self.engine_args
         token_buckets, request_buckets = args.step_buckets()
         spec = self.config.speculative
-        draft = None if self.draft_model is None else (self.draft_model, self.draft_config, spec.num_speculative_tokens)
+        draft = None if self.draft_model is None else (self.draft_model, self.draft_config, spec.num_speculative_tokens,
+                                                       spec.draft_sampling == "sampled")
         return ModelRunner(model, self.model_config, self.config, dtype=self.kv_dtype, warm_up=args.warm_up,
                            progress=progress, token_buckets=token_buckets, request_buckets=request_buckets,
                            mesh=mesh, compile_mode=args.compile_mode, draft=draft)

@@ -90,11 +90,11 @@ class Eagle3Head(nnx.Module):
         prenorm = residual + self.mlp(self.post_attention_layernorm(residual))
         return self.norm(prenorm), prenorm, (k.reshape(shape), v.reshape(shape))
 
-    def draft_tokens(self, normed: jax.Array) -> jax.Array:
-        """[R, D] -> each row's most likely next token, as the model's id [R]."""
+    def model_logits(self, normed: jax.Array) -> jax.Array:
+        """[R, D] -> logits over the model's vocabulary [R, V] (f32; -inf outside the draft's)."""
         logits = self.dense_fn(normed, self.lm_head[...]).astype(jnp.float32)
-        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return best + self.d2t[...][best]
+        ids = jnp.arange(self.config.draft_vocab_size) + self.d2t[...]
+        return jnp.full((normed.shape[0], self.config.vocab_size), -jnp.inf, jnp.float32).at[:, ids].set(logits)
 
 
 # ---------------------------------------------------------------- loading

@@ -37,7 +37,10 @@ from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.runner.kv_cache import BlockMover
-from jaxengine.sample.sampler import first_argmax
+from jaxengine.runner.input_batch import seed_words
+from jaxengine.sample.sampler import first_argmax, row_key
+
+DRAFT_STREAM = 1 << 30      # a draft's draws: its request's stream, at positions of their own
 
 
 class Drafter:
@@ -47,11 +50,13 @@ class Drafter:
 
     def __init__(self, model, model_config, *, k: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  max_blocks_per_seq: int, row_buckets: list[int], max_num_seqs: int, dtype, mesh=None,
-                 on_compile: Callable[[str], None] = lambda what: None) -> None:
+                 on_compile: Callable[[str], None] = lambda what: None, sampled: bool = False) -> None:
+        """``sampled``: a request that samples gets drafts drawn at its temperature, their
+        distributions kept on the device for the step that verifies them (``draft_probs``)."""
         if mesh is not None:
             shard_kernels(model, mesh)
             place_model(model, mesh)
-        self.k, self.block_size, self.max_blocks = k, block_size, max_blocks_per_seq
+        self.k, self.block_size, self.max_blocks, self.sampled = k, block_size, max_blocks_per_seq, sampled
         self.row_buckets, self.mesh = row_buckets, mesh
         self.on_compile = on_compile
         self.kv_caches = init_kv_caches(model_config, num_gpu_blocks, block_size, dtype,
@@ -63,11 +68,16 @@ class Drafter:
         self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
                                 max_num_seqs, on_compile=on_compile, mesh=mesh)
         graphdef, self.state = nnx.split(model)
+        self._placement = None if mesh is None else replicated(mesh)
+        # Sampled drafts: each row's distributions [rows, k, V] of the latest proposal, and the
+        # proposal row of each sequence in it.
+        self.draft_probs = None if not sampled else jax.device_put(
+            np.zeros((row_buckets[-1], k, model_config.vocab_size), np.float32), self._placement)
+        self._proposal_rows: dict[int, int] = {}
         shardings = {} if mesh is None else {"out_shardings": self._sync_shardings(mesh)}
         self._sync = jax.jit(self._sync_fn(graphdef), donate_argnums=(1,), **shardings)
         propose_shardings = {} if mesh is None else {"out_shardings": (kv_cache_sharding(mesh), replicated(mesh))}
-        self._propose = jax.jit(self._propose_fn(graphdef), donate_argnums=(1,), **propose_shardings)
-        self._placement = None if mesh is None else replicated(mesh)
+        self._propose = jax.jit(self._propose_fn(graphdef), donate_argnums=(1, 2), **propose_shardings)
         self._sync_executables: dict[tuple, object] = {}
         self._propose_executables: dict[int, object] = {}
         self.num_proposals = 0
@@ -78,7 +88,7 @@ class Drafter:
         return _sync_fn(graphdef)
 
     def _propose_fn(self, graphdef) -> Callable:
-        return _propose_fn(graphdef, self.k, self.block_size)
+        return _propose_fn(graphdef, self.k, self.block_size, self.sampled)
 
     @staticmethod
     def _sync_shardings(mesh):
@@ -100,7 +110,9 @@ class Drafter:
             if not compiling:
                 self.on_compile(f"draft proposal for {rows} rows")
             args = self._propose_args(*self._row_arrays(rows))
-            executable = self._propose_executables[rows] = self._propose.lower(self.state, self._kv_spec,
+            probs = None if self.draft_probs is None else jax.ShapeDtypeStruct(
+                self.draft_probs.shape, self.draft_probs.dtype, sharding=self.draft_probs.sharding)
+            executable = self._propose_executables[rows] = self._propose.lower(self.state, self._kv_spec, probs,
                                                                                *args).compile()
         return executable
 
@@ -134,14 +146,20 @@ class Drafter:
         holds the slots of its next n positions)."""
         start = time.perf_counter()
         size = pick_bucket(len(rows), self.row_buckets)
-        starts, positions, tables, counts = self._row_arrays(size)
+        starts, positions, tables, counts, temperature, seeds, sample_index = self._row_arrays(size)
         for r, (seq, n) in enumerate(rows):
             starts[r], positions[r], counts[r] = self._row_start(seq), len(seq.token_ids) - 1, n
             tables[r, :len(seq.block_table)] = seq.block_table
+            temperature[r], seeds[r], sample_index[r] = (seq.request.sampling_params.temperature,
+                                                         seed_words(seq.request.seed), seq.sample_index)
         counts[:len(rows)] = np.where(starts[:len(rows)] >= 0, counts[:len(rows)], 0)
         executable = self._propose_executable(size)
-        self.kv_caches, drafts = executable(self.state, self.kv_caches,
-                                            *self._propose_args(np.maximum(starts, 0), positions, tables, counts))
+        self.kv_caches, (drafts, probs) = executable(
+            self.state, self.kv_caches, self.draft_probs,
+            *self._propose_args(np.maximum(starts, 0), positions, tables, counts, temperature, seeds, sample_index))
+        if self.sampled:
+            self.draft_probs = probs
+            self._proposal_rows = {seq.seq_id: r for r, (seq, _) in enumerate(rows)}
         drafts = np.asarray(drafts)
         self.num_proposals += 1
         self.propose_s += time.perf_counter() - start
@@ -152,9 +170,25 @@ class Drafter:
         return seq.token_ids[-1]
 
     def _row_arrays(self, rows: int) -> tuple[np.ndarray, ...]:
-        """(starts, positions, block tables, counts) of ``rows`` rows, zero."""
+        """(starts, positions, block tables, counts, temperatures, seeds, sample indices) of
+        ``rows`` rows, zero."""
         return (np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, self.max_blocks), np.int32),
+                np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros((rows, 2), np.uint32),
                 np.zeros(rows, np.int32))
+
+    def sampled_drafts(self, out, num_sample_rows: int) -> np.ndarray:
+        """[2, R]: the draft token each sample row of ``out``'s step verifies (-1: none) and where
+        its distribution is in ``draft_probs`` (row * k + position), for sampled drafts."""
+        refs = np.zeros((2, num_sample_rows), np.int32)
+        refs[0] = -1
+        first = 0
+        for i, seq_id in enumerate(out.seq_ids):
+            draft, r = out.draft_token_ids.get(seq_id), self._proposal_rows.get(seq_id, -1)
+            if draft and r >= 0:
+                n = len(draft)
+                refs[0, first:first + n], refs[1, first:first + n] = draft, r * self.k + np.arange(n)
+            first += out.num_samples[i]
+        return refs
 
     def _propose_args(self, *arrays) -> tuple:
         return tuple(jax.device_put(a, self._placement) for a in arrays)
@@ -170,25 +204,48 @@ def _sync_fn(graphdef):
     return sync
 
 
-def _propose_fn(graphdef, k: int, block_size: int):
-    def propose(state, kv_caches, tokens, positions, tables, counts):
-        """k greedy steps; step i of a row with counts <= i writes into the null block."""
+def draft_slots(tables, positions, live, block_size: int):
+    """Each row's KV slot at ``positions`` (a row not ``live`` this step: the null block)."""
+    block = jnp.take_along_axis(tables, (positions // block_size)[:, None], axis=1)[:, 0]
+    return jnp.where(live, block * block_size + positions % block_size, jnp.arange(len(positions)) % block_size)
+
+
+def choose_drafts(logits, positions, sampling):
+    """[B, V] -> each row's draft token [B], and with ``sampling`` (temperatures, seeds and
+    sample indices [B]) the distribution a sampling row's token was drawn from [B, V] (its
+    temperature's softmax; a greedy row's token is its argmax)."""
+    greedy = first_argmax(logits)
+    if sampling is None:
+        return greedy, None
+    temperature, seeds, sample_index = sampling
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    keys = jax.vmap(row_key)(seeds, sample_index, positions + DRAFT_STREAM)
+    drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy), jax.nn.softmax(x, axis=-1)
+
+
+def keep_probs(buffer, probs):
+    """The proposal's distributions [B, k, V] into the donated buffer [rows, k, V] (in place)."""
+    return jax.lax.dynamic_update_slice(buffer, probs, (0, 0, 0))
+
+
+def _propose_fn(graphdef, k: int, block_size: int, sampled: bool):
+    def propose(state, kv_caches, probs_buffer, tokens, positions, tables, counts, temperature, seeds, sample_index):
+        """k steps, greedy or sampled; step i of a row with counts <= i writes into the null block."""
         model = nnx.merge(graphdef, state)
         rows = tokens.shape[0]
-        row_index = jnp.arange(rows)
+        sampling = (temperature, seeds, sample_index) if sampled else None
 
         def step(carry, i):
             kv_caches, tokens = carry
             pos = positions + i
             live = i < counts
-            block = jnp.take_along_axis(tables, (pos // block_size)[:, None], axis=1)[:, 0]
-            slots = jnp.where(live, block * block_size + pos % block_size, row_index % block_size)
-            md = AttentionMetadata(jnp.where(live, pos, 0), slots, jnp.arange(rows + 1, dtype=jnp.int32),
-                                   jnp.where(live, pos + 1, 0), tables)
+            md = AttentionMetadata(jnp.where(live, pos, 0), draft_slots(tables, pos, live, block_size),
+                                   jnp.arange(rows + 1, dtype=jnp.int32), jnp.where(live, pos + 1, 0), tables)
             hidden, kv_caches, _ = model.forward_with_expert_counts(tokens, kv_caches, md)
-            nxt = first_argmax(model.compute_logits(hidden))
-            return (kv_caches, nxt), nxt
+            nxt, probs = choose_drafts(model.compute_logits(hidden), pos + 1, sampling)
+            return (kv_caches, nxt), (nxt, probs)
 
-        (kv_caches, _), drafts = jax.lax.scan(step, (kv_caches, tokens), jnp.arange(k))
-        return kv_caches, drafts.T
+        (kv_caches, _), (drafts, probs) = jax.lax.scan(step, (kv_caches, tokens), jnp.arange(k))
+        return kv_caches, (drafts.T, None if probs is None else keep_probs(probs_buffer, probs.transpose(1, 0, 2)))
     return propose

@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.mesh import kv_cache_sharding, replicated
-from jaxengine.runner.drafter import Drafter
+from jaxengine.runner.drafter import Drafter, choose_drafts, draft_slots, keep_probs
 
 
 class EagleDrafter(Drafter):
@@ -46,23 +46,26 @@ class EagleDrafter(Drafter):
         self.hidden_size = model_config.layer.hidden_size
         super().__init__(model, model_config.layer, **kw)
         dtype = model.fc[...].dtype
-        # The last step's per-sample-row first draft and pre-norm output, padded to the most rows.
+        # The last step's per-sample-row first draft, pre-norm output and (sampled drafts) the
+        # first draft's distribution, padded to the most rows.
         self._last = (self._device(np.zeros(self.max_rows, np.int32)),
-                      self._device(np.zeros((self.max_rows, self.hidden_size), dtype)))
+                      self._device(np.zeros((self.max_rows, self.hidden_size), dtype)),
+                      None if not self.sampled else self._device(
+                          np.zeros((self.max_rows, model_config.vocab_size), np.float32)))
         self._rows: dict[int, int] = {}       # seq_id -> its sample row in the last step, once verified
 
     def _device(self, a: np.ndarray) -> jax.Array:
         return jax.device_put(a, None if self.mesh is None else replicated(self.mesh))
 
     def _sync_fn(self, graphdef) -> Callable:
-        return _sync_fn(graphdef, self.max_rows)
+        return _sync_fn(graphdef, self.max_rows, self.sampled)
 
     def _propose_fn(self, graphdef) -> Callable:
-        return _propose_fn(graphdef, self.k, self.block_size)
+        return _propose_fn(graphdef, self.k, self.block_size, self.sampled)
 
     @staticmethod
     def _sync_shardings(mesh):
-        return kv_cache_sharding(mesh), replicated(mesh), replicated(mesh)
+        return kv_cache_sharding(mesh), replicated(mesh), replicated(mesh), replicated(mesh)
 
     # ---- compilation ----
     def compile_step(self, bucket: tuple[int, int], inputs, ids, step_outputs) -> None:
@@ -74,7 +77,7 @@ class EagleDrafter(Drafter):
     def _sync_args(inputs, step_outputs) -> tuple:
         result, aux = step_outputs[0], step_outputs[-1]
         return aux, inputs.following_ids, _sample_targets(inputs), result.token_ids, inputs.attention, \
-            inputs.logits_indices
+            inputs.logits_indices, inputs.sampling
 
     # ---- each step ----
     def before_step(self, inputs, ids) -> None:
@@ -112,40 +115,46 @@ def _sample_targets(inputs) -> np.ndarray:
     return targets
 
 
-def _sync_fn(graphdef, max_rows: int):
-    def sync(state, kv_caches, aux, following, targets, sampled, md: AttentionMetadata, logits_indices):
+def _sync_fn(graphdef, max_rows: int, sampled: bool):
+    def sync(state, kv_caches, aux, following, targets, sampled_tokens, md: AttentionMetadata, logits_indices, smd):
         head = nnx.merge(graphdef, state)
-        next_ids = following.at[targets].set(sampled, mode="drop")
+        next_ids = following.at[targets].set(sampled_tokens, mode="drop")
         normed, prenorm, kv_caches = head(next_ids, head.combine(aux), kv_caches, md)
-        first = head.draft_tokens(normed[logits_indices])
+        # Each sample row's first draft is the token after the one it samples.
+        sampling = (smd.temperature, smd.seed, smd.sample_index) if sampled else None
+        first, probs = choose_drafts(head.model_logits(normed[logits_indices]), md.positions[logits_indices] + 2,
+                                     sampling)
 
         def padded(x):
-            return jnp.zeros((max_rows, *x.shape[1:]), x.dtype).at[:x.shape[0]].set(x)
-        return kv_caches, padded(first), padded(prenorm[logits_indices])
+            return None if x is None else jnp.zeros((max_rows, *x.shape[1:]), x.dtype).at[:x.shape[0]].set(x)
+        return kv_caches, padded(first), padded(prenorm[logits_indices]), padded(probs)
     return sync
 
 
-def _propose_fn(graphdef, k: int, block_size: int):
-    def propose(state, kv_caches, first, prenorm, starts, positions, tables, counts):
-        """The first draft from the last step, then k - 1 steps of the head; step i of a row with
-        counts <= i + 1 writes into the null block."""
+def _propose_fn(graphdef, k: int, block_size: int, sampled: bool):
+    def propose(state, kv_caches, probs_buffer, first, prenorm, first_probs, starts, positions, tables, counts,
+                temperature, seeds, sample_index):
+        """The first draft from the last step, then k - 1 steps of the head, greedy or sampled;
+        step i of a row with counts <= i + 1 writes into the null block."""
         head = nnx.merge(graphdef, state)
         rows = starts.shape[0]
-        row_index = jnp.arange(rows)
+        sampling = (temperature, seeds, sample_index) if sampled else None
 
         def step(carry, i):
             kv_caches, tokens, hidden = carry
             pos = positions + i
             live = i + 1 < counts
-            block = jnp.take_along_axis(tables, (pos // block_size)[:, None], axis=1)[:, 0]
-            slots = jnp.where(live, block * block_size + pos % block_size, row_index % block_size)
-            md = AttentionMetadata(jnp.where(live, pos, 0), slots, jnp.arange(rows + 1, dtype=jnp.int32),
-                                   jnp.where(live, pos + 1, 0), tables)
+            md = AttentionMetadata(jnp.where(live, pos, 0), draft_slots(tables, pos, live, block_size),
+                                   jnp.arange(rows + 1, dtype=jnp.int32), jnp.where(live, pos + 1, 0), tables)
             normed, hidden, kv_caches = head(tokens, hidden, kv_caches, md)
-            nxt = head.draft_tokens(normed)
-            return (kv_caches, nxt, hidden), nxt
+            nxt, probs = choose_drafts(head.model_logits(normed), pos + 2, sampling)
+            return (kv_caches, nxt, hidden), (nxt, probs)
 
         tokens = first[starts]
-        (kv_caches, _, _), rest = jax.lax.scan(step, (kv_caches, tokens, prenorm[starts]), jnp.arange(k - 1))
-        return kv_caches, jnp.concatenate([tokens[:, None], rest.T], axis=1)
+        (kv_caches, _, _), (rest, probs) = jax.lax.scan(step, (kv_caches, tokens, prenorm[starts]), jnp.arange(k - 1))
+        drafts = jnp.concatenate([tokens[:, None], rest.T], axis=1)
+        if not sampled:
+            return kv_caches, (drafts, None)
+        probs = jnp.concatenate([first_probs[starts][:, None], probs.transpose(1, 0, 2)], axis=1)
+        return kv_caches, (drafts, keep_probs(probs_buffer, probs))
     return propose

@@ -39,6 +39,9 @@ class StepInputs:
     # [T] i32: the token after each one where the host knows it, else 0 (an EAGLE-3 head's input;
     # None unless the batch is asked for it)
     following_ids: np.ndarray | None = None
+    # [2, R] i32: sampled drafts (the runner's): the draft token each sample row verifies (-1:
+    # none) and its row in the drafter's distributions; None without them
+    sampled_drafts: np.ndarray | None = None
     num_sample_rows: int = field(default=0, metadata={"static": True})   # host-side: how many sample rows are real
 
     @property
@@ -137,7 +140,7 @@ class InputBatch:
         want, target = self._prompt_logprob_targets(token_slot, pos, t_pad)
         following = self._following_ids(token_slot, pos, t_pad)
         return StepInputs(input_ids, prev_index, attention, logits_indices, sampling, want, target, following,
-                          num_samples), slots
+                          num_sample_rows=num_samples), slots
 
     def _following_ids(self, token_slot, pos, t_pad: int) -> np.ndarray | None:
         """The buffer's token after each position (a draft, the next prompt token; past a row's

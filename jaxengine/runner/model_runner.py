@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -38,12 +39,17 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05      # an empty step waits this long at most for buckets still compiling
 
 
-def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp_want, prompt_lp_target, *,
-                 max_rows: int):
+def _sample_head(model, hidden, logits_indices, smd: SamplingMetadata, prompt_lp_want, prompt_lp_target,
+                 *sampled_drafts, max_rows: int):
     """Sample the rows asked for; score prompt tokens only in steps where a request wants
     prompt logprobs (full-width logits for every token are costly). The sampled tokens also come
-    back padded to ``max_rows``: the next step's input when it is launched before they are read."""
-    result = sample(model.compute_logits(hidden[logits_indices]), smd, MAX_LOGPROBS)
+    back padded to ``max_rows``: the next step's input when it is launched before they are read.
+    ``sampled_drafts``: (the drafter's distributions [rows, k, V], ``StepInputs.sampled_drafts``)."""
+    drafts = None
+    if sampled_drafts:
+        probs, refs = sampled_drafts
+        drafts = (refs[0], probs.reshape(-1, probs.shape[-1])[refs[1]])
+    result = sample(model.compute_logits(hidden[logits_indices]), smd, MAX_LOGPROBS, drafts)
     next_tokens = jnp.zeros(max_rows, jnp.int32).at[:result.token_ids.shape[0]].set(result.token_ids)
     t = hidden.shape[0]
     nothing = (jnp.zeros(t, jnp.float32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
@@ -87,8 +93,8 @@ class ModelRunner:
         returning (``compile_mode="eager"``) or the smallest bucket now and the others on a thread
         (``"background"``, ``compile_in_background``; ``before_compile`` runs there before each).
         Without it each compiles on first use, counted in ``num_compiles``. ``draft``: (the draft
-        model, its config, k) of the ``draft_model`` proposer (``runner.drafter``), whose steps
-        compile with these."""
+        model, its config, k, sampled) of the ``draft_model`` or ``eagle3`` proposer (``runner.drafter``), whose steps
+        compile with these, and whether it samples its drafts."""
         sc, cc = config.scheduler, config.cache
         self.mesh = mesh
         self._replicated = None if mesh is None else replicated(mesh)
@@ -108,13 +114,13 @@ class ModelRunner:
                                 sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
         self.drafter = None
         if draft is not None:
-            draft_model, draft_config, k = draft
+            draft_model, draft_config, k, sampled = draft
             drafter = EagleDrafter if isinstance(draft_config, Eagle3Config) else Drafter
             self.drafter = drafter(draft_model, draft_config, k=k, num_gpu_blocks=cc.num_gpu_blocks,
                                    num_cpu_blocks=cc.num_cpu_blocks, block_size=cc.block_size,
                                    max_blocks_per_seq=cdiv(sc.max_model_len, cc.block_size),
                                    row_buckets=self.request_buckets, max_num_seqs=sc.max_num_seqs, dtype=dtype,
-                                   mesh=mesh, on_compile=self._note_compile)
+                                   mesh=mesh, on_compile=self._note_compile, sampled=sampled)
         aux_layers = getattr(self.drafter, "aux_layers", ())
         self.batch.with_following_ids = bool(aux_layers)
         max_rows = self.request_buckets[-1]
@@ -202,7 +208,7 @@ class ModelRunner:
             self.drafter.compile_proposals()
 
     def _compile_pair(self, pair: tuple[int, int]) -> None:
-        inputs = self.batch.padded(*pair)
+        inputs = self._with_sampled_drafts(self.batch.padded(*pair), None)
         executable = self._compile_step(inputs)
         if self.drafter is not None:        # before the step is published as compiled
             self.drafter.compile_step(pair, inputs, self._draft_ids(inputs), executable.out_info[1])
@@ -283,6 +289,7 @@ class ModelRunner:
         self.batch.update(out)
         moves = BlockMoves(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         inputs, slots = self.batch.prepare(out) if out.seq_ids else (None, None)
+        inputs = self._with_sampled_drafts(inputs, out)
         if inputs is None and not moves:
             self._wait_for_buckets()
             return PendingStep(self, out, None, None, None)
@@ -322,6 +329,15 @@ class ModelRunner:
         if self.drafter is not None:          # an EAGLE-3 head's takes them after the step
             self.drafter.after_step(inputs, device_result)
         return device_result
+
+    def _with_sampled_drafts(self, inputs: StepInputs | None, out: SchedulerOutput | None) -> StepInputs | None:
+        """With sampled drafts, the step's ``sampled_drafts`` (none for a compile's padding)."""
+        if inputs is None or self.drafter is None or not self.drafter.sampled:
+            return inputs
+        rows = len(inputs.logits_indices)
+        refs = np.stack([np.full(rows, -1, np.int32), np.zeros(rows, np.int32)]) if out is None else \
+            self.drafter.sampled_drafts(out, rows)
+        return dataclasses.replace(inputs, sampled_drafts=refs)
 
     def _draft_ids(self, inputs: StepInputs) -> tuple:
         return inputs.input_ids, self._previous_tokens, inputs.prev_index
@@ -384,8 +400,13 @@ class ModelRunner:
 
     def _step_args(self, inputs: StepInputs, kv_caches=None) -> tuple:
         ids = (inputs.input_ids, self._previous_tokens, inputs.prev_index)
+        drafted = ()
+        if inputs.sampled_drafts is not None:          # the drafter's distributions (shapes, for a compile)
+            probs = self.drafter.draft_probs
+            drafted = (probs if kv_caches is None else
+                       jax.ShapeDtypeStruct(probs.shape, probs.dtype, sharding=probs.sharding), inputs.sampled_drafts)
         return (self.state, self.kv_caches if kv_caches is None else kv_caches, ids, inputs.attention,
-                inputs.logits_indices, inputs.sampling, inputs.prompt_lp_want, inputs.prompt_lp_target)
+                inputs.logits_indices, inputs.sampling, inputs.prompt_lp_want, inputs.prompt_lp_target, *drafted)
 
     def _prompt_logprobs(self, inputs: StepInputs, slots: np.ndarray, out: SchedulerOutput, prompt_lp) -> list | None:
         """Per row: [(position, {prompt token: logprob, top-k...})] for the prompt tokens this step scored."""

@@ -22,16 +22,19 @@ class SamplerOutput:
     top_logprobs: jax.Array     # [R, k] f32
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> SamplerOutput:
+def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int,
+           drafts: tuple[jax.Array, jax.Array] | None = None) -> SamplerOutput:
     """logits [R, V] f32 -> one token per row. Each full-vocabulary pass (random draws, top-k/p
-    sorting, min-p, logprobs) runs only when some row of the step needs it (``lax.cond``)."""
+    sorting, min-p, logprobs) runs only when some row of the step needs it (``lax.cond``).
+    ``drafts``: (the draft token each row verifies, -1 for none [R]; the distribution it was
+    drawn from [R, V]): a sampling row with one goes through ``verify_sampled_draft``."""
     needs_penalties = (jnp.any((md.presence_penalty != 0) | (md.frequency_penalty != 0)
                                | (md.repetition_penalty != 1)) | jnp.any(md.bias_values != 0))
     logits = jax.lax.cond(needs_penalties, lambda x: apply_penalties(x, md), lambda x: x, logits)
     logits = jax.lax.cond(jnp.any(md.constrained), lambda x: apply_token_bitmask(x, md.token_bitmask),
                           lambda x: x, logits)
     greedy = first_argmax(logits)
-    tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda: _draw(logits, md, greedy), lambda: greedy)
+    tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda: _draw(logits, md, greedy, drafts), lambda: greedy)
     num_rows = logits.shape[0]
     no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
                    jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
@@ -82,15 +85,38 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _draw(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -> jax.Array:
+def _draw(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array,
+          drafts: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     temp = jnp.where(md.temperature > 0, md.temperature, 1.0)
     x = logits / temp[:, None]
     needs_sort = jnp.any((md.top_k > 0) | (md.top_p < 1.0))
     x = jax.lax.cond(needs_sort, lambda x: _top_k_top_p(x, md.top_k, md.top_p), lambda x: x, x)
     x = jax.lax.cond(jnp.any(md.min_p > 0), lambda x: _min_p(x, md.min_p), lambda x: x, x)
-    keys = jax.vmap(_row_key)(md.seed, md.sample_index, md.step)
+    keys = jax.vmap(row_key)(md.seed, md.sample_index, md.step)
     drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, x).astype(jnp.int32)
+    if drafts is not None:
+        draft_tokens, draft_probs = drafts
+        verifies = (draft_tokens >= 0) & (md.temperature > 0)
+        drawn = jax.lax.cond(jnp.any(verifies), lambda: jnp.where(
+            verifies, verify_sampled_draft(x, draft_tokens, draft_probs, keys), drawn), lambda: drawn)
     return jnp.where(md.temperature > 0, drawn, greedy)
+
+
+def verify_sampled_draft(x: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, keys: jax.Array) -> jax.Array:
+    """Speculative sampling's rejection step, per row: the draft token d, drawn from q, stays with
+    probability min(1, p(d) / q(d)) (p: the target's distribution, softmax of the processed
+    logits ``x``); else the row draws from the residual max(0, p - q), normalised. The output is
+    then distributed as p. A rejected row's token is never d (the residual is 0 there), so the
+    host keeps a draft exactly while each position's token is its draft."""
+    p = jax.nn.softmax(x, axis=-1)
+    d = jnp.maximum(draft_tokens, 0)[:, None]
+    p_d = jnp.take_along_axis(p, d, axis=-1)[:, 0]
+    q_d = jnp.take_along_axis(draft_probs, d, axis=-1)[:, 0]
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+    residual = jnp.maximum(p - draft_probs, 0.0)
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p)       # p == q: never rejected
+    redrawn = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 2), jnp.log(r)))(keys, residual)
+    return jnp.where(u * q_d < p_d, draft_tokens, redrawn.astype(jnp.int32))
 
 
 def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int):
@@ -101,8 +127,8 @@ def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int):
     return picked, top_ids.astype(jnp.int32), top_logprobs
 
 
-def _row_key(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
-    """The seed's two words are threefry's key data, so the whole 64 bits count (and a seed
+def row_key(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
+    """A request's stream at one output position. The seed's two words are threefry's key data, so the whole 64 bits count (and a seed
     below 2**32 gives the key ``jax.random.key(seed)``)."""
     key = jax.random.wrap_key_data(seed, impl="threefry2x32")
     return jax.random.fold_in(jax.random.fold_in(key, sample_index), step)

@@ -195,6 +195,36 @@ def test_verification_of_sampled_rows_keeps_the_target_distribution():
     assert all(o == ([int(a), int(b)] if a == 0 else [int(a)]) for o, a, b in zip(outputs, first, second))
 
 
+def test_a_sampled_draft_is_accepted_with_min_1_p_over_q_and_the_output_keeps_the_target_distribution():
+    """Speculative sampling's rejection step on a small vocabulary: drafts drawn from q, 4,000
+    seeded streams. The output token is distributed as p (chi-square), the draft is kept as often
+    as sum min(p, q) says, and with q = p every draft stays."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxengine.sample.sampler import row_key, verify_sampled_draft
+
+    p = np.array([0.5, 0.2, 0.2, 0.1], np.float32)
+    q = np.array([0.1, 0.6, 0.1, 0.2], np.float32)
+    n = 4000
+    drafts = np.random.default_rng(0).choice(4, n, p=q).astype(np.int32)
+    keys = jax.vmap(row_key)(jnp.stack([jnp.zeros(n, jnp.uint32), jnp.arange(n, dtype=jnp.uint32)], 1),
+                             jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32))
+    x = jnp.log(jnp.broadcast_to(jnp.asarray(p), (n, 4)))
+
+    def verified(q_rows):
+        return np.asarray(jax.jit(verify_sampled_draft)(x, jnp.asarray(drafts), jnp.asarray(q_rows), keys))
+
+    out = verified(np.broadcast_to(q, (n, 4)))
+    counts = np.bincount(out, minlength=4)
+    assert ((counts - n * p) ** 2 / (n * p)).sum() < 16.3             # 3 degrees of freedom, p = 0.001
+    kept = out == drafts
+    accept = np.minimum(p, q).sum()                                   # 0.5
+    assert abs(kept.sum() - n * accept) < 4 * np.sqrt(n * accept * (1 - accept))
+    assert (verified(np.broadcast_to(p, (n, 4))) == drafts).all()
+
+
 def test_a_stop_string_inside_an_accepted_run_ends_the_output_there_even_if_a_later_token_ended_it():
     """Prompt "abcdab", stop string "da": the first output token is "c", the draft "da" is
     accepted and the step's last token "x" is max_tokens' (or EOS). The stop string came first:

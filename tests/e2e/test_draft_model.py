@@ -115,3 +115,28 @@ def test_the_draft_model_splits_over_two_devices_as_the_model_does(engines, chat
     assert outputs(tp2, PROMPTS, params) == outputs(plain, PROMPTS, params)
     assert tp2.engine.runner.drafter.num_proposals > 0
     assert len(tp2.engine.runner.drafter.kv_caches[0].sharding.device_set) == 2
+
+
+def test_sampled_drafts_of_the_model_drafting_for_itself_are_all_but_always_kept(chat_checkpoint, engines):
+    """draft_sampling "sampled": a sampling request's drafts are drawn from the draft's own
+    distribution and kept with probability min(1, p/q); the model drafting for itself has q = p,
+    so nearly every draft stays (greedy drafts keep only what the model's sample happens to
+    repeat); greedy requests keep their outputs token for token; no compilation after start-up."""
+    plain, itself, _ = engines
+    sampled = every_draft_goes(LLM(chat_checkpoint, speculative_config={
+        "method": "draft_model", "model": str(chat_checkpoint), "num_speculative_tokens": 3,
+        "draft_sampling": "sampled"}, **OPTIONS))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True)
+    for llm in (itself, sampled):
+        llm.engine.traces = []
+        with llm.engine.runner.forbid_compiles():
+            got = outputs(llm, PROMPTS, params)
+        assert [len(c[0][0]) for c in got] == [30] * len(PROMPTS)
+    drafted, accepted = counts(sampled)
+    assert drafted > 50 and accepted >= 0.95 * drafted
+    greedy_drafted, greedy_accepted = counts(itself)
+    assert greedy_accepted < 0.8 * greedy_drafted
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    assert outputs(sampled, PROMPTS, greedy) == outputs(plain, PROMPTS, greedy)
+    with pytest.raises(ValueError, match="speculative_config.draft_sampling: 'sampled' is for methods"):
+        LLM(chat_checkpoint, speculative_config={"method": "ngram", "draft_sampling": "sampled"}, **OPTIONS)

@@ -271,3 +271,22 @@ def test_the_head_splits_over_two_devices_as_the_model_does(engines, chat_checkp
     for tokens, draft in made:
         assert draft == reference_drafts(target, head, tokens, len(draft)), tokens
     assert len(tp2.engine.runner.drafter.kv_caches[0].sharding.device_set) == 2
+
+
+def test_sampled_drafts_from_the_head_keep_greedy_outputs_and_compile_nothing(chat_checkpoint, heads, engines):
+    """draft_sampling "sampled" with the head: sampling requests' drafts are drawn from the head's
+    distribution (over its reduced vocabulary) and verified by rejection sampling; greedy requests
+    keep their outputs token for token; nothing compiles after start-up."""
+    plain, _ = engines
+    llm = every_draft_goes(LLM(chat_checkpoint, speculative_config={
+        "method": "eagle3", "model": str(heads[0][0]), "num_speculative_tokens": 3, "draft_sampling": "sampled"},
+        **OPTIONS))
+    llm.engine.traces = []
+    with llm.engine.runner.forbid_compiles():
+        got = outputs(llm, PROMPTS, SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True))
+        greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        assert outputs(llm, PROMPTS, greedy) == outputs(plain, PROMPTS, greedy)
+    assert [len(c[0][0]) for c in got] == [20] * len(PROMPTS)
+    assert sum(t.num_draft_tokens for t in llm.engine.traces) > 50
+    drafts = llm.engine.runner.drafter.draft_probs
+    assert drafts.shape[1:] == (3, 258) and np.allclose(np.asarray(drafts).sum(-1)[np.asarray(drafts).sum(-1) > 0], 1)

@@ -56,10 +56,10 @@ def test_a_seed_below_2_to_the_32_keeps_its_stream():
     import jax.numpy as jnp
 
     from jaxengine.runner.input_batch import seed_words
-    from jaxengine.sample.sampler import _row_key
+    from jaxengine.sample.sampler import row_key
 
     for seed in (0, 7, (1 << 32) - 1):
-        ours = _row_key(jnp.asarray(seed_words(seed), jnp.uint32), 2, 5)
+        ours = row_key(jnp.asarray(seed_words(seed), jnp.uint32), 2, 5)
         plain = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 2), 5)
         assert jax.random.key_data(ours).tolist() == jax.random.key_data(plain).tolist()
     assert seed_words(-1) == (0xFFFFFFFF, 0xFFFFFFFF) and seed_words(-(1 << 63)) == (0x80000000, 0)
