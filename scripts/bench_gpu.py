@@ -627,6 +627,7 @@ def head_step_ms(cfg, batch: int, block: int, context: int, pages: int) -> float
     from jaxengine.kernels.paged_attention.backend import select_attention
     from jaxengine.models.eagle3 import Eagle3Config, Eagle3Head
     from jaxengine.models.llama import init_kv_caches
+    from jaxengine.sample.sampler import first_argmax
 
     head_cfg = Eagle3Config(dataclasses.replace(cfg, num_layers=1), cfg.hidden_size, 32000,
                             (2, cfg.num_layers // 2, cfg.num_layers - 3))
@@ -636,7 +637,7 @@ def head_step_ms(cfg, batch: int, block: int, context: int, pages: int) -> float
     def step(state, caches, ids, hidden, md):
         head = nnx.merge(graphdef, state)
         normed, hidden, caches = head(ids, hidden, caches, md)
-        return caches, head.draft_tokens(normed), hidden
+        return caches, first_argmax(head.model_logits(normed)), hidden
 
     caches = init_kv_caches(head_cfg.layer, 1 + batch * pages, block, jnp.bfloat16)
     rows = [(context, 1, list(range(1 + r * pages, 1 + (r + 1) * pages))) for r in range(batch)]
