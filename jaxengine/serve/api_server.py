@@ -25,6 +25,11 @@ RETRY_AFTER_S = 1
 GUARDED_PATHS = ("/v1", "/dashboard/state")
 
 
+def get_route(app: FastAPI, path: str, **kw):
+    """A GET route that answers HEAD too (load generators probe with HEAD before they GET)."""
+    return app.api_route(path, methods=["GET", "HEAD"], **kw)
+
+
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(p.error_body(status, message, param), status_code=status, headers=headers)
 
@@ -138,7 +143,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: EngineMetrics) -> None:
     llm = engine.llm
 
-    @app.get("/health")
+    @get_route(app, "/health")
     async def health():
         """200 while the engine serves, saying how many step buckets are compiled (it serves
         while the larger ones compile); 503 with the reason once it cannot (restart it)."""
@@ -148,15 +153,15 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
         return {"status": "ok", "all_buckets_compiled": compiled == total, "step_buckets_compiled": compiled,
                 "step_buckets": total}
 
-    @app.get("/version")
+    @get_route(app, "/version")
     async def version():
         return {"version": jaxengine.__version__}
 
-    @app.get("/metrics")
+    @get_route(app, "/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @get_route(app, "/v1/models")
     async def models():
         card = p.ModelCard(id=serving.model_name, root=str(llm.model_path),
                            max_model_len=llm.config.scheduler.max_model_len)
@@ -189,12 +194,12 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
 def _add_dashboard_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: EngineMetrics) -> None:
     page, settings = page_html(), engine_settings(engine.llm)
 
-    @app.get("/dashboard", response_class=HTMLResponse)
+    @get_route(app, "/dashboard", response_class=HTMLResponse)
     async def dashboard():
         """The live dashboard: a static page that polls /dashboard/state once a second."""
         return HTMLResponse(page)
 
-    @app.get("/dashboard/state")
+    @get_route(app, "/dashboard/state")
     async def dashboard_state():
         state = {"model": serving.model_name, "health": engine.health_problem, "settings": settings,
                  **metrics.dashboard.snapshot()}

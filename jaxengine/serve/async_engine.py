@@ -65,6 +65,9 @@ class RequestDelta:
     finished: bool = False
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # With prompt logprobs, in the request's first delta: per prompt position, {token id:
+    # logprob} of the prompt token there and the most likely ones (None for the first position).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None       # the request failed (``error_status``: the HTTP status to report)
     error_status: int = 500
 
@@ -79,6 +82,7 @@ class _Tracked:
     sent: dict[int, int] = field(default_factory=dict)    # seq_id -> output tokens delivered
     done: set[int] = field(default_factory=set)           # seq_ids whose finish was delivered
     last_emit: float | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class AsyncEngine:
@@ -371,6 +375,8 @@ class AsyncEngine:
             tracked.last_emit = now
         delta = RequestDelta(request.request_id, choices, finished, request.num_prompt_tokens,
                              request.num_cached_tokens)
+        if request.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
+            delta.prompt_logprobs, tracked.prompt_logprobs_sent = list(request.prompt_logprobs), True
         if finished:
             if request.status in (RequestStatus.FINISHED_IGNORED, RequestStatus.FINISHED_ERROR):
                 delta.error = request.status_reason or "the request could not be served"

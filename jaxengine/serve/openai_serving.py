@@ -75,46 +75,100 @@ class OpenAIServing:
 
     # ---- completions ----
     async def completion(self, request: p.CompletionRequest) -> tuple[AsyncIterator, bool]:
-        """-> (an async iterator of SSE lines, or of one response object; is it a stream)."""
-        if request.echo:
-            raise RequestError(400, "echo: not supported", "echo")
+        """-> (an async iterator of SSE lines, or of one response object; is it a stream).
+        ``echo``: each choice's text starts with its prompt, and with ``logprobs`` so do its
+        logprobs (the prompt tokens' own, the first one null); ``max_tokens: 0`` with echo scores
+        the prompt only (one token is generated and left out)."""
         self.check_model(request.model)
-        params = request.sampling_params(request.max_tokens, request.logprobs)
+        score_only = request.max_tokens == 0
+        if score_only and not request.echo:
+            raise RequestError(400, "max_tokens: must be at least 1 (0 only with echo: true, which scores the "
+                                    "prompt)", "max_tokens")
+        echo_logprobs = request.logprobs if request.echo else None
+        wanted = [k for k in (request.prompt_logprobs, echo_logprobs) if k is not None]
+        params = request.sampling_params(1 if score_only else request.max_tokens, request.logprobs,
+                                         max(wanted) if wanted else None)
+        if request.echo and isinstance(params, BeamSearchParams):
+            raise RequestError(400, "echo: not supported with use_beam_search", "echo")
         prompts = await self.completion_prompts(request)
         request_id = p.random_id("cmpl")
         deltas = self._start(request_id, prompts, params, request.priority)
+        if score_only:
+            deltas = _without_outputs(deltas)
+        echo = None
+        if request.echo or request.prompt_logprobs is not None:
+            texts = [x if isinstance(x, str) else await self.engine.decode(ids) if request.echo else ""
+                     for x, ids in zip(request.prompts(), prompts)]
+            echo = _Echo(prompts, texts if request.echo else [""] * len(prompts), echo_logprobs is not None,
+                         request.prompt_logprobs is not None)
+            deltas = echo.watch(deltas)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._completion_stream(request_id, deltas, request.n, include_usage), True
-        return self._completion_full(request_id, deltas, request.n, len(prompts)), False
+            return self._completion_stream(request_id, deltas, request.n, include_usage, echo), True
+        return self._completion_full(request_id, deltas, request.n, len(prompts), echo), False
 
-    def _completion_stream(self, request_id: str, deltas, n: int, include_usage: bool):
+    def _completion_stream(self, request_id: str, deltas, n: int, include_usage: bool, echo: "_Echo | None"):
+        started: set[tuple[int, int]] = set()
+
         def chunk(i: int, c, usage: p.UsageInfo | None = None) -> p.CompletionResponse:
-            choices = [] if c is None else [p.CompletionChoice(
-                index=i * n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=self._completion_logprobs(c))]
+            choices = []
+            if c is not None:
+                first = (i, c.index) not in started
+                started.add((i, c.index))
+                choices = [self._completion_choice(i * n + c.index, c, echo, i if first else None)]
             return p.CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
         return _sse_stream(deltas, chunk, include_usage)
 
-    async def _completion_full(self, request_id: str, deltas, n: int, num_prompts: int):
+    async def _completion_full(self, request_id: str, deltas, n: int, num_prompts: int, echo: "_Echo | None"):
         choices, usage = await _gather(deltas, n, num_prompts)
         yield p.CompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
-            p.CompletionChoice(index=k, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                               logprobs=self._completion_logprobs(c)) for k, c in enumerate(choices)])
+            self._completion_choice(k, c, echo, k // n) for k, c in enumerate(choices)])
 
-    def _completion_logprobs(self, choice) -> p.CompletionLogprobs | None:
-        if not choice.logprobs:
-            return None
+    def _completion_choice(self, index: int, c, echo: "_Echo | None", prompt: int | None) -> p.CompletionChoice:
+        """Choice ``index``; ``prompt``: the index of the prompt to echo before it (None: none, as
+        in a stream's later chunks)."""
+        text, start, prompt_logprobs = c.text, None, None
+        if echo is not None and prompt is not None:
+            text = echo.texts[prompt] + text
+            start = self._echo_logprobs(echo, prompt) if echo.logprobs else None
+            prompt_logprobs = self._vllm_prompt_logprobs(echo, prompt) if echo.vllm else None
+        return p.CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                  logprobs=self._completion_logprobs(c, start), prompt_logprobs=prompt_logprobs)
+
+    def _echo_logprobs(self, echo: "_Echo", prompt: int) -> p.CompletionLogprobs:
+        """The prompt's tokens as logprobs: the first one's null, then each given those before it."""
         out, offset = p.CompletionLogprobs(), 0
+        for token, entry in zip(echo.prompts[prompt], echo.logprobs_of(prompt)):
+            text = self._token_text(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if entry is None else entry[token])
+            out.top_logprobs.append(None if entry is None else self._top_by_text(entry))
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _vllm_prompt_logprobs(self, echo: "_Echo", prompt: int) -> p.PromptLogprobs:
+        return [None if entry is None else {str(t): p.PromptLogprob(logprob=v, decoded_token=self._token_text(t))
+                                            for t, v in entry.items()} for entry in echo.logprobs_of(prompt)]
+
+    def _top_by_text(self, top: dict[int, float]) -> dict[str, float]:
+        entry: dict[str, float] = {}
+        for t, v in sorted(top.items(), key=lambda kv: -kv[1]):     # best first; the same text keeps the best
+            entry.setdefault(self._token_text(t), v)
+        return entry
+
+    def _completion_logprobs(self, choice, start: p.CompletionLogprobs | None = None) -> p.CompletionLogprobs | None:
+        """The choice's tokens' logprobs, after ``start`` (an echoed prompt's) when given."""
+        if not choice.logprobs:
+            return start
+        out = start or p.CompletionLogprobs()
+        offset = out.text_offset[-1] + len(out.tokens[-1]) if out.tokens else 0
         for token, (lp, top) in zip(choice.token_ids, choice.logprobs):
             text = self._token_text(token)
             out.tokens.append(text)
             out.token_logprobs.append(lp)
-            entry: dict[str, float] = {}
-            for t, v in top.items():                # best first; tokens with the same text keep the best
-                entry.setdefault(self._token_text(t), v)
-            out.top_logprobs.append(entry)
+            out.top_logprobs.append(self._top_by_text(top))
             out.text_offset.append(offset)
             offset += len(text)
         return out
@@ -125,8 +179,12 @@ class OpenAIServing:
         if request.top_logprobs is not None and not request.logprobs:
             raise RequestError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if request.prompt_logprobs is not None and request.stream:
+            raise RequestError(400, "prompt_logprobs: not supported with stream: true on chat completions",
+                               "prompt_logprobs")
         try:
-            params = request.sampling_params(request.max_completion_tokens or request.max_tokens, logprobs)
+            params = request.sampling_params(request.max_completion_tokens or request.max_tokens, logprobs,
+                                             request.prompt_logprobs)
         except ValueError as error:          # the chat API calls the logprobs count top_logprobs
             if param_of(error) == "logprobs":
                 raise RequestError(400, "top_logprobs" + str(error)[len("logprobs"):], "top_logprobs") from None
@@ -143,7 +201,11 @@ class OpenAIServing:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return self._chat_stream(request_id, deltas, include_usage, tools), True
-        return self._chat_full(request_id, deltas, request.n, tools), False
+        echo = None
+        if request.prompt_logprobs is not None:
+            echo = _Echo([prompt], [""], False, True)
+            deltas = echo.watch(deltas)
+        return self._chat_full(request_id, deltas, request.n, tools, echo), False
 
     def _chat_stream(self, request_id: str, deltas, include_usage: bool, tools: ToolMode):
         started: set[int] = set()
@@ -180,7 +242,7 @@ class OpenAIServing:
 
         return _sse_stream(deltas, chunk, include_usage)
 
-    async def _chat_full(self, request_id: str, deltas, n: int, tools: ToolMode):
+    async def _chat_full(self, request_id: str, deltas, n: int, tools: ToolMode, echo: "_Echo | None" = None):
         choices, usage = await _gather(deltas, n, 1)
         out = []
         for k, c in enumerate(choices):
@@ -191,7 +253,8 @@ class OpenAIServing:
                 for call in calls] or None)
             out.append(p.ChatChoice(index=k, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                     logprobs=self._chat_logprobs(c)))
-        yield p.ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=out)
+        yield p.ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=out,
+                                       prompt_logprobs=None if echo is None else self._vllm_prompt_logprobs(echo, 0))
 
     def _chat_logprobs(self, choice) -> p.ChatLogprobs | None:
         if not choice.logprobs:
@@ -209,6 +272,36 @@ class OpenAIServing:
 
 
 # ---- helpers ----
+@dataclass
+class _Echo:
+    """What a completion echoes of its prompts: their ids and texts, and the prompt logprobs the
+    engine sends in each request's first delta (``watch`` records them)."""
+
+    prompts: list[list[int]]
+    texts: list[str]
+    logprobs: bool                    # echo the prompt's logprobs in ``logprobs``
+    vllm: bool                        # vLLM's ``prompt_logprobs`` field
+    seen: dict[int, list] = field(default_factory=dict)
+
+    async def watch(self, deltas):
+        async with aclosing(deltas):
+            async for i, delta in deltas:
+                if delta.prompt_logprobs is not None:
+                    self.seen[i] = delta.prompt_logprobs
+                yield i, delta
+
+    def logprobs_of(self, prompt: int) -> list:
+        return self.seen.get(prompt) or [None] * len(self.prompts[prompt])
+
+
+async def _without_outputs(deltas):
+    """A scoring request's deltas with its one generated token left out (``max_tokens: 0``)."""
+    async with aclosing(deltas):
+        async for i, delta in deltas:
+            yield i, dataclasses.replace(delta, choices=[
+                dataclasses.replace(c, text="", token_ids=[], logprobs=[]) for c in delta.choices])
+
+
 def _tool_message(tools: ToolMode, text: str, finish_reason: str | None):
     """A finished choice's text -> (content, tool calls, finish reason: "tool_calls" when calls
     were made and the output ended of itself)."""
@@ -252,6 +345,7 @@ def _count(usage: p.UsageInfo, delta: RequestDelta) -> None:
     usage.completion_tokens += sum(len(c.token_ids) for c in delta.choices)
     if delta.finished:
         usage.prompt_tokens += delta.num_prompt_tokens
+        usage.prompt_tokens_details.cached_tokens += delta.num_cached_tokens
 
 
 def _total(usage: p.UsageInfo) -> p.UsageInfo:

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from jaxengine.sampling_params import STRUCTURED_KINDS, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -78,6 +78,7 @@ class _SamplingRequest(BaseModel):
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* extras.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None       # vLLM's: the prompt tokens' logprobs and the top ones
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -106,11 +107,14 @@ class _SamplingRequest(BaseModel):
                              f"{sources[0].field})")
         return sources[0] if sources else None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams | BeamSearchParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams | BeamSearchParams:
         """-> SamplingParams (BeamSearchParams with use_beam_search); a bad value raises
         ValueError naming the field."""
         self._check_stream_options_and_seed()
         if self.use_beam_search:
+            if prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs: not supported with use_beam_search")
             return self.beam_search_params(max_tokens, logprobs)
         constraint = self.structured_outputs_params()
         bias = None
@@ -126,7 +130,7 @@ class _SamplingRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=constraint)
 
 
@@ -194,17 +198,32 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # ---- responses ----
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0          # prompt tokens the prefix cache served
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)    # None: an echoed prompt's first token
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry: one candidate token at one prompt position."""
+
+    logprob: float
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]      # per prompt position, by token id
 
 
 class CompletionChoice(BaseModel):
@@ -213,6 +232,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -255,6 +275,14 @@ class ChatMessageOut(BaseModel):
     content: str | None = ""
     tool_calls: list[ToolCallOut] | None = None
 
+    @model_serializer(mode="wrap")
+    def _content_always(self, handler):
+        """``content`` stays in the JSON when it is null (beside ``tool_calls``), as in OpenAI's
+        shape, though responses are written without their other null fields."""
+        data = handler(self)
+        data.setdefault("content", None)
+        return data
+
 
 class ChatChoice(BaseModel):
     index: int
@@ -271,6 +299,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

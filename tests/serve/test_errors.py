@@ -161,7 +161,8 @@ def test_max_tokens_up_to_the_context_limit_is_served_exactly_and_one_more_is_40
     at_limit = post(server, "completions", {**body, "max_tokens": MAX_MODEL_LEN - 20})
     assert at_limit.status_code == 200, at_limit.text
     assert at_limit.json()["usage"] == {"prompt_tokens": 20, "completion_tokens": MAX_MODEL_LEN - 20,
-                                        "total_tokens": MAX_MODEL_LEN}
+                                        "total_tokens": MAX_MODEL_LEN,
+                                        "prompt_tokens_details": {"cached_tokens": 0}}
     assert at_limit.json()["choices"][0]["finish_reason"] == "length"
     over = post(server, "completions", {**body, "max_tokens": MAX_MODEL_LEN - 19})
     assert over.status_code == 400
