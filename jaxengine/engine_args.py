@@ -95,10 +95,16 @@ class EngineArgs:
               "--max-num-batched-tokens)")
     request_buckets: list[int] | None = _option(
         None, "step row counts compiled, comma-separated (default: powers of two up to --max-num-seqs)")
+    generation_config: str = _option(
+        "auto", "request defaults: auto: the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, "
+                "repetition_penalty, max_new_tokens) for the fields a request leaves unset; vllm: the engine's own "
+                "defaults; or a folder holding a generation_config.json")
     speculative_config: dict | None = _option(
         None, "speculative decoding, a JSON object (vLLM's names): method (" + ", ".join(SPECULATIVE_METHODS)
               + "; ngram: prompt lookup in the request's own tokens; draft_model: a smaller checkpoint of the same "
-              "vocabulary, model, proposes greedily from its own KV cache beside the model's), "
+              "vocabulary, model, proposes from its own KV cache beside the model's; eagle3: an EAGLE-3 head "
+              "checkpoint, model, drafts from the model's hidden states), draft_sampling (greedy, the default, or "
+              "sampled: a sampling request's drafts drawn at its temperature, verified by rejection sampling), "
               "num_speculative_tokens (draft tokens per step, default 4), prompt_lookup_max / prompt_lookup_min "
               "(ngram: longest / shortest suffix looked up, default 4 / 2). Outputs are the model's own, verified "
               "token by token; beam search does not run with it; each step a gate measures whether drafts pay "

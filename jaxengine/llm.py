@@ -16,6 +16,7 @@ from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.models.config import ModelConfig
+from jaxengine.generation_config import generation_defaults
 from jaxengine.models.mesh import check_replica_devices, kv_head_repeats, make_mesh, replica_devices
 from jaxengine.output_processor import OutputProcessor, beam_stop_check
 from jaxengine.outputs import BeamSearchOutput, RequestOutput, make_beam_search_output, make_request_output
@@ -94,6 +95,9 @@ class LLM:
         self._meshes = _replica_meshes(args.tensor_parallel_size, args.data_parallel_size)
         self.mesh = self._meshes[0]
         self._load(args, module, model_config, progress)
+        self.generation_defaults = generation_defaults(args.generation_config, self.model_path)
+        if self.generation_defaults:
+            logger.info("request defaults from the checkpoint's generation_config.json: %s", self.generation_defaults)
         self._load_draft(args, progress)
         self._module_copies = _copies(module, len(self._meshes) - 1)    # before the first runner shards it
         check_model_kernels(self.model, self.model_config, args.block_size, self.dtype,
@@ -294,9 +298,14 @@ class LLM:
                                        arrival_time=arrival_time, stop_check=stop_check)
 
     # ---- internals ----
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters gets: the checkpoint's generation defaults
+        (``generation_config``) over the engine's."""
+        return SamplingParams(**self.generation_defaults)
+
     def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * len(prompts)
+            return [self.get_default_sampling_params()] * len(prompts)
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             return [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

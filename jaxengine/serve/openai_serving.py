@@ -45,6 +45,7 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
+        self.defaults = getattr(getattr(engine, "llm", None), "generation_defaults", {})   # generation_config
 
     # ---- requests -> engine ----
     def check_model(self, model: str | None) -> None:
@@ -87,7 +88,7 @@ class OpenAIServing:
         echo_logprobs = request.logprobs if request.echo else None
         wanted = [k for k in (request.prompt_logprobs, echo_logprobs) if k is not None]
         params = request.sampling_params(1 if score_only else request.max_tokens, request.logprobs,
-                                         max(wanted) if wanted else None)
+                                         max(wanted) if wanted else None, self.defaults)
         if request.echo and isinstance(params, BeamSearchParams):
             raise RequestError(400, "echo: not supported with use_beam_search", "echo")
         prompts = await self.completion_prompts(request)
@@ -184,7 +185,7 @@ class OpenAIServing:
                                "prompt_logprobs")
         try:
             params = request.sampling_params(request.max_completion_tokens or request.max_tokens, logprobs,
-                                             request.prompt_logprobs)
+                                             request.prompt_logprobs, self.defaults)
         except ValueError as error:          # the chat API calls the logprobs count top_logprobs
             if param_of(error) == "logprobs":
                 raise RequestError(400, "top_logprobs" + str(error)[len("logprobs"):], "top_logprobs") from None

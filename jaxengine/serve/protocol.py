@@ -107,10 +107,11 @@ class _SamplingRequest(BaseModel):
                              f"{sources[0].field})")
         return sources[0] if sources else None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams | BeamSearchParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams | BeamSearchParams:
         """-> SamplingParams (BeamSearchParams with use_beam_search); a bad value raises
-        ValueError naming the field."""
+        ValueError naming the field. ``defaults``: the checkpoint's generation defaults
+        (``generation_config``), for the fields the request leaves unset."""
         self._check_stream_options_and_seed()
         if self.use_beam_search:
             if prompt_logprobs is not None:
@@ -123,11 +124,18 @@ class _SamplingRequest(BaseModel):
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise ValueError("logit_bias: keys must be token ids (integers as strings)") from None
+        d = defaults or {}
+
+        def unset(name: str, value, engine_default):
+            return (d.get(name, engine_default) if value is None else value)
+        if max_tokens is None:
+            max_tokens = d.get("max_tokens")
         return SamplingParams(
-            n=self.n, best_of=self.best_of, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+            n=self.n, best_of=self.best_of, temperature=unset("temperature", self.temperature, 1.0),
+            top_p=unset("top_p", self.top_p, 1.0), top_k=unset("top_k", self.top_k, 0) or 0,
+            min_p=unset("min_p", self.min_p, 0.0),
             seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=unset("repetition_penalty", self.repetition_penalty, 1.0),
             logit_bias=bias, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

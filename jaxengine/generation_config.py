@@ -1,0 +1,35 @@
+"""Request defaults from the checkpoint: the sampling fields of its ``generation_config.json``,
+used where a request leaves them unset (vLLM's ``--generation-config auto``, the default)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxengine.sampling_params import SamplingParams
+
+# generation_config.json's name -> SamplingParams' field
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(setting: str, model_path: str | Path) -> dict:
+    """``setting``: "vllm" (none: the engine's own defaults), "auto" (the model folder's
+    generation_config.json, if it has one) or a folder holding one. -> {SamplingParams field:
+    value} for the fields the file sets; a value SamplingParams refuses is an error naming
+    the field and the file."""
+    if setting == "vllm":
+        return {}
+    folder = Path(model_path) if setting == "auto" else Path(setting)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if setting == "auto":
+            return {}                       # a GGUF file, a model module, a folder without one
+        raise ValueError(f"generation_config: {folder} has no generation_config.json (give auto, vllm or a "
+                         f"folder that has one)")
+    raw = json.loads(path.read_text())
+    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_FIELDS.items() if raw.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as error:
+        raise ValueError(f"generation_config: {path}: {error}") from None
+    return defaults
