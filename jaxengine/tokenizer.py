@@ -40,11 +40,12 @@ def _gguf_tokenizer(path: Path):
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """``template_kwargs``: extra variables for the template (``{"enable_thinking": false}``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **({"tools": tools} if tools else {}))
+                                        **({"tools": tools} if tools else {}), **(template_kwargs or {}))
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

@@ -17,6 +17,7 @@ import uvicorn
 
 from jaxengine.default_model import NAME as DEFAULT_MODEL_NAME
 from jaxengine.engine_args import EngineArgs, HelpFormatter
+from jaxengine.serve.reasoning import REASONING_PARSERS
 from jaxengine.logs import add_log_level_arg, configure_logging
 
 
@@ -29,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--api-key", default=os.environ.get("JAXENGINE_API_KEY"),
                    help="require 'Authorization: Bearer <key>' on /v1/* (or set JAXENGINE_API_KEY; "
                         "default: none required)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's <think>...</think> from its chat answer into "
+                        "message.reasoning_content (and reasoning), streamed as their own deltas")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model folder or file name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or default_served_name(args.model, llm.model_path)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(llm, max_waiting_requests=args.max_waiting_requests, observer=metrics)
-    app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key)
+    app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key,
+                    reasoning_parser=args.reasoning_parser)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=args.shutdown_grace))
     threading.Thread(target=_announce, args=(server, args, name), daemon=True).start()

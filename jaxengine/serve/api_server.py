@@ -35,9 +35,9 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 
 
 def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMetrics,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The app; starting it starts the engine thread, stopping it stops the engine."""
-    serving = OpenAIServing(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -144,12 +144,12 @@ class AsyncEngine:
         return await self._on_pool(lambda: tokenizer.get().encode(prompt, add_special_tokens=add_special_tokens))
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None) -> list[int]:
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """A conversation (and the tools offered) through the chat template -> token ids, on the
         tokenizer pool."""
         tokenizer = self._tokenizer_or_error("messages")
         return await self._on_pool(lambda: apply_chat_template(tokenizer.get(), messages, add_generation_prompt,
-                                                               tools=tools))
+                                                               tools=tools, template_kwargs=template_kwargs))
 
     async def decode(self, token_ids: list[int]) -> str:
         tokenizer = self._tokenizer_or_error("tokens")

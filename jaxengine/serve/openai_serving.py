@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, RequestDelta
+from jaxengine.serve.reasoning import REASONING_PARSERS, ReasoningSplit, split_reasoning
 from jaxengine.serve.tool_calls import ToolCall, ToolMode, tool_mode
 
 
@@ -41,7 +42,12 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, reasoning_parser: str | None = None) -> None:
+        """``reasoning_parser``: one of ``serve.reasoning.REASONING_PARSERS`` (the thinking of a
+        chat response goes to ``reasoning_content``), or None."""
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: must be one of {list(REASONING_PARSERS)}, got {reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
@@ -72,7 +78,8 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise RequestError(400, "messages: the server runs without a tokenizer", "messages")
         offered = request.tools if tools is not None and tools.kind != "none" else None
-        return await self.engine.encode_chat([m.as_template_input() for m in request.messages], tools=offered)
+        return await self.engine.encode_chat([m.as_template_input() for m in request.messages], tools=offered,
+                                             template_kwargs=request.chat_template_kwargs)
 
     # ---- completions ----
     async def completion(self, request: p.CompletionRequest) -> tuple[AsyncIterator, bool]:
@@ -211,6 +218,7 @@ class OpenAIServing:
     def _chat_stream(self, request_id: str, deltas, include_usage: bool, tools: ToolMode):
         started: set[int] = set()
         held: dict[int, str] = {}            # tool modes parsed at the end: the text so far
+        splits: dict[int, ReasoningSplit] = {}     # with a reasoning parser: each choice's split so far
 
         def chunk(_i: int, c, usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk | None:
             if c is None:
@@ -231,10 +239,18 @@ class OpenAIServing:
                 if finish is None:
                     return None if not first else p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
                         p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(role=role, content=""))])
-                content, calls, finish = _tool_message(tools, held.pop(c.index), finish)
-                message = p.DeltaMessage(role=role, content=content, tool_calls=[
-                    p.ToolCallOut(index=k, id=call.id, type="function", function=p.FunctionCall(
-                        name=call.name, arguments=call.arguments)) for k, call in enumerate(calls)] or None)
+                thinking, text = self._split(held.pop(c.index))
+                content, calls, finish = _tool_message(tools, text, finish)
+                message = p.DeltaMessage(role=role, content=content, reasoning_content=thinking, reasoning=thinking,
+                                         tool_calls=[p.ToolCallOut(index=k, id=call.id, type="function",
+                                                                   function=p.FunctionCall(name=call.name,
+                                                                                           arguments=call.arguments))
+                                                     for k, call in enumerate(calls)] or None)
+            elif self.reasoning_parser is not None:
+                split = splits.setdefault(c.index, ReasoningSplit(REASONING_PARSERS[self.reasoning_parser]))
+                thinking, text = split.feed(c.text, final=finish is not None)
+                message = p.DeltaMessage(role=role, content=text or ("" if first else None),
+                                         reasoning_content=thinking or None, reasoning=thinking or None)
             else:
                 message = p.DeltaMessage(content=c.text, role=role)
             choice = p.ChatStreamChoice(index=c.index, delta=message, finish_reason=finish,
@@ -247,8 +263,9 @@ class OpenAIServing:
         choices, usage = await _gather(deltas, n, 1)
         out = []
         for k, c in enumerate(choices):
-            content, calls, finish = _tool_message(tools, c.text, c.finish_reason)
-            message = p.ChatMessageOut(content=content, tool_calls=[
+            thinking, text = self._split(c.text)
+            content, calls, finish = _tool_message(tools, text, c.finish_reason)
+            message = p.ChatMessageOut(content=content, reasoning_content=thinking, reasoning=thinking, tool_calls=[
                 p.ToolCallOut(id=call.id, type="function", function=p.FunctionCall(name=call.name,
                                                                                    arguments=call.arguments))
                 for call in calls] or None)
@@ -267,6 +284,10 @@ class OpenAIServing:
                 p.TopLogprob(token=(t_text := self._token_text(t)), logprob=v, bytes=list(t_text.encode()))
                 for t, v in top.items()]))
         return p.ChatLogprobs(content=content)
+
+    def _split(self, text: str) -> tuple[str | None, str]:
+        """A finished output -> (its thinking, None without a parser or thinking; its answer)."""
+        return (None, text) if self.reasoning_parser is None else split_reasoning(self.reasoning_parser, text)
 
     def _token_text(self, token: int) -> str:
         return self.engine.token_text(token)

@@ -203,6 +203,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None     # vLLM's: extra variables for the chat template
 
 
 # ---- responses ----
@@ -282,6 +283,8 @@ class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = ""
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None      # with --reasoning-parser: the thinking (vLLM's name)
+    reasoning: str | None = None              # the same, vLLM's newer name
 
     @model_serializer(mode="wrap")
     def _content_always(self, handler):
@@ -314,6 +317,8 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

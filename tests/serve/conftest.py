@@ -22,12 +22,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def uvicorn_thread(app, log_level: str = "warning"):
-    """Serve ``app`` on a free loopback port in a thread; yields the base URL while it runs."""
+def uvicorn_thread(app, log_level: str = "warning", lifespan: str = "auto"):
+    """Serve ``app`` on a free loopback port in a thread; yields the base URL while it runs
+    (``lifespan="off"``: a second app over an engine another app has started)."""
     import uvicorn
 
     port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, lifespan=lifespan))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
