@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default: none required)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's <think>...</think> from its chat answer into "
-                        "message.reasoning_content (and reasoning), streamed as their own deltas")
+                        "message.reasoning_content (and reasoning), streamed as their own deltas "
+                        "(default: none, the whole reply is content)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model folder or file name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
