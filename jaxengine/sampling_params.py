@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20   # top-k logprobs the sampler computes for every row
 MAX_LOGIT_BIAS = 64  # logit_bias entries per request
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+THINKING_MODES = (None, "starts", "optional")      # StructuredOutputsParams.thinking
 
 
 @dataclass(frozen=True)
@@ -13,7 +14,11 @@ class StructuredOutputsParams:
     """Constrained decoding (vLLM's names); exactly one kind: ``json`` (a JSON schema, as a dict
     or its text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (Lark
     or GBNF/EBNF), or ``json_object=True`` (any JSON object). ``field`` is the request field
-    that errors name (the server sets ``response_format``, ``guided_json``, ``tools``, ...)."""
+    that errors name (the server sets ``response_format``, ``guided_json``, ``tools``, ...).
+    ``thinking``: a reasoning model's output thinks first, unconstrained, up to ``</think>``, and
+    the constraint holds for the answer after it: ``"starts"`` (the chat template opened the
+    thinking, DeepSeek-R1 style) or ``"optional"`` (the output may open with ``<think>``, Qwen3
+    style); None: the constraint holds from the first token."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -21,6 +26,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     field: str = "structured_outputs"
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -37,6 +43,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"{self.field}: {name} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"{self.field}: json must be a JSON schema (an object or its text)")
+        if self.thinking not in THINKING_MODES:
+            raise ValueError(f"{self.field}: thinking must be one of {THINKING_MODES}, got {self.thinking!r}")
 
     @property
     def kind(self) -> str:
@@ -47,7 +55,8 @@ class StructuredOutputsParams:
         import json as json_module
 
         value = getattr(self, self.kind)
-        return self.kind, json_module.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+        return (self.kind, json_module.dumps(value, sort_keys=True) if isinstance(value, dict) else value,
+                self.thinking)
 
 
 @dataclass

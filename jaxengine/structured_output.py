@@ -99,6 +99,31 @@ _KIND_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "
 
 
 def _grammar_text(params: StructuredOutputsParams) -> str:
+    text = _constraint_text(params)
+    return text if params.thinking is None else _after_thinking(text, params.thinking)
+
+
+# The thinking is free text up to the first "</think>" (a lazy lexeme ends at its first match);
+# the answer's own grammar follows as a side grammar, as llguidance composes grammars.
+_THINK_LARK = {
+    "starts": "start: think NL? @answer",
+    "optional": 'start: ("<think>" think NL?)? @answer',
+}
+_THINK_RULES = '\nthink[lazy]: THINK_TEXT "</think>"\nTHINK_TEXT: /(.|\\n)*/\nNL: /\\n+/\n'
+
+
+def _after_thinking(answer: str, mode: str) -> str:
+    """A grammar text -> one that first lets the model think, then holds ``answer``."""
+    if answer.lstrip().startswith("{"):                  # llguidance's JSON form: a list of grammars
+        grammars = json.loads(answer)["grammars"]
+    else:                                               # a Lark grammar
+        grammars = [{"lark_grammar": answer}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    outer = {"name": "thinking", "lark_grammar": "%llguidance {}\n" + _THINK_LARK[mode] + _THINK_RULES}
+    return json.dumps({"grammars": [outer, *grammars]})
+
+
+def _constraint_text(params: StructuredOutputsParams) -> str:
     import llguidance
     from llguidance import LLMatcher
 

@@ -200,3 +200,29 @@ def test_the_default_model_writes_valid_json_and_matching_text():
     for schema, out in zip(schemas, outs):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     assert re.fullmatch(r"(Monday|Tuesday|Friday), [0-9]{1,2} (May|June)", outs[2].outputs[0].text)
+
+
+@pytest.mark.parametrize("mode, opening", [("starts", ""), ("optional", "<think>")])
+def test_after_thinking_the_constraint_holds_for_the_answer_only(llm, mode, opening):
+    """A reasoning model thinks freely up to ``</think>`` (JSON-looking text included), then the
+    constraint holds; "optional" also takes an answer with no thinking, "starts" insists on it."""
+    compiler = llm.engine.structured.compiler
+    tokenizer = compiler.hf_tokenizer
+
+    def allowed(params: StructuredOutputsParams, text: str) -> int:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return len(tokenizer.decode(ids[:compiler.compile(params).matcher().valid_prefix(ids)]))
+
+    answers = {"json": '{"n": 4}', "regex": "yes", "choice": "beta", "grammar": "ok"}
+    kinds = {"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+             "regex": "yes|no", "choice": ["alpha", "beta"], "grammar": 'start: "ok"'}
+    for kind, answer in answers.items():
+        params = StructuredOutputsParams(**{kind: kinds[kind]}, thinking=mode)
+        thought = opening + 'hmm {"no": json} < /think\n</think>\n\n'
+        assert allowed(params, thought + answer) == len(thought + answer)
+        assert allowed(params, thought + "Xnope") == len(thought)
+        matcher = compiler.compile(params).matcher()
+        assert all(matcher.accept(t) for t in tokenizer.encode(answer, add_special_tokens=False))
+        assert matcher.is_accepting == (mode == "optional")     # "starts": that was still thinking
+    with pytest.raises(ValueError, match="thinking must be one of"):
+        StructuredOutputsParams(regex="a", thinking="always")

@@ -203,6 +203,13 @@ class OpenAIServing:
                 raise RequestError(400, f"tool_choice: {request.tool_choice!r} constrains the output; it cannot "
                                         f"be combined with {params.structured_outputs.field}", "tool_choice")
             params = dataclasses.replace(params, structured_outputs=tools.constraint)
+        # With a reasoning parser the constraint holds for the answer after the thinking, unless the
+        # request's structured_outputs names its own "thinking" (null: from the first token).
+        if (self.reasoning_parser is not None and params.structured_outputs is not None
+                and "thinking" not in (request.structured_outputs or {})):
+            thinking = "starts" if REASONING_PARSERS[self.reasoning_parser] else "optional"
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, thinking=thinking))
         prompt = await self.chat_prompt(request, tools)
         request_id = p.random_id("chatcmpl")
         deltas = self._start(request_id, [prompt], params, request.priority)
@@ -219,6 +226,7 @@ class OpenAIServing:
         started: set[int] = set()
         held: dict[int, str] = {}            # tool modes parsed at the end: the text so far
         splits: dict[int, ReasoningSplit] = {}     # with a reasoning parser: each choice's split so far
+        called: set[int] = set()             # named tool: the choices whose call has been announced
 
         def chunk(_i: int, c, usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk | None:
             if c is None:
@@ -227,12 +235,17 @@ class OpenAIServing:
             first = c.index not in started
             started.add(c.index)
             finish = c.finish_reason
-            if tools.kind == "named":            # the arguments stream as they come
-                call = p.ToolCallOut(index=0, function=p.FunctionCall(arguments=c.text))
-                if first:
-                    call = p.ToolCallOut(index=0, id=ToolCall.make(tools.name, "").id, type="function",
-                                         function=p.FunctionCall(name=tools.name, arguments=c.text))
-                message = p.DeltaMessage(role=role, tool_calls=[call])
+            if tools.kind == "named":            # the arguments stream as they come, after any thinking
+                thinking, text = self._feed(splits, c)
+                calls = None
+                if text or finish is not None or (first and self.reasoning_parser is None):
+                    calls = [p.ToolCallOut(index=0, function=p.FunctionCall(arguments=text))]
+                    if c.index not in called:
+                        called.add(c.index)
+                        calls = [p.ToolCallOut(index=0, id=ToolCall.make(tools.name, "").id, type="function",
+                                               function=p.FunctionCall(name=tools.name, arguments=text))]
+                message = p.DeltaMessage(role=role, tool_calls=calls, reasoning_content=thinking or None,
+                                         reasoning=thinking or None)
                 finish = "tool_calls" if finish == "stop" else finish
             elif tools.kind in ("required", "auto"):
                 held[c.index] = held.get(c.index, "") + c.text
@@ -247,8 +260,7 @@ class OpenAIServing:
                                                                                            arguments=call.arguments))
                                                      for k, call in enumerate(calls)] or None)
             elif self.reasoning_parser is not None:
-                split = splits.setdefault(c.index, ReasoningSplit(REASONING_PARSERS[self.reasoning_parser]))
-                thinking, text = split.feed(c.text, final=finish is not None)
+                thinking, text = self._feed(splits, c)
                 message = p.DeltaMessage(role=role, content=text or ("" if first else None),
                                          reasoning_content=thinking or None, reasoning=thinking or None)
             else:
@@ -284,6 +296,13 @@ class OpenAIServing:
                 p.TopLogprob(token=(t_text := self._token_text(t)), logprob=v, bytes=list(t_text.encode()))
                 for t, v in top.items()]))
         return p.ChatLogprobs(content=content)
+
+    def _feed(self, splits: dict[int, ReasoningSplit], c) -> tuple[str, str]:
+        """A streamed delta -> (its new thinking, its new answer text); all answer without a parser."""
+        if self.reasoning_parser is None:
+            return "", c.text
+        split = splits.setdefault(c.index, ReasoningSplit(REASONING_PARSERS[self.reasoning_parser]))
+        return split.feed(c.text, final=c.finish_reason is not None)
 
     def _split(self, text: str) -> tuple[str | None, str]:
         """A finished output -> (its thinking, None without a parser or thinking; its answer)."""

@@ -95,9 +95,10 @@ class _SamplingRequest(BaseModel):
         elif fmt is not None and fmt.type == "json_object":
             sources.append(StructuredOutputsParams(json_object=True, field="response_format"))
         if self.structured_outputs is not None:
-            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
+            accepted = [*STRUCTURED_KINDS, "thinking"]      # thinking: where the constraint starts
+            unknown = sorted(set(self.structured_outputs) - set(accepted))
             if unknown:
-                raise ValueError(f"structured_outputs: unknown keys {unknown} (accepted: {list(STRUCTURED_KINDS)})")
+                raise ValueError(f"structured_outputs: unknown keys {unknown} (accepted: {accepted})")
             sources.append(StructuredOutputsParams(**self.structured_outputs))
         for name, kind in GUIDED_FIELDS.items():
             if getattr(self, name) is not None:

@@ -10,7 +10,9 @@ import pytest
 from jaxengine.serve.reasoning import ReasoningSplit, split_reasoning
 from tests.serve.conftest import API_KEY, uvicorn_thread
 
-THINKING = {"structured_outputs": {"regex": "<think>\\n[a-z]{3,8} [a-z]{3,8}\\n</think>\\n\\n[A-Z][a-z]{2,8}\\."}}
+# "thinking": null: the regex holds from the first token, thinking included (it scripts both)
+THINKING = {"structured_outputs": {"regex": "<think>\\n[a-z]{3,8} [a-z]{3,8}\\n</think>\\n\\n[A-Z][a-z]{2,8}\\.",
+                                   "thinking": None}}
 
 
 @pytest.fixture(scope="module")
