@@ -17,6 +17,7 @@ from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, Engine
 from jaxengine.serve.dashboard import engine_settings, page_html
 from jaxengine.serve.metrics import EngineMetrics
 from jaxengine.serve.openai_serving import OpenAIServing, RequestError, param_of
+from jaxengine.serve.responses import ResponsesRequest, ResponsesServing
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -38,6 +39,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
               api_key: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The app; starting it starts the engine thread, stopping it stops the engine."""
     serving = OpenAIServing(engine, served_model_name, reasoning_parser)
+    responses = ResponsesServing(serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -60,6 +62,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request):
         return await _respond(raw, *await serving.chat(body))
 
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request):
+        return await _respond(raw, *await responses.create(body))
+
     return app
 
 
@@ -74,7 +80,8 @@ async def _respond(raw: Request, result, is_stream: bool):
             if not task.done() and await raw.is_disconnected():
                 task.cancel()
                 return Response(status_code=499)
-        return JSONResponse(task.result().model_dump(exclude_none=True))
+        body = task.result()
+        return JSONResponse(body if isinstance(body, dict) else body.model_dump(exclude_none=True))
     finally:
         if not task.done():
             task.cancel()

@@ -126,7 +126,7 @@ class OpenAIServing:
                 choices = [self._completion_choice(i * n + c.index, c, echo, i if first else None)]
             return p.CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
-        return _sse_stream(deltas, chunk, include_usage)
+        return _sse_stream(_chunk_stream(deltas, chunk, include_usage))
 
     async def _completion_full(self, request_id: str, deltas, n: int, num_prompts: int, echo: "_Echo | None"):
         choices, usage = await _gather(deltas, n, num_prompts)
@@ -183,6 +183,14 @@ class OpenAIServing:
 
     # ---- chat ----
     async def chat(self, request: p.ChatCompletionRequest) -> tuple[AsyncIterator, bool]:
+        run = await self.start_chat(request)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return _sse_stream(self.chat_chunks(run, include_usage)), True
+        return self.chat_response(run), False
+
+    async def start_chat(self, request: p.ChatCompletionRequest) -> "ChatRun":
+        """Check the request, queue it, and return its run (not yet read)."""
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise RequestError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
@@ -213,16 +221,16 @@ class OpenAIServing:
         prompt = await self.chat_prompt(request, tools)
         request_id = p.random_id("chatcmpl")
         deltas = self._start(request_id, [prompt], params, request.priority)
-        if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._chat_stream(request_id, deltas, include_usage, tools), True
         echo = None
         if request.prompt_logprobs is not None:
             echo = _Echo([prompt], [""], False, True)
             deltas = echo.watch(deltas)
-        return self._chat_full(request_id, deltas, request.n, tools, echo), False
+        return ChatRun(request_id, deltas, request.n, tools, echo)
 
-    def _chat_stream(self, request_id: str, deltas, include_usage: bool, tools: ToolMode):
+    def chat_chunks(self, run: "ChatRun", include_usage: bool):
+        """The run's stream chunks (a RequestError item if it fails; with ``include_usage`` a
+        last chunk carries the usage)."""
+        request_id, tools = run.request_id, run.tools
         started: set[int] = set()
         held: dict[int, str] = {}            # tool modes parsed at the end: the text so far
         splits: dict[int, ReasoningSplit] = {}     # with a reasoning parser: each choice's split so far
@@ -269,10 +277,12 @@ class OpenAIServing:
                                         stop_reason=c.stop_reason, logprobs=self._chat_logprobs(c))
             return p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
 
-        return _sse_stream(deltas, chunk, include_usage)
+        return _chunk_stream(run.deltas, chunk, include_usage)
 
-    async def _chat_full(self, request_id: str, deltas, n: int, tools: ToolMode, echo: "_Echo | None" = None):
-        choices, usage = await _gather(deltas, n, 1)
+    async def chat_response(self, run: "ChatRun"):
+        """The run's one response, when it has finished."""
+        request_id, tools, echo = run.request_id, run.tools, run.echo
+        choices, usage = await _gather(run.deltas, run.n, 1)
         out = []
         for k, c in enumerate(choices):
             thinking, text = self._split(c.text)
@@ -313,6 +323,17 @@ class OpenAIServing:
 
 
 # ---- helpers ----
+@dataclass
+class ChatRun:
+    """A queued chat request: its id, its deltas (read once), what its output is parsed for."""
+
+    request_id: str
+    deltas: AsyncIterator
+    n: int
+    tools: ToolMode
+    echo: "_Echo | None" = None
+
+
 @dataclass
 class _Echo:
     """What a completion echoes of its prompts: their ids and texts, and the prompt logprobs the
@@ -355,30 +376,36 @@ def _tool_message(tools: ToolMode, text: str, finish_reason: str | None):
 # Characters that Python's str.splitlines (and so clients such as httpx's aiter_lines) treat as
 # line breaks, though SSE breaks lines only at CR and LF: escaped in the JSON (they can only occur
 # inside its strings), an event is one line for every client.
-_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
 
 
 def _sse(payload) -> str:
     body = payload.model_dump_json(exclude_none=True) if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return f"data: {body.translate(_LINE_BREAKS)}\n\n"
+    return f"data: {body.translate(LINE_BREAKS)}\n\n"
 
 
-async def _sse_stream(deltas, chunk, include_usage: bool):
-    """Server-sent events: ``chunk(prompt index, choice delta)`` per choice delta, an error
-    event if the request fails, ``chunk(0, None, usage)`` last when asked for, then [DONE]."""
+async def _chunk_stream(deltas, chunk, include_usage: bool):
+    """``chunk(prompt index, choice delta)`` per choice delta, a RequestError if the request
+    fails, ``chunk(0, None, usage)`` last when asked for."""
     usage = p.UsageInfo()
     async with aclosing(deltas):
         async for i, delta in deltas:
             if delta.error:
-                yield _sse(p.error_body(delta.error_status, delta.error))
-                break
+                yield RequestError(delta.error_status, delta.error)
+                return
             _count(usage, delta)
             for c in delta.choices:
                 if (event := chunk(i, c)) is not None:      # None: a choice held back until it ends
-                    yield _sse(event)
-        else:
-            if include_usage:
-                yield _sse(chunk(0, None, _total(usage)))
+                    yield event
+        if include_usage:
+            yield chunk(0, None, _total(usage))
+
+
+async def _sse_stream(chunks):
+    """Server-sent events of the chunks (an error event for a RequestError), then [DONE]."""
+    async with aclosing(chunks):
+        async for item in chunks:
+            yield _sse(p.error_body(item.status, item.message) if isinstance(item, RequestError) else item)
     yield "data: [DONE]\n\n"
 
 

@@ -73,3 +73,21 @@ def test_chat_template_kwargs_reach_the_template(server, reasoning_client):
     r = reasoning_client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content is not None and getattr(r.choices[0].message, "reasoning_content", None) is None
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(reasoning_client, server):
+    params = dict(model="tiny", input="think first", max_output_tokens=60, temperature=0, extra_body=THINKING)
+    chat = reasoning_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "think first"}],
+                                                    max_tokens=60, temperature=0, extra_body=THINKING)
+    thinking, answer = chat.choices[0].message.reasoning_content, chat.choices[0].message.content
+    r = reasoning_client.responses.create(**params)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == thinking and r.output_text == answer
+    assert r.usage.output_tokens_details.reasoning_tokens == len(server.llm.tokenizer.encode(
+        thinking, add_special_tokens=False))
+    events = list(reasoning_client.responses.create(**params, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+    kinds = [e.type for e in events if e.type.startswith("response.output_item")]
+    assert kinds == ["response.output_item.added", "response.output_item.done"] * 2
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
