@@ -18,6 +18,7 @@ import uvicorn
 from jaxengine.default_model import NAME as DEFAULT_MODEL_NAME
 from jaxengine.engine_args import EngineArgs, HelpFormatter
 from jaxengine.serve.reasoning import REASONING_PARSERS
+from jaxengine.serve.tool_parsers import FORMATS as TOOL_CALL_FORMATS
 from jaxengine.logs import add_log_level_arg, configure_logging
 
 
@@ -34,6 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split a reasoning model's <think>...</think> from its chat answer into "
                         "message.reasoning_content (and reasoning), streamed as their own deltas "
                         "(default: none, the whole reply is content)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_FORMATS),
+                   help="the format of the tool calls a model writes with tool_choice 'auto', turned into "
+                        "tool_calls and streamed as each call completes (default: the format the chat "
+                        "template writes, else hermes)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model folder or file name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = EngineMetrics(name)
     engine = AsyncEngine(llm, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=args.shutdown_grace))
     threading.Thread(target=_announce, args=(server, args, name), daemon=True).start()

@@ -36,9 +36,12 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 
 
 def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMetrics,
-              api_key: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              api_key: str | None = None, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The app; starting it starts the engine thread, stopping it stops the engine."""
-    serving = OpenAIServing(engine, served_model_name, reasoning_parser)
+    serving = OpenAIServing(engine, served_model_name, reasoning_parser, tool_call_parser)
+    logger.info("tool calls (tool_choice auto) parsed as %s%s", serving.tool_call_parser,
+                "" if tool_call_parser else " (from the chat template)")
     responses = ResponsesServing(serving)
 
     @contextlib.asynccontextmanager

@@ -13,7 +13,8 @@ from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, RequestDelta
 from jaxengine.serve.reasoning import REASONING_PARSERS, ReasoningSplit, split_reasoning
-from jaxengine.serve.tool_calls import ToolCall, ToolMode, tool_mode
+from jaxengine.serve.tool_calls import ToolMode, tool_mode
+from jaxengine.serve.tool_parsers import FORMATS, ToolCallParser, detect_tool_parser, new_call_id
 
 
 class RequestError(Exception):
@@ -42,14 +43,20 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, reasoning_parser: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None) -> None:
         """``reasoning_parser``: one of ``serve.reasoning.REASONING_PARSERS`` (the thinking of a
-        chat response goes to ``reasoning_content``), or None."""
+        chat response goes to ``reasoning_content``), or None. ``tool_call_parser``: one of
+        ``serve.tool_parsers.FORMATS``, the format of the calls a model makes with ``tool_choice:
+        "auto"`` (None: the one its chat template writes)."""
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser: must be one of {list(REASONING_PARSERS)}, got {reasoning_parser!r}")
+        if tool_call_parser is not None and tool_call_parser not in FORMATS:
+            raise ValueError(f"tool_call_parser: must be one of {list(FORMATS)}, got {tool_call_parser!r}")
         self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.tool_call_parser = tool_call_parser or detect_tool_parser(getattr(self.tokenizer, "chat_template", None))
         self.model_name = served_model_name
         self.defaults = getattr(getattr(engine, "llm", None), "generation_defaults", {})   # generation_config
 
@@ -205,7 +212,9 @@ class OpenAIServing:
             if param_of(error) == "logprobs":
                 raise RequestError(400, "top_logprobs" + str(error)[len("logprobs"):], "top_logprobs") from None
             raise
-        tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls)
+        tools = tool_mode(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_call_parser)
+        if tools.kind == "auto" and tools.parser == "mistral":      # [TOOL_CALLS] is a special token
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if tools.constraint is not None:
             if params.structured_outputs is not None:
                 raise RequestError(400, f"tool_choice: {request.tool_choice!r} constrains the output; it cannot "
@@ -232,7 +241,9 @@ class OpenAIServing:
         last chunk carries the usage)."""
         request_id, tools = run.request_id, run.tools
         started: set[int] = set()
-        held: dict[int, str] = {}            # tool modes parsed at the end: the text so far
+        held: dict[int, str] = {}            # "required": the text so far (parsed at the end)
+        parsers: dict[int, ToolCallParser] = {}    # "auto": each choice's calls as they parse
+        num_calls: dict[int, int] = {}
         splits: dict[int, ReasoningSplit] = {}     # with a reasoning parser: each choice's split so far
         called: set[int] = set()             # named tool: the choices whose call has been announced
 
@@ -250,12 +261,23 @@ class OpenAIServing:
                     calls = [p.ToolCallOut(index=0, function=p.FunctionCall(arguments=text))]
                     if c.index not in called:
                         called.add(c.index)
-                        calls = [p.ToolCallOut(index=0, id=ToolCall.make(tools.name, "").id, type="function",
+                        calls = [p.ToolCallOut(index=0, id=new_call_id(tools.parser), type="function",
                                                function=p.FunctionCall(name=tools.name, arguments=text))]
                 message = p.DeltaMessage(role=role, tool_calls=calls, reasoning_content=thinking or None,
                                          reasoning=thinking or None)
                 finish = "tool_calls" if finish == "stop" else finish
-            elif tools.kind in ("required", "auto"):
+            elif tools.kind == "auto":
+                thinking, text = self._feed(splits, c)
+                parser = parsers.setdefault(c.index, tools.stream_parser())
+                content, calls = parser.feed(text, final=finish is not None)
+                before = num_calls.get(c.index, 0)
+                num_calls[c.index] = before + len(calls)
+                if num_calls[c.index] and finish == "stop":
+                    finish = "tool_calls"
+                message = p.DeltaMessage(role=role, content=content or ("" if first else None),
+                                         reasoning_content=thinking or None, reasoning=thinking or None,
+                                         tool_calls=_call_deltas(calls, before))
+            elif tools.kind == "required":
                 held[c.index] = held.get(c.index, "") + c.text
                 if finish is None:
                     return None if not first else p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
@@ -263,10 +285,7 @@ class OpenAIServing:
                 thinking, text = self._split(held.pop(c.index))
                 content, calls, finish = _tool_message(tools, text, finish)
                 message = p.DeltaMessage(role=role, content=content, reasoning_content=thinking, reasoning=thinking,
-                                         tool_calls=[p.ToolCallOut(index=k, id=call.id, type="function",
-                                                                   function=p.FunctionCall(name=call.name,
-                                                                                           arguments=call.arguments))
-                                                     for k, call in enumerate(calls)] or None)
+                                         tool_calls=_call_deltas(calls))
             elif self.reasoning_parser is not None:
                 thinking, text = self._feed(splits, c)
                 message = p.DeltaMessage(role=role, content=text or ("" if first else None),
@@ -371,6 +390,13 @@ def _tool_message(tools: ToolMode, text: str, finish_reason: str | None):
     if calls and finish_reason == "stop":
         finish_reason = "tool_calls"
     return content, calls, finish_reason
+
+
+def _call_deltas(calls, start: int = 0) -> list[p.ToolCallOut] | None:
+    """Whole calls as stream deltas, numbered from ``start``; None for none."""
+    return [p.ToolCallOut(index=start + k, id=call.id, type="function",
+                          function=p.FunctionCall(name=call.name, arguments=call.arguments))
+            for k, call in enumerate(calls)] or None
 
 
 # Characters that Python's str.splitlines (and so clients such as httpx's aiter_lines) treat as

@@ -6,34 +6,19 @@ back into OpenAI's ``tool_calls``.
 - ``"required"``: the output is a JSON array of one or more calls (one with
   ``parallel_tool_calls: false``), each ``{"name": <one of the tools>, "parameters": <its
   arguments>}`` (the schema says which);
-- ``"auto"``: no constraint; calls the model wrote in the Hermes format
-  (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) become ``tool_calls`` and the
-  text around them the content;
+- ``"auto"``: no constraint; calls the model wrote in its own format (``serve.tool_parsers``:
+  hermes, llama3_json or mistral) become ``tool_calls`` and the text around them the content;
 - ``"none"`` (or no tools): plain text.
 """
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 
 from jaxengine.sampling_params import StructuredOutputsParams
+from jaxengine.serve.tool_parsers import ToolCall, ToolCallParser, parse_tool_calls
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str          # JSON text
-    id: str
-
-    @classmethod
-    def make(cls, name: str, arguments) -> "ToolCall":
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-        return cls(name, text, f"call_{uuid.uuid4().hex[:24]}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +29,7 @@ class ToolMode:
     functions: dict[str, dict]           # name -> parameters schema
     name: str | None = None              # "named": the function
     parallel: bool = True                # "required": more than one call allowed
+    parser: str = "hermes"               # "auto": the model's format (also the style of call ids)
 
     @property
     def constraint(self) -> StructuredOutputsParams | None:
@@ -57,20 +43,25 @@ class ToolMode:
         """The finished output -> (content, tool calls). Output that does not parse (cut short by
         max_tokens) stays content."""
         if self.kind == "named":
-            return None, [ToolCall.make(self.name, text)]
+            return None, [ToolCall.make(self.name, text, self.parser)]
         if self.kind == "required":
             try:
-                calls = [ToolCall.make(c["name"], c["parameters"]) for c in json.loads(text)]
+                calls = [ToolCall.make(c["name"], c["parameters"], self.parser) for c in json.loads(text)]
             except (ValueError, TypeError, KeyError):
                 return text, []
             return None, calls
         if self.kind == "auto":
-            return parse_hermes(text, self.functions)
+            return parse_tool_calls(self.parser, text, self.functions)
         return text, []
 
+    def stream_parser(self) -> ToolCallParser:
+        """"auto": a parser to feed a streamed reply to."""
+        return ToolCallParser(self.parser, self.functions)
 
-def tool_mode(tools: list | None, tool_choice, parallel_tool_calls: bool = True) -> ToolMode:
-    """ValueError naming ``tools`` / ``tool_choice`` for what cannot be served."""
+
+def tool_mode(tools: list | None, tool_choice, parallel_tool_calls: bool = True, parser: str = "hermes") -> ToolMode:
+    """ValueError naming ``tools`` / ``tool_choice`` for what cannot be served. ``parser``: one of
+    ``tool_parsers.FORMATS``."""
     functions = {}
     for tool in tools or []:
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -87,12 +78,12 @@ def tool_mode(tools: list | None, tool_choice, parallel_tool_calls: bool = True)
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
         if name not in functions:
             raise ValueError(f"tool_choice: {name!r} is not one of the tools {sorted(functions)}")
-        return ToolMode("named", functions, name)
+        return ToolMode("named", functions, name, parser=parser)
     if choice not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or a named function, got {choice!r}")
     if choice != "none" and not functions:
         raise ValueError(f"tool_choice: {choice!r} needs tools")
-    return ToolMode(choice, functions, parallel=parallel_tool_calls)
+    return ToolMode(choice, functions, parallel=parallel_tool_calls, parser=parser)
 
 
 def required_schema(functions: dict[str, dict], parallel: bool = True) -> dict:
@@ -103,20 +94,3 @@ def required_schema(functions: dict[str, dict], parallel: bool = True) -> dict:
              for name, params in functions.items()]
     return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
 
-
-def parse_hermes(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
-    """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks naming a given function
-    -> tool calls; the text outside them is the content (None when only calls remain)."""
-    calls = []
-    for block in HERMES_CALL.findall(text):
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return text, []
-        if not isinstance(call, dict) or call.get("name") not in functions:
-            return text, []
-        calls.append(ToolCall.make(call["name"], call.get("arguments", {})))
-    if not calls:
-        return text, []
-    content = HERMES_CALL.sub("", text).strip()
-    return content or None, calls

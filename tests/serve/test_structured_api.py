@@ -9,7 +9,6 @@ import jsonschema
 import openai
 import pytest
 
-from jaxengine.serve.tool_calls import parse_hermes
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -100,14 +99,6 @@ def test_required_schema_allows_parallel_calls_unless_told_not_to():
         jsonschema.validate(calls, required_schema(functions, parallel=False))
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_time", "parameters": {}}], required_schema(functions))
-
-
-def test_hermes_calls_are_parsed_from_text():
-    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
-    content, calls = parse_hermes(text, {"get_weather": SCHEMA})
-    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Oslo", "days": 2})]
-    assert parse_hermes('<tool_call>{"name": "other"}</tool_call>', {"get_weather": SCHEMA})[1] == []
 
 
 @pytest.mark.parametrize("extra, field", [
