@@ -11,6 +11,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 MODEL_PROPOSERS = ("draft_model", "eagle3")     # the methods that run a model of their own on the device
 DRAFT_SAMPLING = ("greedy", "sampled")
+OVERLOAD_POLICIES = ("reject", "queue")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -145,10 +146,38 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class AutopilotConfig:
+    """Latency targets that the autopilot (``jaxengine/autopilot``) steers each step's scheduling
+    knobs to: time to first token ``ttft_s`` and inter-token latency ``itl_s`` (seconds; None: no
+    target), each at the ``percentile``-th percentile. ``overload_policy``: when a new request's
+    predicted time to first token misses its target by a margin even at the best setting,
+    ``reject`` it (the server answers 503 with Retry-After) or ``queue`` it anyway.
+    ``cost_profile``: the scheduler lab's profile JSON the step times are predicted from (None:
+    a short calibration at start-up)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    percentile: float = 99.0
+    overload_policy: str = "reject"
+    cost_profile: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.ttft_s is not None or self.itl_s is not None, "autopilot",
+                 "needs a latency target: slo_ttft_ms and/or slo_itl_ms")
+        for name in ("ttft_s", "itl_s"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, name, f"must be > 0 seconds, got {value}")
+        _require(0 < self.percentile <= 100, "slo_percentile", f"must be in (0, 100], got {self.percentile}")
+        _require(self.overload_policy in OVERLOAD_POLICIES, "overload_policy",
+                 f"must be one of {list(OVERLOAD_POLICIES)}, got {self.overload_policy!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    autopilot: AutopilotConfig | None = None
 
     def replace(self, **changes) -> "EngineConfig":
         """Return a copy with fields of the sub-configs replaced, e.g. ``replace(block_size=4)``."""
@@ -158,4 +187,4 @@ class EngineConfig:
         _require(not unknown, "EngineConfig", f"unknown option(s) {sorted(unknown)}")
         cache = dataclasses.replace(self.cache, **{k: v for k, v in changes.items() if k in cache_fields})
         sched = dataclasses.replace(self.scheduler, **{k: v for k, v in changes.items() if k in sched_fields})
-        return EngineConfig(cache=cache, scheduler=sched, speculative=self.speculative)
+        return EngineConfig(cache=cache, scheduler=sched, speculative=self.speculative, autopilot=self.autopilot)

@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 from jaxengine.config import MODEL_PROPOSERS, EngineConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepLimits
-from jaxengine.request import Request, RequestStatus, Sequence
+from jaxengine.request import LatencyTargets, Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import StructuredOutputManager
 from jaxengine.trace import StepTrace, TraceWriter, round_seconds
@@ -33,6 +33,17 @@ def speculation_counts(out: SchedulerOutput, output: ModelRunnerOutput, gate) ->
             "num_accepted_tokens": sum(per_position), "speculative_k": gate.last_k,
             "speculation_gain": gate.last_gain,
             "accepted_per_position": tuple(per_position)}
+
+
+def plan_fields(plan, predicted_step_s: float, planner) -> dict:
+    """A planned step's StepTrace fields: the planner's choices, its prediction of the step as it
+    ran, its cost correction and a new request's predicted wait for its first token."""
+    limits = plan.limits
+    return {"autopilot_budget": limits.max_num_batched_tokens, "autopilot_max_num_seqs": limits.max_num_seqs,
+            "autopilot_prefill_chunk": limits.long_prefill_token_threshold or 0,
+            "autopilot_partial_prefills": limits.max_num_partial_prefills or 0,
+            "predicted_step_s": round_seconds(predicted_step_s), "cost_correction": round(planner.cost.correction, 4),
+            "predicted_queue_s": round_seconds(min(planner.outlook.ttft_s(0), 1e6))}
 
 
 class Runner(Protocol):
@@ -61,12 +72,26 @@ class _Done:
         return self._result
 
 
+class StepPlanner(Protocol):
+    """What the engine asks of a planner of its steps (``jaxengine.autopilot.Autopilot``)."""
+
+    def plan(self, scheduler: Scheduler, limits: StepLimits | None):
+        """-> the step's plan: its ``limits`` (within the runner's ``limits``) and its traced choices."""
+
+    def observe(self, out: SchedulerOutput, step_s: float, finished: list[Request]) -> float:
+        """The step ``out`` took ``step_s``; -> the time it was predicted to take."""
+
+    def retry_after(self, num_prompt_tokens: int, slo: LatencyTargets | None) -> int | None:
+        """Seconds after which to retry a new request that overload turns away; None: take it."""
+
+
 class _Launch(NamedTuple):
     """A step launched on the runner."""
 
     out: SchedulerOutput
     pending: object                 # ``result()`` waits for the step's tokens
     device_idle_s: float            # the runner's measure of device idle just before this launch
+    plan: object = None             # the planner's plan for it (None without a planner)
 
 
 @dataclass(frozen=True)
@@ -113,6 +138,7 @@ class Engine:
         self.last_trace: StepTrace | None = None      # the latest step's record (metrics read it)
         self.last_output: SchedulerOutput | None = None   # the latest schedule() (tests read it)
         self.trace_writer = None if trace_file is None else TraceWriter(trace_file)
+        self.planner: StepPlanner | None = None       # chooses each step's limits (the autopilot)
         self._unwritten: StepTrace | None = None      # the latest record, until the next launch writes it
         self._started = timer()           # trace times count from here
         self._cycle_start = self._started             # this step's launch()
@@ -124,12 +150,13 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    stop_check=None) -> Request:
-        """Queue a request (``stop_check``: a beam search's stop strings, see ``Request``)."""
+                    stop_check=None, slo: LatencyTargets | None = None) -> Request:
+        """Queue a request (``stop_check``: a beam search's stop strings, see ``Request``; ``slo``:
+        its own latency targets for the autopilot)."""
         request = Request(request_id, prompt_token_ids, sampling_params or SamplingParams(),
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           priority=priority, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
-                          stop_check=stop_check)
+                          stop_check=stop_check, slo=slo)
         if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
             self.scheduler.add_request(request)
             return request
@@ -205,7 +232,7 @@ class Engine:
         output = launched.pending.result()
         finished = self.scheduler.update_from_output(launched.out, output)
         self._unapplied.remove(launched.out)
-        self._record(launched, output)
+        self._record(launched, output, finished)
         if self.scheduler.gate is not None:
             self._observe_speculation(launched.out, output)
         return finished
@@ -279,14 +306,24 @@ class Engine:
         """Schedule a step and launch it on the runner."""
         if self.structured.awaiting:
             self._admit_compiled()
-        out = self.last_output = self.scheduler.schedule(self._step_limits())
+        limits, plan = self._step_limits(), None
+        if self.planner is not None:
+            plan = self.planner.plan(self.scheduler, limits)
+            limits = plan.limits
+        out = self.last_output = self.scheduler.schedule(limits)
         if self.scheduler.num_structured:
             self.structured.fill_bitmask(out)
         self._unapplied.append(out)
         idle = self._runner_counter("idle_s")
         dispatch = getattr(self.runner, "dispatch", None)     # optional (``Runner``)
         pending = dispatch(out) if dispatch else _Done(self.runner.execute(out))
-        return _Launch(out, pending, self._runner_counter("idle_s") - idle)
+        return _Launch(out, pending, self._runner_counter("idle_s") - idle, plan)
+
+    def overload_retry_after(self, prompt_token_ids: list[int], slo: LatencyTargets | None = None) -> int | None:
+        """The autopilot's overload policy for a new request of this prompt: seconds after which
+        to retry when it would miss its time-to-first-token target by a margin; None: take it
+        (always, without an autopilot)."""
+        return None if self.planner is None else self.planner.retry_after(len(prompt_token_ids), slo)
 
     def _step_limits(self) -> StepLimits | None:
         """The runner's limits for the next step (it caps them while it still compiles); None for
@@ -319,17 +356,22 @@ class Engine:
             finished += self.step()
         raise RuntimeError(f"requests still unfinished after {max_steps} steps")
 
-    def _record(self, launched: _Launch, output: ModelRunnerOutput) -> None:
+    def _record(self, launched: _Launch, output: ModelRunnerOutput, finished: list[Request]) -> None:
         step_s = self.timer() - self._cycle_start
         host_s = step_s - (self._device_wait_s() - self._wait_at_start)
-        self.last_trace = self._trace(launched, step_s, host_s, output)
+        planned = {}
+        if launched.plan is not None:
+            predicted = self.planner.observe(launched.out, step_s, finished)
+            planned = plan_fields(launched.plan, predicted, self.planner)
+        self.last_trace = self._trace(launched, step_s, host_s, output, planned)
         if self.traces is not None:
             self.traces.append(self.last_trace)
         if self.trace_writer is not None:
             self._unwritten = self.last_trace
         self.num_steps += 1
 
-    def _trace(self, launched: _Launch, step_s: float, host_s: float, output: ModelRunnerOutput) -> StepTrace:
+    def _trace(self, launched: _Launch, step_s: float, host_s: float, output: ModelRunnerOutput,
+               planned: dict) -> StepTrace:
         s, out = self.scheduler, launched.out
         return StepTrace(
             step=self.num_steps, time=round_seconds(self._cycle_start - self._started), num_rows=len(out.seq_ids),
@@ -341,7 +383,7 @@ class Engine:
             host_s=round_seconds(host_s), device_idle_s=round_seconds(launched.device_idle_s),
             max_context_len=max(map(operator.add, out.num_computed_tokens, out.num_scheduled_tokens), default=0),
             num_context_tokens=sum(out.num_computed_tokens) + sum(out.num_scheduled_tokens),
-            expert_tokens=output.expert_tokens, **speculation_counts(out, output, s.gate))
+            expert_tokens=output.expert_tokens, **speculation_counts(out, output, s.gate), **planned)
 
     def _write_trace(self) -> None:
         if self._unwritten is not None:

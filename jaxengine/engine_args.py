@@ -16,8 +16,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from jaxengine.config import PREEMPTION_MODES, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, \
-    SpeculativeConfig
+from jaxengine.config import OVERLOAD_POLICIES, PREEMPTION_MODES, SPECULATIVE_METHODS, AutopilotConfig, CacheConfig, \
+    EngineConfig, SchedulerConfig, SpeculativeConfig
 from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 from jaxengine.runner.compile import COMPILE_MODES
@@ -109,6 +109,22 @@ class EngineArgs:
               "(ngram: longest / shortest suffix looked up, default 4 / 2). Outputs are the model's own, verified "
               "token by token; beam search does not run with it; each step a gate measures whether drafts pay "
               "(default: off)")
+    slo_ttft_ms: float | None = _option(
+        None, "latency target: time to first token in ms, at --slo-percentile (turns the autopilot on)")
+    slo_itl_ms: float | None = _option(
+        None, "latency target: inter-token latency in ms, at --slo-percentile (turns the autopilot on)")
+    slo_percentile: float = _option(99.0, "the percentile at which the latency targets hold")
+    autopilot: bool | None = _option(
+        None, "choose the step's token budget, prefill chunking, delay and admission limit every step from a cost "
+              "model and the measured step times, to meet --slo-ttft-ms / --slo-itl-ms (default: on when a target is "
+              "given); the configured values are then ceilings")
+    cost_profile: str | None = _option(
+        None, "the autopilot's cost model: a profile JSON of python -m jaxengine.lab calibrate (default: a short "
+              "calibration at start-up, seconds on the default model); corrected online by the measured steps")
+    overload_policy: str = _option(
+        "reject", "autopilot: when a new request would miss its time-to-first-token target by a margin even at the "
+                  "best setting, reject it (the server answers 503 with Retry-After) or queue it anyway",
+        choices=OVERLOAD_POLICIES)
     tensor_parallel_size: int = _option(
         1, "devices each model replica is split over (tensor parallelism: attention heads, MLP columns and "
            "vocabulary split across them, the KV cache split by KV heads)")
@@ -162,6 +178,7 @@ class EngineArgs:
                 raise ValueError(f"{f.name}: must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         resolve_policy(self.scheduling_policy, field="scheduling_policy")
         SpeculativeConfig.from_dict(self.speculative_config)        # refused now, naming the key
+        self.autopilot_config()                                     # likewise
         self.step_buckets()                 # refused now, naming the option, not when the runner starts
 
     # ---- the three doors ----
@@ -245,6 +262,21 @@ class EngineArgs:
                 total += bytes_per_block(cfg.num_layers, self.block_size, heads, cfg.head_dim, kv_dtype)
         return total
 
+    def autopilot_config(self) -> AutopilotConfig | None:
+        """The autopilot's targets, or None when it is off (no target given, or ``autopilot=False``)."""
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: must be > 0 ms, got {value!r}")
+        targets = self.slo_ttft_ms is not None or self.slo_itl_ms is not None
+        if self.autopilot and not targets:
+            raise ValueError("autopilot: needs a latency target (slo_ttft_ms and/or slo_itl_ms)")
+        if not targets or self.autopilot is False:
+            return None
+        return AutopilotConfig(ttft_s=_seconds(self.slo_ttft_ms), itl_s=_seconds(self.slo_itl_ms),
+                               percentile=self.slo_percentile, overload_policy=self.overload_policy,
+                               cost_profile=self.cost_profile)
+
     def step_buckets(self) -> tuple[list[int], list[int]]:
         """The token and row buckets the runner compiles: those given, else its defaults."""
         from jaxengine.runner.buckets import step_buckets
@@ -263,7 +295,8 @@ class EngineArgs:
             max_num_partial_prefills=self.max_num_partial_prefills, policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode, delay_factor=self.scheduler_delay_factor)
         return EngineConfig(cache=cache, scheduler=scheduler,
-                            speculative=SpeculativeConfig.from_dict(self.speculative_config))
+                            speculative=SpeculativeConfig.from_dict(self.speculative_config),
+                            autopilot=self.autopilot_config())
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -273,6 +306,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.required or "default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
 
 
 def _flag(name: str) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
+from jaxengine.autopilot import attach_autopilot
 from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
@@ -23,7 +24,7 @@ from jaxengine.outputs import BeamSearchOutput, RequestOutput, make_beam_search_
 from jaxengine.parallel import multihost
 from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.parallel.step_channel import StepChannel
-from jaxengine.request import Request
+from jaxengine.request import LatencyTargets, Request
 from jaxengine.runner.kernel_check import check_model_kernels
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
@@ -83,10 +84,23 @@ class LLM:
         engines = [self._engine(self.runner, 0)] + [
             self._engine(self._runner(self._replica_model(self._module_copies, r, mesh, progress), mesh, progress), r)
             for r, mesh in enumerate(self._meshes[1:], 1)]
+        self._attach_autopilots(engines, progress)
         self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         self._ids = itertools.count()
         if self.channel is not None:
             self.runner.channel = self.channel      # from now on each launch goes to the others too
+
+    def _attach_autopilots(self, engines: list[Engine], progress: bool) -> None:
+        """With latency targets: each replica's autopilot, on the configured cost profile or on
+        one calibrated now on the first replica (after every bucket is compiled: a compile on the
+        same cores would skew the times)."""
+        if self.config.autopilot is None:
+            return
+        profile = None
+        for engine in engines:
+            if profile is None and self.config.autopilot.cost_profile is None:
+                self.wait_until_compiled()
+            profile = attach_autopilot(engine, profile, progress=progress).cost.profile
 
     def _build(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
         """The first replica's model on its mesh, the engine configuration and its runner with
@@ -288,14 +302,16 @@ class LLM:
                              use_tqdm=use_tqdm)
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams | BeamSearchParams, *,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    slo: LatencyTargets | None = None) -> Request:
         """Queue one request on the engine (``check_request`` it first); the caller steps the engine.
-        ``arrival_time`` (the engine's clock, default now): when the request came in."""
+        ``arrival_time`` (the engine's clock, default now): when the request came in; ``slo``: its own
+        latency targets for the autopilot."""
         stop_check = None
         if isinstance(params, BeamSearchParams):   # a beam's stop strings are checked as the search decides
             stop_check = beam_stop_check(self.tokenizer, params.sampling_params())
         return self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
-                                       arrival_time=arrival_time, stop_check=stop_check)
+                                       arrival_time=arrival_time, stop_check=stop_check, slo=slo)
 
     # ---- internals ----
     def get_default_sampling_params(self) -> SamplingParams:

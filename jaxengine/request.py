@@ -12,6 +12,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -125,6 +126,27 @@ class RequestTimes:
     finished: float | None = None
 
 
+class LatencyTargets(NamedTuple):
+    """A request's own latency targets in seconds, for the autopilot (None: the engine's)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+    @classmethod
+    def from_ms(cls, targets: dict | None) -> "LatencyTargets | None":
+        """``{"ttft_ms": ..., "itl_ms": ...}`` (the server's ``slo`` extra); errors name the key."""
+        if not targets:
+            return None
+        unknown = sorted(set(targets) - {"ttft_ms", "itl_ms"})
+        if unknown:
+            raise ValueError(f"slo: unknown key(s) {unknown}; known: ['itl_ms', 'ttft_ms']")
+        for key, value in targets.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"slo.{key}: must be a number > 0 (milliseconds), got {value!r}")
+        seconds = {key: None if v is None else v / 1000 for key, v in targets.items()}
+        return cls(seconds.get("ttft_ms"), seconds.get("itl_ms"))
+
+
 class Request:
     """A sequence group: one prompt, ``sampling_params.n`` samples scheduled as one unit.
 
@@ -140,7 +162,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | BeamSearchParams, *, arrival_time: float | None = None,
                  priority: int = 0, eos_token_id: int | None = None, cache_salt: str | None = None,
-                 stop_check=None) -> None:
+                 stop_check=None, slo: LatencyTargets | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: must not be empty")
         if not all(isinstance(t, int) and t >= 0 for t in prompt_token_ids):
@@ -153,6 +175,7 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.slo = slo
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
         # Until the scheduler takes it: a request with a constraint first waits for its grammar.

@@ -60,6 +60,18 @@ class StepTrace:
     # or speculation is not configured).
     speculative_k: int = 0
     speculation_gain: float = 0.0
+    # The autopilot's choices for the step (0 without it): its token budget, admission limit
+    # (sequences), the most tokens one prompt got and how many prompts could be part-way through
+    # at once (0: the configured values); its predicted time for the step as it ran (median,
+    # before this step's time corrected the model), the correction of the cost profile then, and
+    # a new request's predicted wait for its first token (queue and slot, without its own prompt).
+    autopilot_budget: int = 0
+    autopilot_max_num_seqs: int = 0
+    autopilot_prefill_chunk: int = 0
+    autopilot_partial_prefills: int = 0
+    predicted_step_s: float = 0.0
+    cost_correction: float = 0.0
+    predicted_queue_s: float = 0.0
 
 
 def round_seconds(seconds: float) -> float:

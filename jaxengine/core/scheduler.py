@@ -47,6 +47,8 @@ class StepState:
     limits: StepLimits                    # this step's most tokens and sequences
     num_seqs: int = 0                     # sequences running in this step (against max_num_seqs)
     num_partial: int = 0                  # groups part-way through their prefill
+    max_partial: int = 1                  # ... at most (max_num_partial_prefills)
+    max_chunk: int = 0                    # most tokens one prefill gets (long_prefill_token_threshold)
     preempted: bool = False               # a step that preempted admits nothing
     new_seqs: list[Sequence] = field(default_factory=list)        # the runner has not seen them
     changed_seqs: list[Sequence] = field(default_factory=list)    # seen, their block table changed
@@ -82,8 +84,6 @@ class Scheduler:
         self._step: StepState | None = None              # inside schedule(): the step being built
         self._num_beam_searches = 0                      # unfinished beam-search groups
         self.num_structured = 0                          # unfinished requests with a grammar
-        self._max_prefill_chunk = (config.long_prefill_token_threshold if config.enable_chunked_prefill
-                                   else 0) or config.max_num_batched_tokens
         # delay_factor: latency of the last step that admitted prompts
         self._prev_time = 0.0
         self._prev_prompt = False
@@ -182,9 +182,8 @@ class Scheduler:
         admission; a step that preempted admits nothing; every row's blocks are allocated for
         its tokens. Whether a request can ever run is judged against the configured limits."""
         now = self.clock()
-        limits = limits or StepLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        step = self._step = StepState(SchedulerOutput(), now, limits.max_num_batched_tokens, limits)
-        passed_delay = self._passed_delay(now)
+        step = self._step = self._new_step(now, limits)
+        passed_delay = self._passed_delay(now, self._knob(limits.delay_factor if limits else None, "delay_factor"))
         if self.policy.ranks and len(self.waiting):
             self._preempt_for_priority(step)
         self._schedule_running(step)
@@ -198,6 +197,19 @@ class Scheduler:
         out = self._finalize(step)
         self._step = None
         return out
+
+    def _new_step(self, now: float, limits: StepLimits | None) -> StepState:
+        cfg = self.config
+        limits = limits or StepLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        threshold = self._knob(limits.long_prefill_token_threshold, "long_prefill_token_threshold")
+        max_chunk = (threshold if cfg.enable_chunked_prefill else 0) or cfg.max_num_batched_tokens
+        return StepState(SchedulerOutput(), now, limits.max_num_batched_tokens, limits,
+                         max_partial=self._knob(limits.max_num_partial_prefills, "max_num_partial_prefills"),
+                         max_chunk=max_chunk)
+
+    def _knob(self, value, name: str):
+        """A step's setting: the limits' value, else the configured one."""
+        return getattr(self.config, name) if value is None else value
 
     @property
     def is_scheduling(self) -> bool:
@@ -359,7 +371,7 @@ class Scheduler:
         for seq in group.live_seqs:
             if seq.num_pending and self._finishes_by_length(seq):
                 continue
-            n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, step.budget)
+            n = self._chunk(step, len(seq.token_ids) - seq.num_computed_tokens, step.budget)
             if n <= 0:
                 continue
             if not self._make_room(step, group, lambda: kv.allocate_slots(seq, n)):
@@ -443,14 +455,14 @@ class Scheduler:
 
     def _swap_in(self, step: StepState, group: Request) -> bool:
         """Swap a group in and schedule it; False if it cannot come back now."""
-        cfg, kv, seqs = self.config, self.kv, group.live_seqs
+        kv, seqs = self.kv, group.live_seqs
         if step.num_seqs + group.max_num_running_seqs > step.limits.max_num_seqs:
             return False
         if step.budget < len(seqs):
             return False                           # every live sequence needs a token
         chunks = self._plan_chunks(step, seqs, [0] * len(seqs))
         partial = self._leaves_partial(seqs, chunks)
-        if partial and step.num_partial >= cfg.max_num_partial_prefills:
+        if partial and step.num_partial >= step.max_partial:
             return False
         if not kv.can_swap_in(group, chunks, use_watermark=bool(self.running)):
             if self.running or kv.can_swap_in(group, chunks, use_watermark=False):
@@ -468,7 +480,7 @@ class Scheduler:
 
     def _admit_head(self, step: StepState) -> bool:
         """Admit the head of the waiting queue; False if it cannot start now."""
-        cfg, kv = self.config, self.kv
+        kv = self.kv
         group = self.waiting.peek()
         if group.status is RequestStatus.PREEMPTED and (reason := self._never_reason(group)):
             self.waiting.pop()                     # grew past what can ever be scheduled
@@ -483,7 +495,7 @@ class Scheduler:
         if not chunks[0]:
             return False                           # without chunking: the prompt must fit whole
         partial = self._leaves_partial(seqs, [h + n for h, n in zip(hit_tokens, chunks)])
-        if partial and step.num_partial >= cfg.max_num_partial_prefills:
+        if partial and step.num_partial >= step.max_partial:
             return False
         status = kv.can_allocate(group, list(zip(seqs, hits, chunks)), use_watermark=bool(self.running))
         if status is AllocStatus.LATER:
@@ -500,15 +512,15 @@ class Scheduler:
     def _plan_chunks(self, step: StepState, seqs: list[Sequence], hit_tokens: list[int]) -> list[int]:
         budget, chunks = step.budget, []
         for seq, hit in zip(seqs, hit_tokens):
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens - hit, budget)
+            n = self._chunk(step, seq.num_tokens - seq.num_computed_tokens - hit, budget)
             chunks.append(n)
             budget -= n
         return chunks
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunk(self, step: StepState, remaining: int, budget: int) -> int:
         """Tokens a sequence gets now. Without chunked prefill a sequence goes whole or not at
         all (the sequences of a recomputed group may still go in different steps)."""
-        n = min(remaining, budget, self._max_prefill_chunk)
+        n = min(remaining, budget, step.max_chunk)
         return n if n == remaining or self.config.enable_chunked_prefill else 0
 
     def _admit(self, step: StepState, group: Request, hits: list[ComputedBlocks], chunks: list[int]) -> None:
@@ -530,16 +542,16 @@ class Scheduler:
         step.num_seqs += group.max_num_running_seqs
         self._prev_prompt = True
 
-    def _passed_delay(self, now: float) -> bool:
+    def _passed_delay(self, now: float, delay_factor: float) -> bool:
         """delay_factor: hold new prompts until the oldest waiting request has waited longer
         than delay_factor x the last prompt step's latency (unless nothing runs)."""
         if self._prev_prompt:
             self._last_prompt_latency = now - self._prev_time
         self._prev_time, self._prev_prompt = now, False
-        if self.config.delay_factor <= 0 or not len(self.waiting):
+        if delay_factor <= 0 or not len(self.waiting):
             return True
         earliest = min(r.arrival_time for r in self.waiting)
-        return now - earliest > self.config.delay_factor * self._last_prompt_latency or not self.running
+        return now - earliest > delay_factor * self._last_prompt_latency or not self.running
 
     # ------------------------------------------------------------------ preemption
     def _make_room(self, step: StepState, group: Request, fits: Callable[[], bool]) -> bool:

@@ -85,11 +85,15 @@ NO_MOVES = BlockMoves([], [], [])
 
 
 class StepLimits(NamedTuple):
-    """The most one step may hold: its token budget and its sequences (rows). The configured
-    limits, or less while the runner has not yet compiled the buckets for them."""
+    """The most one step may hold: its token budget and its sequences (rows), and how it treats
+    prompts. The configured limits, or less while the runner has not yet compiled the buckets for
+    them; an autopilot chooses every field each step (None: the configured value)."""
 
     max_num_batched_tokens: int
     max_num_seqs: int
+    long_prefill_token_threshold: int | None = None     # most tokens one prefill gets (0: no cap)
+    max_num_partial_prefills: int | None = None
+    delay_factor: float | None = None
 
 
 @dataclass

@@ -74,6 +74,11 @@ class SimRunner:
         """As the model runner's (the engine's speculation gate prices drafts by them)."""
         return self.buckets
 
+    @property
+    def request_buckets(self) -> list[int]:
+        """As the model runner's (the autopilot's cost model pads rows by them)."""
+        return self.row_buckets
+
     def _accepted(self, num_draft: int) -> int:
         n = 0
         while n < num_draft and self._accept_rng.random() < self.acceptance:
@@ -166,6 +171,10 @@ def simulate(workload: Workload | list[SimRequest], profile: Profile, *, slos: d
     runner = SimRunner(profile, *args.step_buckets(), clock, noise=noise, seed=seed, acceptance=acceptance)
     runner.record = record_outputs
     engine = Engine(config, runner, clock=clock, timer=clock, trace=True)
+    if config.autopilot is not None:
+        from jaxengine.autopilot import attach_autopilot     # lazily: the autopilot imports the lab
+
+        attach_autopilot(engine, profile)
     timelines = _run(engine, clock, requests, getattr(profile, "request_overhead_s", 0.0), max_steps)
     metrics = _metrics(timelines, engine.traces, slos)
     options = {k: v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else repr(v)
@@ -186,7 +195,11 @@ def _run(engine: Engine, clock: SimClock, requests: list[SimRequest], overhead_s
     next_i = 0
     for _ in range(max_steps):
         while next_i < len(order) and requests[order[next_i]].arrival_s + overhead_s <= clock.now:
-            _add(engine, str(order[next_i]), requests[order[next_i]], overhead_s)
+            i, r = order[next_i], requests[order[next_i]]
+            if engine.overload_retry_after(r.prompt_token_ids) is None:
+                _add(engine, str(i), r, overhead_s)
+            else:                                       # the server would answer 503
+                timelines[i].error = "overloaded"
             next_i += 1
         if not engine.has_unfinished_requests():
             if next_i == len(order):

@@ -75,14 +75,14 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    stop_check=None) -> Request:
+                    stop_check=None, slo=None) -> Request:
         """Queue a request on the replica ``route`` picks (the arguments are ``Engine.add_request``'s)."""
         if self._replica_of(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         i = self.route(prompt_token_ids, cache_salt)
         request = self.replicas[i].add_request(request_id, prompt_token_ids, sampling_params, priority=priority,
                                                arrival_time=arrival_time, cache_salt=cache_salt,
-                                               stop_check=stop_check)
+                                               stop_check=stop_check, slo=slo)
         self.num_routed[i] += 1
         return request
 
@@ -90,6 +90,10 @@ class DataParallelEngine:
         """The replica a request for this prompt would go to now."""
         return choose_replica([r.num_unfinished for r in self.replicas],
                               lambda i: self.replicas[i].cached_prefix_blocks(token_ids, cache_salt))
+
+    def overload_retry_after(self, prompt_token_ids: list[int], slo=None) -> int | None:
+        """The overload policy of the replica the request would go to (``Engine.overload_retry_after``)."""
+        return self.replicas[self.route(prompt_token_ids)].overload_retry_after(prompt_token_ids, slo)
 
     def abort(self, request_id: str) -> bool:
         replica = self._replica_of(request_id)

@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxengine
 from jaxengine.serve import protocol as p
-from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, EngineUnhealthyError, QueueFullError
+from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, EngineUnhealthyError, OverloadedError, \
+    QueueFullError
 from jaxengine.serve.dashboard import engine_settings, page_html
 from jaxengine.serve.metrics import EngineMetrics
 from jaxengine.serve.openai_serving import OpenAIServing, RequestError, param_of
@@ -135,6 +136,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)
     async def queue_full(_request: Request, error: QueueFullError):
         return error_response(503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(OverloadedError)
+    async def overloaded(_request: Request, error: OverloadedError):
+        return error_response(503, str(error), headers={"Retry-After": str(error.retry_after_s)})
 
     @app.exception_handler(EngineStoppedError)
     async def stopping(_request: Request, error: EngineStoppedError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from jaxengine.llm import LLM
 from jaxengine.output_processor import OutputProcessor
-from jaxengine.request import Request, RequestStatus, Sequence
+from jaxengine.request import LatencyTargets, Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.tokenizer import PerThreadTokenizer, apply_chat_template
 
@@ -36,6 +36,15 @@ THREAD_STOPPED = "the engine thread stopped; restart the server"
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; the client should retry later."""
+
+
+class OverloadedError(RuntimeError):
+    """The autopilot predicts the request would miss its time-to-first-token target by a margin
+    (overload policy reject); the client should retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineStoppedError(RuntimeError):
@@ -167,9 +176,10 @@ class AsyncEngine:
     async def _on_pool(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, slo: LatencyTargets | None = None) -> None:
         """Raise before anything is queued: ValueError naming the field for a request that can
-        never be served, QueueFullError / EngineStoppedError when the server can't take it now."""
+        never be served, QueueFullError / OverloadedError / EngineStoppedError when the server
+        can't take it now."""
         self.llm.check_request(prompt_token_ids, params)
         if self._stopping:
             raise EngineStoppedError("the server is shutting down")
@@ -178,9 +188,14 @@ class AsyncEngine:
         if self.num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting} requests are waiting (the bound is "
                                  f"{self.max_waiting_requests}); retry later")
+        if (retry_after := self.engine.overload_retry_after(prompt_token_ids, slo)) is not None:
+            if self.observer is not None:
+                self.observer.on_overload()
+            raise OverloadedError(f"overloaded: this request would miss its time-to-first-token target behind the "
+                                  f"{self.num_waiting} requests waiting; retry later", retry_after)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 priority: int = 0) -> AsyncIterator[RequestDelta]:
+                 priority: int = 0, slo: LatencyTargets | None = None) -> AsyncIterator[RequestDelta]:
         """Queue a request (``check`` it first); returns the iterator of its deltas, which ends
         with one that has ``finished``. Leaving the iteration early (a client that went away)
         aborts the request and frees its blocks. Call from the event loop."""
@@ -190,7 +205,7 @@ class AsyncEngine:
         # Stamped now, not when the engine thread takes it in after its current step: the wait
         # behind a long step is queueing, and the delay factor and fcfs must count it.
         arrival = self.engine.clock()
-        self._commands.put(("add", request_id, prompt_token_ids, params, priority, arrival,
+        self._commands.put(("add", request_id, prompt_token_ids, params, priority, slo, arrival,
                             lambda d: _deliver(loop, deltas, d)))
         return self._deltas(request_id, deltas)
 
@@ -301,12 +316,12 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _do_add(self, request_id: str, ids: list[int], params: SamplingParams, priority: int, arrival: float,
-                deliver) -> None:
+    def _do_add(self, request_id: str, ids: list[int], params: SamplingParams, priority: int,
+                slo: LatencyTargets | None, arrival: float, deliver) -> None:
         with self._lock:
             self._num_queued -= 1
         try:
-            request = self.llm.add_request(request_id, ids, params, priority=priority, arrival_time=arrival)
+            request = self.llm.add_request(request_id, ids, params, priority=priority, arrival_time=arrival, slo=slo)
         except Exception as error:                      # noqa: BLE001 - reported to that request only
             deliver(RequestDelta(request_id, [], finished=True, error=str(error), error_status=400))
             return
@@ -429,6 +444,9 @@ class _GuardedObserver:
 
     def on_tokens(self, request: Request, num_tokens: int, itl: float | None) -> None:
         self._call("on_tokens", request, num_tokens, itl)
+
+    def on_overload(self) -> None:
+        self._call("on_overload")
 
     def on_finish(self, request: Request) -> None:
         self._call("on_finish", request)

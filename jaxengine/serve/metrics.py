@@ -22,6 +22,22 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+# The autopilot's gauges (jaxengine:<name>): the StepTrace field each shows, and its help.
+AUTOPILOT_GAUGES = {
+    "autopilot_budget_tokens": ("autopilot_budget", "The autopilot's token budget for the latest step."),
+    "autopilot_max_num_seqs": ("autopilot_max_num_seqs", "The autopilot's admission limit (sequences), latest step."),
+    "autopilot_prefill_chunk_tokens": ("autopilot_prefill_chunk", "Most tokens one prompt could get in the latest "
+                                       "step (0: the configured limit)."),
+    "autopilot_partial_prefills": ("autopilot_partial_prefills", "Prompts that could be part-way through at once "
+                                   "in the latest step (0: the configured limit)."),
+    "autopilot_predicted_step_seconds": ("predicted_step_s", "The latest step's predicted time (median, corrected "
+                                         "online)."),
+    "autopilot_cost_correction": ("cost_correction", "Measured / profiled step time: the online correction of the "
+                                  "cost profile."),
+    "autopilot_predicted_queue_seconds": ("predicted_queue_s", "A new request's predicted wait for its first token."),
+}
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -66,6 +82,10 @@ class EngineMetrics:
         self.spec_accepted_per_pos = Counter(
             "jaxengine:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position.",
             ["model_name", "position"], registry=r)
+        self.overloaded = counter("num_requests_overloaded", "New requests the autopilot turned away (503): "
+                                  "predicted to miss their time-to-first-token target by a margin.")
+        # The autopilot's choices and cost model (0 without it): the StepTrace fields of the latest step.
+        self.autopilot = {field: gauge(name, doc) for name, (field, doc) in AUTOPILOT_GAUGES.items()}
         self._seen_queries = self._seen_hits = 0
         self.replicas = ReplicaMetrics(model_name, r)
         self.dashboard = DashboardCollector()
@@ -80,6 +100,9 @@ class EngineMetrics:
             self.step_tokens.observe(tokens)
         for expert, count in enumerate(trace.expert_tokens):
             self.expert_tokens.labels(self.model_name, str(expert)).inc(count)
+        if trace.autopilot_budget:
+            for field, gauge in self.autopilot.items():
+                gauge.set(getattr(trace, field))
         if trace.num_draft_tokens:
             self.spec_draft_tokens.inc(trace.num_draft_tokens)
             self.spec_accepted_tokens.inc(trace.num_accepted_tokens)
@@ -105,6 +128,9 @@ class EngineMetrics:
             self.queue_time.observe(t.first_scheduled - t.queued)
         if t.finished is not None:
             self.e2e.observe(t.finished - t.queued)
+
+    def on_overload(self) -> None:
+        self.overloaded.inc()
 
     def on_abort(self) -> None:
         self.success.labels(self.model_name, "abort").inc()

@@ -9,6 +9,7 @@ from contextlib import aclosing
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from jaxengine.request import LatencyTargets
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, RequestDelta
@@ -67,11 +68,12 @@ class OpenAIServing:
                                     f"`{self.model_name}`", "model")
 
     def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams | BeamSearchParams,
-               priority: int) -> AsyncIterator[tuple[int, RequestDelta]]:
+               request: p.CompletionRequest | p.ChatCompletionRequest) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Check every prompt before queueing any, then merge their delta streams."""
+        slo = LatencyTargets.from_ms(request.slo)
         for ids in prompts:
-            self.engine.check(ids, params)
-        return _merge([self.engine.generate(f"{request_id}-{i}", ids, params, priority=priority)
+            self.engine.check(ids, params, slo)
+        return _merge([self.engine.generate(f"{request_id}-{i}", ids, params, priority=request.priority, slo=slo)
                        for i, ids in enumerate(prompts)])
 
     async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
@@ -107,7 +109,7 @@ class OpenAIServing:
             raise RequestError(400, "echo: not supported with use_beam_search", "echo")
         prompts = await self.completion_prompts(request)
         request_id = p.random_id("cmpl")
-        deltas = self._start(request_id, prompts, params, request.priority)
+        deltas = self._start(request_id, prompts, params, request)
         if score_only:
             deltas = _without_outputs(deltas)
         echo = None
@@ -229,7 +231,7 @@ class OpenAIServing:
                 params.structured_outputs, thinking=thinking))
         prompt = await self.chat_prompt(request, tools)
         request_id = p.random_id("chatcmpl")
-        deltas = self._start(request_id, [prompt], params, request.priority)
+        deltas = self._start(request_id, [prompt], params, request)
         echo = None
         if request.prompt_logprobs is not None:
             echo = _Echo([prompt], [""], False, True)

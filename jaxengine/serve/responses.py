@@ -66,6 +66,7 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     priority: int = 0
+    slo: dict[str, float | None] | None = None
     structured_outputs: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -81,7 +82,7 @@ def chat_request(request: ResponsesRequest) -> p.ChatCompletionRequest:
                   parallel_tool_calls=request.parallel_tool_calls, response_format=response_format(request.text),
                   stream_options={"include_usage": True} if request.stream else None)
     for name in ("temperature", "top_p", "user", "top_k", "min_p", "repetition_penalty", "seed", "stop", "priority",
-                 "structured_outputs", "chat_template_kwargs"):
+                 "slo", "structured_outputs", "chat_template_kwargs"):
         fields[name] = getattr(request, name)
     try:
         return p.ChatCompletionRequest(**fields)

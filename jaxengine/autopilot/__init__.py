@@ -1,0 +1,47 @@
+"""The autopilot: given latency targets, the engine chooses its own scheduling knobs every step
+from a cost model and the step times it measures (``controller``), and turns new requests away
+when the targets cannot be met (``controller.Outlook``)."""
+from __future__ import annotations
+
+import logging
+
+from jaxengine.autopilot.controller import OVERLOAD_MARGIN, Autopilot, Outlook, StepPlan
+from jaxengine.autopilot.cost import OnlineCost
+from jaxengine.engine import Engine
+from jaxengine.lab.measure import CalibrationGrid, calibrate_engine
+from jaxengine.lab.profile import CostProfile, load_profile
+from jaxengine.runner.buckets import step_buckets
+
+__all__ = ["OVERLOAD_MARGIN", "STARTUP_GRID", "Autopilot", "OnlineCost", "Outlook", "StepPlan", "attach_autopilot"]
+
+logger = logging.getLogger(__name__)
+
+# The start-up calibration when no profile is given: seconds on the default model. The online
+# correction restates its level within a few steps; the grid gives the shape of the costs.
+STARTUP_GRID = CalibrationGrid(contexts=(128,), rows=(1, 8), decode_steps=4)
+
+
+def attach_autopilot(engine: Engine, profile: CostProfile | None = None, *, progress: bool = True) -> Autopilot | None:
+    """Give ``engine`` the autopilot its configuration asks for (None when it asks for none).
+    ``profile``: the cost model (default: the configured ``cost_profile`` file, else a short
+    calibration of the engine now, which must then be idle and compiled)."""
+    config = engine.config.autopilot
+    if config is None:
+        return None
+    if profile is None and config.cost_profile is not None:
+        profile = load_profile(config.cost_profile)
+    if profile is None:
+        traces = engine.traces                  # the calibration records its own steps
+        try:
+            profile = calibrate_engine(engine, STARTUP_GRID, progress=progress)
+        finally:
+            engine.traces = traces
+        logger.info("autopilot: calibrated %d steps (fit error %.0f%% mean)", profile.fit_error.num_steps,
+                    profile.fit_error.mean_abs_pct)
+    sc = engine.config.scheduler
+    token_buckets, row_buckets = step_buckets(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                              getattr(engine.runner, "token_buckets", None),
+                                              getattr(engine.runner, "request_buckets", None))
+    cost = OnlineCost(profile, token_buckets, row_buckets, config.percentile)
+    engine.planner = Autopilot(config, cost, sc, engine.clock)
+    return engine.planner
