@@ -38,10 +38,10 @@ def speculation_counts(out: SchedulerOutput, output: ModelRunnerOutput, gate) ->
 def plan_fields(plan, predicted_step_s: float, planner) -> dict:
     """A planned step's StepTrace fields: the planner's choices, its prediction of the step as it
     ran, its cost correction and a new request's predicted wait for its first token."""
-    limits = plan.limits
+    limits, knobs = plan.limits, plan.knobs
     return {"autopilot_budget": limits.max_num_batched_tokens, "autopilot_max_num_seqs": limits.max_num_seqs,
-            "autopilot_prefill_chunk": limits.long_prefill_token_threshold or 0,
-            "autopilot_partial_prefills": limits.max_num_partial_prefills or 0,
+            "autopilot_prefill_chunk": knobs.long_prefill_token_threshold or 0,
+            "autopilot_partial_prefills": knobs.max_num_partial_prefills or 0,
             "predicted_step_s": round_seconds(predicted_step_s), "cost_correction": round(planner.cost.correction, 4),
             "predicted_queue_s": round_seconds(min(planner.outlook.ttft_s(0), 1e6))}
 
@@ -76,7 +76,7 @@ class StepPlanner(Protocol):
     """What the engine asks of a planner of its steps (``jaxengine.autopilot.Autopilot``)."""
 
     def plan(self, scheduler: Scheduler, limits: StepLimits | None):
-        """-> the step's plan: its ``limits`` (within the runner's ``limits``) and its traced choices."""
+        """-> the step's plan: its ``limits`` (within the runner's ``limits``), ``knobs`` and traced choices."""
 
     def observe(self, out: SchedulerOutput, step_s: float, finished: list[Request]) -> float:
         """The step ``out`` took ``step_s``; -> the time it was predicted to take."""
@@ -306,11 +306,11 @@ class Engine:
         """Schedule a step and launch it on the runner."""
         if self.structured.awaiting:
             self._admit_compiled()
-        limits, plan = self._step_limits(), None
+        limits, knobs, plan = self._step_limits(), None, None
         if self.planner is not None:
             plan = self.planner.plan(self.scheduler, limits)
-            limits = plan.limits
-        out = self.last_output = self.scheduler.schedule(limits)
+            limits, knobs = plan.limits, plan.knobs
+        out = self.last_output = self.scheduler.schedule(limits, knobs)
         if self.scheduler.num_structured:
             self.structured.fill_bitmask(out)
         self._unapplied.append(out)

@@ -110,9 +110,11 @@ class EngineArgs:
               "token by token; beam search does not run with it; each step a gate measures whether drafts pay "
               "(default: off)")
     slo_ttft_ms: float | None = _option(
-        None, "latency target: time to first token in ms, at --slo-percentile (turns the autopilot on)")
+        None, "latency target: time to first token in ms, at --slo-percentile (default: none; a target turns the "
+              "autopilot on)")
     slo_itl_ms: float | None = _option(
-        None, "latency target: inter-token latency in ms, at --slo-percentile (turns the autopilot on)")
+        None, "latency target: inter-token latency in ms, at --slo-percentile (default: none; a target turns the "
+              "autopilot on)")
     slo_percentile: float = _option(99.0, "the percentile at which the latency targets hold")
     autopilot: bool | None = _option(
         None, "choose the step's token budget, prefill chunking, delay and admission limit every step from a cost "

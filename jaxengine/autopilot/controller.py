@@ -3,7 +3,8 @@
 No fixed ``max_num_batched_tokens``, delay factor or admission limit is best for every workload,
 and traffic changes during the day. Before each step the autopilot looks at the scheduler's
 queues, predicts step times from its cost model (``cost.OnlineCost``: a measured profile
-corrected by the steps it sees) and hands the scheduler that step's ``StepLimits``:
+corrected by the steps it sees) and hands the scheduler that step's ``StepLimits`` and
+``StepKnobs``:
 
 - **token budget**: the largest compiled token bucket whose step (the decodes running now plus
   prompt tokens for the rest) stays within the inter-token-latency target at its percentile, so
@@ -43,7 +44,7 @@ from typing import NamedTuple
 from jaxengine.autopilot.cost import OnlineCost
 from jaxengine.config import AutopilotConfig, SchedulerConfig
 from jaxengine.core.scheduler import Scheduler
-from jaxengine.core.scheduler_output import SchedulerOutput, StepLimits
+from jaxengine.core.scheduler_output import SchedulerOutput, StepKnobs, StepLimits
 from jaxengine.lab.step_shape import StepShape
 from jaxengine.request import LatencyTargets, Request, RequestStatus
 
@@ -96,6 +97,7 @@ class StepPlan(NamedTuple):
     """One step's choices (the ``StepTrace`` fields ``autopilot_*``)."""
 
     limits: StepLimits
+    knobs: StepKnobs
     planned_step_s: float       # predicted time of the planned step (median)
 
 
@@ -125,9 +127,8 @@ class Autopilot:
         chunk, partial = self._prefill_sharing(load, budget, step_s)
         self.outlook = self._outlook(load, max_tokens, max_seqs)
         self._pending_tokens = self._pending_requests = 0
-        step_limits = StepLimits(budget, self._max_seqs(load, max_seqs), chunk, partial,
-                                 self._delay_factor(load, budget, step_s))
-        return StepPlan(step_limits, step_s)
+        return StepPlan(StepLimits(budget, self._max_seqs(load, max_seqs)),
+                        StepKnobs(chunk, partial, self._delay_factor(load, budget, step_s)), step_s)
 
     def observe(self, out: SchedulerOutput, step_s: float, finished: list[Request]) -> float:
         """The step ``out`` took ``step_s``: learn from it; returns its predicted time (median,

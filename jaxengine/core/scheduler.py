@@ -27,7 +27,8 @@ from jaxengine.core import beam_search
 from jaxengine.core.beam_search import BeamSearch
 from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
 from jaxengine.core.policy import resolve_policy
-from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput, StepLimits
+from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, SchedulerOutput, StepKnobs, \
+    StepLimits
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
 from jaxengine.spec_decode.gate import SpeculationGate
 from jaxengine.spec_decode.ngram import NgramProposer
@@ -175,15 +176,17 @@ class Scheduler:
         return sum(g.max_num_running_seqs for g in self.running)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, limits: StepLimits | None = None) -> SchedulerOutput:
+    def schedule(self, limits: StepLimits | None = None, knobs: StepKnobs | None = None) -> SchedulerOutput:
         """The next step. Guarantees: at most ``limits`` tokens and sequences (a runner still
         compiling its larger buckets gives less than the configured limits; None: the configured
         ones); running groups are served before swapped ones and swapped ones (fcfs) before any
         admission; a step that preempted admits nothing; every row's blocks are allocated for
-        its tokens. Whether a request can ever run is judged against the configured limits."""
+        its tokens. Whether a request can ever run is judged against the configured limits.
+        ``knobs``: the step's prompt chunking and delay (None: the configured ones)."""
         now = self.clock()
-        step = self._step = self._new_step(now, limits)
-        passed_delay = self._passed_delay(now, self._knob(limits.delay_factor if limits else None, "delay_factor"))
+        knobs = knobs or StepKnobs()
+        step = self._step = self._new_step(now, limits, knobs)
+        passed_delay = self._passed_delay(now, self._knob(knobs.delay_factor, "delay_factor"))
         if self.policy.ranks and len(self.waiting):
             self._preempt_for_priority(step)
         self._schedule_running(step)
@@ -198,17 +201,17 @@ class Scheduler:
         self._step = None
         return out
 
-    def _new_step(self, now: float, limits: StepLimits | None) -> StepState:
+    def _new_step(self, now: float, limits: StepLimits | None, knobs: StepKnobs) -> StepState:
         cfg = self.config
         limits = limits or StepLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        threshold = self._knob(limits.long_prefill_token_threshold, "long_prefill_token_threshold")
+        threshold = self._knob(knobs.long_prefill_token_threshold, "long_prefill_token_threshold")
         max_chunk = (threshold if cfg.enable_chunked_prefill else 0) or cfg.max_num_batched_tokens
         return StepState(SchedulerOutput(), now, limits.max_num_batched_tokens, limits,
-                         max_partial=self._knob(limits.max_num_partial_prefills, "max_num_partial_prefills"),
+                         max_partial=self._knob(knobs.max_num_partial_prefills, "max_num_partial_prefills"),
                          max_chunk=max_chunk)
 
     def _knob(self, value, name: str):
-        """A step's setting: the limits' value, else the configured one."""
+        """A step's setting: the knob's value, else the configured one."""
         return getattr(self.config, name) if value is None else value
 
     @property

@@ -85,12 +85,17 @@ NO_MOVES = BlockMoves([], [], [])
 
 
 class StepLimits(NamedTuple):
-    """The most one step may hold: its token budget and its sequences (rows), and how it treats
-    prompts. The configured limits, or less while the runner has not yet compiled the buckets for
-    them; an autopilot chooses every field each step (None: the configured value)."""
+    """The most one step may hold: its token budget and its sequences (rows). The configured
+    limits, or less while the runner has not yet compiled the buckets for them (or where the
+    autopilot chooses less)."""
 
     max_num_batched_tokens: int
     max_num_seqs: int
+
+
+class StepKnobs(NamedTuple):
+    """How one step treats prompts, where the autopilot chooses it (None: the configured value)."""
+
     long_prefill_token_threshold: int | None = None     # most tokens one prefill gets (0: no cap)
     max_num_partial_prefills: int | None = None
     delay_factor: float | None = None

@@ -72,7 +72,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
-    slo: dict[str, float | None] | None = None     # the request's own latency targets for the autopilot (ms)
+    slo: dict[str, Any] | None = None     # the request's own latency targets for the autopilot (ms)
     use_beam_search: bool = False          # n is then the beam width
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False

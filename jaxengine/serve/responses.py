@@ -66,7 +66,7 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     priority: int = 0
-    slo: dict[str, float | None] | None = None
+    slo: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

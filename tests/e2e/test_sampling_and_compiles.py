@@ -257,3 +257,36 @@ def test_async_scheduling_gives_the_same_tokens_and_logprobs(hf_and_llm, tmp_pat
         for ca, cb in zip(a.outputs, b.outputs):
             np.testing.assert_allclose([max(t.values()) for t in ca.logprobs], [max(t.values()) for t in cb.logprobs],
                                        rtol=1e-5)
+
+
+def test_the_autopilots_budgets_compile_nothing_after_start_up(llm):
+    """Every budget the autopilot picks (any token count up to the configured one) pads to a bucket
+    compiled at start-up; outputs are those of the same requests without it."""
+    from jaxengine.autopilot import Autopilot, OnlineCost
+    from jaxengine.config import AutopilotConfig
+    from jaxengine.lab.profile import FEATURES, CostProfile
+
+    class KnownCost(OnlineCost):
+        def observe(self, shape, measured_s):
+            """Not corrected by the measured steps: the budgets follow from the profile alone."""
+
+    engine, runner = llm.engine, llm.runner
+    # 1 ms a step plus 0.1 ms a padded token: within 3.5 ms, 16 tokens beside decodes (2.6 ms)
+    profile = CostProfile({b: [0.001 + 1e-4 * b] + [0.0] * (len(FEATURES) - 1) for b in runner.token_buckets},
+                          num_gpu_blocks=40)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.choice([2, 3, 20, 50]))] for _ in range(48)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 8), temperature=0, ignore_eos=True) for _ in prompts]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine.planner = Autopilot(AutopilotConfig(ttft_s=0.5, itl_s=0.0035), KnownCost(
+        profile, runner.token_buckets, runner.request_buckets), engine.config.scheduler, engine.clock)
+    engine.traces = []
+    try:
+        with runner.forbid_compiles():
+            outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.planner = None
+    assert runner.num_compiles == 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert {t.autopilot_budget for t in engine.traces} >= {32, 16, 8}    # nothing decoding, decodes, the tail
+    assert all(t.num_decode_tokens + t.num_prefill_tokens <= t.autopilot_budget for t in engine.traces)
