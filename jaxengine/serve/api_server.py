@@ -15,7 +15,7 @@ import jaxengine
 from jaxengine.serve import protocol as p
 from jaxengine.serve.async_engine import AsyncEngine, EngineStoppedError, EngineUnhealthyError, OverloadedError, \
     QueueFullError
-from jaxengine.serve.dashboard import engine_settings, page_html
+from jaxengine.serve.dashboard import autopilot_targets, engine_settings, page_html
 from jaxengine.serve.metrics import EngineMetrics
 from jaxengine.serve.openai_serving import OpenAIServing, RequestError, param_of
 from jaxengine.serve.responses import ResponsesRequest, ResponsesServing
@@ -216,6 +216,7 @@ def _add_dashboard_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServ
 
     @get_route(app, "/dashboard/state")
     async def dashboard_state():
-        state = {"model": serving.model_name, "health": engine.health_problem, "settings": settings,
-                 **metrics.dashboard.snapshot()}
+        targets = autopilot_targets(engine.engine)
+        state = {"model": serving.model_name, "health": engine.health_problem,
+                 "settings": {**settings, "autopilot": targets}, **metrics.dashboard.snapshot(targets)}
         return JSONResponse(state, headers={"Cache-Control": "no-store"})

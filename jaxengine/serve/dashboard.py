@@ -29,7 +29,7 @@ SUMMED_CANDIDATES = ("num_decode_tokens", "num_prefill_tokens", "num_preemptions
                      "step_s", "host_s", "device_idle_s", "num_draft_tokens", "num_accepted_tokens")
 SUMMED = tuple(name for name in SUMMED_CANDIDATES if name in StepTrace.__dataclass_fields__)
 TRACE_FIELDS = tuple(StepTrace.__dataclass_fields__)
-COUNTED = ("steps", "output_tokens", "finished") + SUMMED
+COUNTED = ("steps", "output_tokens", "finished", "overloaded") + SUMMED
 
 
 def page_html() -> str:
@@ -52,6 +52,20 @@ def engine_settings(llm) -> dict:
     if not isinstance(args["scheduling_policy"], str):     # a policy class or instance given in Python
         args["scheduling_policy"] = repr(args["scheduling_policy"])
     return {"engine_args": args, "resolved": resolved}
+
+
+def autopilot_targets(engine) -> dict | None:
+    """The running autopilot's targets and policy (the first replica's; None without one)."""
+    first = engine.replicas[0] if isinstance(engine, DataParallelEngine) else engine
+    planner = getattr(first, "planner", None)
+    return None if planner is None else dataclasses.asdict(planner.config)
+
+
+def attainment(samples: list[float], target_s: float | None) -> float | None:
+    """The share of the samples within ``target_s`` (None without a target or samples)."""
+    if target_s is None or not samples:
+        return None
+    return sum(1 for v in samples if v <= target_s) / len(samples)
 
 
 def nearest_rank(p: int, n: int) -> int:
@@ -141,6 +155,11 @@ class DashboardCollector:
         with self._lock:
             self._count(self._second(now), "finished", 1)
 
+    def on_overload(self) -> None:
+        now = self.clock()
+        with self._lock:
+            self._count(self._second(now), "overloaded", 1)
+
     def on_idle(self, engine) -> None:
         stats, replicas = engine.stats(), _replica_states(engine)
         with self._lock:
@@ -162,7 +181,9 @@ class DashboardCollector:
         second[name] += amount
 
     # ---- the page's poll (event loop) ----
-    def snapshot(self) -> dict:
+    def snapshot(self, targets: dict | None = None) -> dict:
+        """The page's data; ``targets``: the autopilot's (``ttft_s``, ``itl_s``), whose attainment
+        over the window it adds (the share of first tokens and of token gaps within each)."""
         now = self.clock()
         with self._lock:
             steps, seconds = list(self._steps), [dict(s) for s in self._seconds]
@@ -175,7 +196,9 @@ class DashboardCollector:
                 "totals": totals, "recent_steps": {name: [getattr(t, name) for t in steps] for name in TRACE_FIELDS},
                 "per_second": series, "last_minute": {name: sum(series[name]) for name in COUNTED},
                 "output_tokens_per_s": sum(series["output_tokens"][-RATE_S:]) / RATE_S,
-                "latency_s": {"ttft": summary(ttft), "itl": summary(itl)}, "expert_tokens": expert_tokens}
+                "latency_s": {"ttft": summary(ttft), "itl": summary(itl)}, "expert_tokens": expert_tokens,
+                "slo_attainment": None if targets is None else {
+                    "ttft": attainment(ttft, targets["ttft_s"]), "itl": attainment(itl, targets["itl_s"])}}
 
     def _per_second(self, seconds: list[dict], current: int) -> dict:
         """Each counted quantity over the last ``window_s`` whole seconds, oldest first (0 where

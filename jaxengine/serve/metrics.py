@@ -130,6 +130,7 @@ class EngineMetrics:
             self.e2e.observe(t.finished - t.queued)
 
     def on_overload(self) -> None:
+        self.dashboard.on_overload()
         self.overloaded.inc()
 
     def on_abort(self) -> None:

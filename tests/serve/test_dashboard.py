@@ -303,3 +303,40 @@ def test_the_page_asks_for_the_key(chromium, dash):
         wait_updates(page, 1)
         assert page.text_content("#model") == "tiny" and page.is_hidden("#key-form")
         browser.close()
+
+
+def test_the_autopilots_targets_attainment_and_knobs_in_a_browser(chromium, dash):
+    from playwright.sync_api import sync_playwright
+
+    from jaxengine.autopilot import Autopilot, OnlineCost
+    from jaxengine.config import AutopilotConfig
+    from jaxengine.lab import constant_profile
+
+    engine = dash.engine.engine
+    engine.planner = Autopilot(AutopilotConfig(ttft_s=5.0, itl_s=1.0), OnlineCost(
+        constant_profile(0.002), engine.runner.token_buckets, engine.runner.request_buckets),
+        engine.config.scheduler, engine.clock)
+    errors = []
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1280, "height": 1100})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.add_init_script(f"sessionStorage.setItem('jaxengine-api-key', {API_KEY!r})")
+            page.goto(f"{dash.url}/dashboard")
+            with Load(dash.url):
+                page.wait_for_function("document.getElementById('slo-value').textContent.includes('ITL')",
+                                       timeout=15_000)
+                wait_updates(page)
+                page.screenshot(path=str(ARTIFACTS / "dashboard-autopilot.png"), full_page=True)
+                # Tiny steps against targets of seconds: everything within them.
+                assert page.text_content("#slo-value") == "TTFT 100.0 % · ITL 100.0 %"
+                assert page.text_content("#knobs-value").endswith("seqs")
+            assert page.locator("#step-time-chart polyline").count() == 2       # measured, predicted
+            assert page.locator("#seqs-chart polyline").count() == 2
+            assert page.locator("#budget-chart polyline").count() == 1          # the budget of each step
+            browser.close()
+    finally:
+        engine.planner = None
+    assert errors == []
+    assert state(dash.url)["settings"]["autopilot"] is None
