@@ -12,13 +12,24 @@ from jaxengine.lab.measure import CalibrationGrid, calibrate_engine
 from jaxengine.lab.profile import CostProfile, load_profile
 from jaxengine.runner.buckets import step_buckets
 
-__all__ = ["OVERLOAD_MARGIN", "STARTUP_GRID", "Autopilot", "OnlineCost", "Outlook", "StepPlan", "attach_autopilot"]
+__all__ = ["OVERLOAD_MARGIN", "STARTUP_GRID", "startup_grid", "Autopilot", "OnlineCost", "Outlook", "StepPlan", "attach_autopilot"]
 
 logger = logging.getLogger(__name__)
 
 # The start-up calibration when no profile is given: seconds on the default model. The online
 # correction restates its level within a few steps; the grid gives the shape of the costs.
 STARTUP_GRID = CalibrationGrid(contexts=(128,), rows=(1, 8), decode_steps=4)
+
+
+def startup_grid(engine: Engine) -> CalibrationGrid:
+    """``STARTUP_GRID`` within the engine's limits: a shorter context where the model length asks
+    for it, fewer rows where ``max_num_seqs`` does."""
+    sc = engine.config.scheduler
+    room = sc.max_model_len - STARTUP_GRID.decode_steps - 2 * len(engine.runner.token_buckets) - 2
+    contexts = tuple(min(c, room) for c in STARTUP_GRID.contexts if room >= 1)
+    rows = tuple(sorted({min(r, sc.max_num_seqs - 1) for r in STARTUP_GRID.rows if sc.max_num_seqs > 1}))
+    return CalibrationGrid(contexts=contexts or STARTUP_GRID.contexts, rows=rows or (1,),
+                           decode_steps=STARTUP_GRID.decode_steps)
 
 
 def attach_autopilot(engine: Engine, profile: CostProfile | None = None, *, progress: bool = True) -> Autopilot | None:
@@ -33,7 +44,10 @@ def attach_autopilot(engine: Engine, profile: CostProfile | None = None, *, prog
     if profile is None:
         traces = engine.traces                  # the calibration records its own steps
         try:
-            profile = calibrate_engine(engine, STARTUP_GRID, progress=progress)
+            profile = calibrate_engine(engine, startup_grid(engine), progress=progress)
+        except ValueError as error:
+            raise ValueError(f"cost_profile: none given, and calibrating at start-up failed ({error}); give one "
+                             f"(python -m jaxengine.lab calibrate)") from None
         finally:
             engine.traces = traces
         logger.info("autopilot: calibrated %d steps (fit error %.0f%% mean)", profile.fit_error.num_steps,
@@ -43,5 +57,9 @@ def attach_autopilot(engine: Engine, profile: CostProfile | None = None, *, prog
                                               getattr(engine.runner, "token_buckets", None),
                                               getattr(engine.runner, "request_buckets", None))
     cost = OnlineCost(profile, token_buckets, row_buckets, config.percentile)
-    engine.planner = Autopilot(config, cost, sc, engine.clock)
-    return engine.planner
+    autopilot = engine.planner = Autopilot(config, cost, sc, engine.clock)
+    runner = engine.runner
+    if hasattr(runner, "num_compiled_buckets"):      # a model runner: learn once every bucket is compiled
+        total = len(runner.bucket_pairs())
+        autopilot.learning = lambda: runner.num_compiled_buckets >= total
+    return autopilot

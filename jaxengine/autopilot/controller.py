@@ -9,11 +9,12 @@ corrected by the steps it sees) and hands the scheduler that step's ``StepLimits
 - **token budget**: the largest compiled token bucket whose step (the decodes running now plus
   prompt tokens for the rest) stays within the inter-token-latency target at its percentile, so
   prompts advance as fast as the decodes' latency allows; the whole configured budget when
-  nothing decodes (then the budget only sets how fast prompts go) or nothing waits. The budget
-  is never below the decodes plus one prompt token: running requests are never starved, and a
-  target that the decodes alone miss still lets prompts through.
+  nothing decodes (then the budget only sets how fast prompts go) or nothing waits, or when the
+  decodes alone miss the target (a smaller step cannot save it). The budget is never below the
+  decodes plus one prompt token: running requests are never starved.
 - **admission limit** (``max_num_seqs`` as a ceiling): the most sequences whose decode step
-  stays within the ITL target; never below those running (nobody is preempted for it).
+  stays within the ITL target; never below those running (nobody is preempted for it), and no
+  limit when one sequence alone misses the target.
 - **prefill chunking** (``long_prefill_token_threshold``, ``max_num_partial_prefills``): when
   a long prompt heads the queue and others wait behind it, the prompt budget is shared 2 or 4
   ways if the long prompt still meets its own TTFT target so (or misses it either way), so short
@@ -26,11 +27,13 @@ corrected by the steps it sees) and hands the scheduler that step's ``StepLimits
   ``OVERLOAD_MARGIN`` while others wait ahead of it is turned away (the server answers 503 with
   Retry-After) instead of making every request late. Running requests are never touched.
 
-Speculative decoding's drafts take only the budget the step's other rows leave, so they too stay
-within the ITL target; the speculation gate still decides each row's draft length.
+Speculative decoding's drafts take only the budget the step's other rows leave, and the budget
+is priced with them (each decode's most draft tokens), so a verify step too stays within the ITL
+target; the speculation gate still decides each row's draft length.
 
 The budget is any token count up to ``max_num_batched_tokens``: the runner pads it to a bucket
-compiled at start-up, so a choice never compiles. The plan reads the scheduler and writes
+compiled at start-up, so a choice never compiles. Steps run while the runner still compiles
+buckets in the background are not learnt from (the compiler shares the cores). The plan reads the scheduler and writes
 nothing to it: the scheduler applies the limits.
 """
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Load:
     remaining_outputs: list[int] = field(default_factory=list)     # of the decoding sequences (max_tokens)
     prefills: list[Prefill] = field(default_factory=list)          # the first few, in order
     queued_tokens: int = 0                                         # prompt tokens of every prefill
+    draft_tokens: int = 0                                          # the most the decodes could draft
     num_waiting: int = 0
     itl_s: float | None = None                                     # the tightest of the running requests'
 
@@ -115,6 +119,9 @@ class Autopilot:
         self.mean_output_len: float | None = None       # of finished requests (decayed)
         self._pending_tokens = 0        # taken by the server since the last plan (not yet queued)
         self._pending_requests = 0
+        # Whether a step's time is the machine's own: not while the runner still compiles buckets
+        # on the same cores (``attach_autopilot`` sets it from the runner).
+        self.learning: Callable[[], bool] = lambda: True
 
     # ---- each step ----
     def plan(self, scheduler: Scheduler, limits: StepLimits | None) -> StepPlan:
@@ -142,7 +149,8 @@ class Autopilot:
         if not shape.num_tokens:
             return 0.0
         predicted = self.cost.predict(shape)
-        self.cost.observe(shape, step_s)
+        if self.learning():
+            self.cost.observe(shape, step_s)
         return predicted
 
     # ---- overload ----
@@ -191,6 +199,8 @@ class Autopilot:
                 load.num_waiting += 1
                 if len(load.prefills) < keep:
                     load.prefills.append(self._prefill(group, group.num_computed_tokens, remaining, now))
+        if scheduler.gate is not None:          # speculative decoding: drafts take what the budget leaves
+            load.draft_tokens = load.decode_rows * scheduler.gate.k
         return load
 
     def _prefill(self, group: Request, computed: int, remaining: int, now: float) -> Prefill:
@@ -199,10 +209,12 @@ class Autopilot:
 
     def _budget(self, load: Load, max_tokens: int) -> int:
         """The largest bucket whose step keeps the decodes within the ITL target (see the module)."""
-        if load.itl_s is None or not load.decode_rows or not load.queued_tokens:
+        if load.itl_s is None or not load.decode_rows or not (load.queued_tokens or load.draft_tokens):
             return max_tokens
+        if self.cost.predict(self._shape(load, load.decode_rows, 0)) > load.itl_s:
+            return max_tokens         # the decodes alone miss the target: a smaller step cannot save it
         buckets = [b for b in self.cost.token_buckets if load.decode_rows < b <= max_tokens] or [max_tokens]
-        budget, work = buckets[0], load.decode_rows + load.queued_tokens
+        budget, work = buckets[0], load.decode_rows + load.queued_tokens + load.draft_tokens
         for b in buckets[1:]:
             if budget >= work or self.cost.bound(self._shape(load, b, load.queued_tokens)) > load.itl_s:
                 break                 # all the work fits already, or this bucket's step is too slow
@@ -212,12 +224,13 @@ class Autopilot:
     @staticmethod
     def _shape(load: Load, budget: int, queued_tokens: int) -> StepShape:
         """The step the scheduler would build with this budget: the decodes, then prompt tokens
-        (as many as are queued) in one more row."""
+        (as many as are queued) in one more row, then draft tokens with what is left."""
         prompt = max(0, min(budget - load.decode_rows, queued_tokens))
+        drafts = max(0, min(budget - load.decode_rows - prompt, load.draft_tokens))
         context = (load.prefills[0].computed if load.prefills else 0) + prompt
-        rows = load.decode_rows + (prompt > 0)
-        return StepShape(load.decode_rows + prompt, rows, max(load.decode_context_max, context),
-                         load.decode_context_sum + context, num_prefill_tokens=prompt)
+        rows = load.decode_rows + (prompt > 0) + drafts          # a draft token is a sample row
+        return StepShape(load.decode_rows + prompt + drafts, rows, max(load.decode_context_max, context),
+                         load.decode_context_sum + context + drafts, num_prefill_tokens=prompt)
 
     def _max_seqs(self, load: Load, max_seqs: int) -> int:
         """The most sequences whose decode step keeps within the ITL target (see the module)."""
@@ -228,6 +241,8 @@ class Autopilot:
         # Never below those running (nobody is preempted for it); with nothing running, never
         # below what the queue's head needs (it could never start).
         limit = load.running_seqs or min(load.head_seqs, max_seqs)
+        if self.cost.predict(StepShape(1, 1, int(context), int(context))) > load.itl_s:
+            return max_seqs           # one sequence alone misses the target: admitting fewer cannot help
         for rows in self.cost.row_buckets:
             if rows > max_seqs:
                 break

@@ -5,8 +5,9 @@ says how a step's time changes with its shape. The machine it runs on drifts (ot
 clocks, a server's own output streaming), so ``OnlineCost`` scales it continuously, as the lab's
 ``CostProfile.scaled_to`` does once: the correction is the median of measured / predicted over
 the last ``CORRECTION_WINDOW`` steps, and the spread of those ratios over a longer window gives
-the step time at the targets' percentile (``bound``). A slowdown shows in the spread at once
-(its ratios are the window's largest), and in the median within half the short window.
+the step time at the targets' percentile (``bound``; at most ``MAX_TAIL`` x the median's). A
+slowdown shows in the spread at once (its ratios are the window's largest), and in the median
+within half the short window.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from jaxengine.lab.step_shape import StepShape
 
 CORRECTION_WINDOW = 16      # steps in the median that scales the profile
 SPREAD_WINDOW = 256         # steps in the percentile of measured / predicted
+# The most the percentile's step time may exceed the median's. A hiccup (a pause of the process,
+# another tenant) is no larger for a smaller step: beyond this, shrinking steps buys no latency.
+MAX_TAIL = 2.0
 
 
 class OnlineCost:
@@ -36,7 +40,7 @@ class OnlineCost:
         self.correction = 1.0         # the profile's times are scaled by this (median of the recent ratios)
         # the percentile's step time / the median's (>= 1): the profile's own spread until steps are seen
         noise = getattr(profile, "noise_ratio", None)
-        self.tail = max(1.0, noise(percentile / 100) / noise(0.5)) if noise is not None else 1.0
+        self.tail = min(MAX_TAIL, max(1.0, noise(percentile / 100) / noise(0.5))) if noise is not None else 1.0
 
     def profile_seconds(self, shape: StepShape) -> float:
         """The profile's own prediction for a step of ``shape``, padded as the runner pads it."""
@@ -59,7 +63,7 @@ class OnlineCost:
         self._recent.append(ratio)
         self._spread.append(ratio)
         self.correction = statistics.median(self._recent)
-        self.tail = max(1.0, _quantile(self._spread, self.percentile / 100) / self.correction)
+        self.tail = min(MAX_TAIL, max(1.0, _quantile(self._spread, self.percentile / 100) / self.correction))
 
 
 def _quantile(values, q: float) -> float:

@@ -209,3 +209,29 @@ def test_the_simulator_and_a_live_engine_make_the_same_decisions():
     live = [tuple(getattr(t, f) for f in fields) for t in engine.traces]
     simulated = [tuple(t[f] for f in fields) for t in sim.trace]
     assert live == simulated and len({row[0] for row in live}) > 1
+
+
+def test_a_target_no_step_can_meet_holds_nothing_back():
+    # 5 ms: a step takes at least 10 ms, so neither a smaller budget nor fewer sequences helps.
+    engine, _ = engine_on(linear_profile(), slo_itl_ms=5)
+    for i in range(40):
+        engine.add_request(f"r{i}", list(range(1, 65)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    t = engine.last_trace
+    assert (t.autopilot_budget, t.autopilot_max_num_seqs) == (512, 64) and t.num_running == 40
+
+
+def test_drafts_are_priced_into_the_budget():
+    # 8 decodes drafting up to 4 tokens each: 40 tokens pad to bucket 64 (22.8 ms); within 20 ms
+    # the budget is 32 (16.4 ms), so the drafts get what the 8 decodes leave of it.
+    engine, _ = engine_on(linear_profile(), slo_itl_ms=20,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    for i in range(8):
+        engine.add_request(f"d{i}", [7] * 16, SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    drafted = [t for t in engine.traces if t.num_draft_tokens]
+    assert drafted and {t.autopilot_budget for t in drafted} == {32}
+    assert max(t.num_decode_tokens + t.num_draft_tokens for t in drafted) <= 32
+    assert max(t.step_s for t in engine.traces[1:]) <= 0.0164 + 1e-9            # within 20 ms

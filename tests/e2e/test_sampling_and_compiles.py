@@ -290,3 +290,24 @@ def test_the_autopilots_budgets_compile_nothing_after_start_up(llm):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert {t.autopilot_budget for t in engine.traces} >= {32, 16, 8}    # nothing decoding, decodes, the tail
     assert all(t.num_decode_tokens + t.num_prefill_tokens <= t.autopilot_budget for t in engine.traces)
+
+
+def test_without_a_profile_the_autopilot_calibrates_the_engine_at_start_up(llm):
+    import dataclasses
+
+    from jaxengine.autopilot import attach_autopilot, startup_grid
+    from jaxengine.config import AutopilotConfig
+
+    engine = llm.engine
+    config, traces = engine.config, engine.traces
+    assert startup_grid(engine).contexts == (64 - 4 - 2 * len(llm.runner.token_buckets) - 2,)   # max_model_len 64
+    engine.config = dataclasses.replace(config, autopilot=AutopilotConfig(itl_s=0.05))
+    try:
+        with llm.runner.forbid_compiles():
+            autopilot = attach_autopilot(engine, progress=False)
+    finally:
+        engine.config, engine.planner = config, None
+    profile = autopilot.cost.profile
+    assert sorted(profile.coefficients) == llm.runner.token_buckets          # every bucket measured
+    assert engine.traces is traces and not engine.has_unfinished_requests()      # nothing of it is left
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_usable_blocks
