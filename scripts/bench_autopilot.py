@@ -240,6 +240,31 @@ def plot(out: Path, default_trace: Path, autopilot_trace: Path) -> None:
     save_figure(fig, out / "autopilot_budget.png")
 
 
+def plot_phases(out: Path, report: dict) -> None:
+    """Per phase and way of serving (served): goodput, TTFT p99 and ITL p99, the targets dashed."""
+    from jaxengine.bench.plots import new_figure, save_figure
+
+    served = report.get("served") or {}
+    if not served:
+        return
+    fig, axes = new_figure(rows=3, height=2.4)
+    names, width = list(served), 0.8 / max(len(served), 1)
+    for k, (key, label, target) in enumerate((("goodput", "goodput (req/s)", None),
+                                              ("ttft_p99_ms", "TTFT p99 (ms)", report["targets"]["ttft_ms"]),
+                                              ("itl_p99_ms", "ITL p99 (ms)", report["targets"]["itl_ms"]))):
+        ax = axes[k]
+        for j, name in enumerate(names):
+            values = [row[key] or 0 for row in served[name]]
+            ax.bar([i + j * width for i in range(len(values))], values, width, label=name)
+        if target:
+            ax.axhline(target, ls="--", color="0.3", lw=0.8)
+            ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(PHASES))], [p.name for p in PHASES])
+    axes[0].legend(fontsize=7, ncol=len(names))
+    save_figure(fig, out / "autopilot_phases.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench_results/autopilot"))
@@ -289,6 +314,7 @@ def main() -> None:
         if {"defaults", "autopilot"} <= set(chosen):
             report["stability"] = stability(args.out / "trace-autopilot.jsonl")
             plot(args.out, args.out / "trace-defaults.jsonl", args.out / "trace-autopilot.jsonl")
+        plot_phases(args.out, report)
     _write(args.out, report)
 
 
