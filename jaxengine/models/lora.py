@@ -1,0 +1,146 @@
+"""LoRA adapters as data: PEFT checkpoints read into fixed slots, and the grouped LoRA delta.
+
+A PEFT LoRA adapter adds to a projection of its target modules (``y = x @ W``, W: [D_in, D_out])
+the low-rank delta ``scale * (x @ A) @ B`` with A: [D_in, r], B: [r, D_out] and
+``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA). The scale is folded into B
+when an adapter is read. Adapters live in fixed slots, ``max_loras`` x ``max_rank`` zero-padded
+(a padded rank adds nothing), so loading one writes a slot and never changes a shape. Each token
+row carries its slot (-1: the base model alone). A step's delta is computed over its rows grouped
+by slot with ``jax.lax.ragged_dot``, shrink then expand (``lora_delta``), not as a dense product
+over every slot; ``lora_delta_reference`` is the per-row gather it is tested against.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxengine.models.config import ModelConfig
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT's tensor names: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
+TENSOR_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """The fields of a PEFT ``adapter_config.json`` that the delta depends on."""
+
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "AdapterConfig":
+        """Read and check ``adapter_config.json``; a ValueError names the file and the field."""
+        path = folder / CONFIG_FILE
+        try:
+            raw = json.loads(path.read_text())
+        except OSError:
+            raise ValueError(f"{path}: no {CONFIG_FILE}: not a PEFT adapter folder") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        if str(raw.get("peft_type", "LORA")).upper() != "LORA":
+            raise ValueError(f"{path}: peft_type: only LORA adapters are served, got {raw['peft_type']!r}")
+        r, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError(f"{path}: r: must be an integer >= 1, got {r!r}")
+        targets = raw.get("target_modules")
+        targets = [targets] if isinstance(targets, str) else targets
+        unknown = sorted(set(targets or ()) - set(TARGET_MODULES))
+        if not targets or unknown:
+            raise ValueError(f"{path}: target_modules: must be among {list(TARGET_MODULES)}, got {targets!r}")
+        return cls(r, float(alpha), tuple(sorted(targets, key=TARGET_MODULES.index)), bool(raw.get("use_rslora")))
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(D_in, D_out) of each projection LoRA may adapt."""
+    d, q, kv, f = (config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
+                   config.intermediate_size)
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter read for a model: per target module, A [L, D_in, max_rank] and the scaled
+    B [L, max_rank, D_out] (layers it does not adapt are zero); ``digest``: its weights' and
+    config's content hash (the identity the prefix cache keys on, whatever its name)."""
+
+    path: Path
+    config: AdapterConfig
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]
+    digest: str
+
+
+def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read a PEFT LoRA folder for ``model_config``; a ValueError names the file and the field
+    (a missing file, rank above ``max_rank``, a tensor whose shape does not fit the model)."""
+    from safetensors.numpy import load_file
+
+    folder = Path(path)
+    config = AdapterConfig.from_folder(folder)
+    if config.r > max_rank:
+        raise ValueError(f"{folder / CONFIG_FILE}: r: {config.r} exceeds max_lora_rank={max_rank}")
+    weights_path = folder / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise ValueError(f"{weights_path}: missing: a PEFT adapter saves its weights there")
+    tensors = load_file(str(weights_path))
+    shapes, num_layers = module_shapes(model_config), model_config.num_layers
+    weights = {m: (np.zeros((num_layers, shapes[m][0], max_rank), np.float32),
+                   np.zeros((num_layers, max_rank, shapes[m][1]), np.float32)) for m in config.target_modules}
+    for name, value in sorted(tensors.items()):          # in name order: the first error is always the same
+        match = TENSOR_NAME.search(name)
+        if match is None:
+            continue
+        layer, module, which = int(match[1]), match[2], match[3]
+        if module not in weights or layer >= num_layers:
+            raise ValueError(f"{weights_path}: {name}: no such target in this model ({module}, layer {layer})")
+        d_in, d_out = shapes[module]
+        expected = (config.r, d_in) if which == "A" else (d_out, config.r)
+        if value.shape != expected:
+            raise ValueError(f"{weights_path}: {name}: shape {list(value.shape)}, the model needs {list(expected)}")
+        a, b = weights[module]
+        if which == "A":
+            a[layer, :, :config.r] = value.T
+        else:
+            b[layer, :config.r, :] = value.T * config.scale
+    digest = hashlib.sha256(weights_path.read_bytes() + (folder / CONFIG_FILE).read_bytes()).hexdigest()
+    return LoRAAdapter(folder, config, weights, digest)
+
+
+def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """The LoRA delta of each row: ``x[t] @ a[s] @ b[s]`` for its slot ``s = slots[t]``, zero for
+    slot -1. x: [T, D_in]; slots: [T] int32; a: [S, D_in, R]; b: [S, R, D_out] -> [T, D_out].
+
+    The rows are sorted by slot and multiplied group by group (``ragged_dot``: each row meets one
+    adapter, never all S); base rows form a last group against a zero adapter."""
+    num_slots = a.shape[0]
+    group = jnp.where(slots < 0, num_slots, slots)
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=num_slots + 1).astype(jnp.int32)
+    a = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
+    b = jnp.concatenate([b, jnp.zeros((1, *b.shape[1:]), b.dtype)])
+    shrunk = jax.lax.ragged_dot(x[order], a, sizes)               # [T, R]
+    expanded = jax.lax.ragged_dot(shrunk, b, sizes)               # [T, D_out]
+    return jnp.zeros_like(expanded).at[order].set(expanded)
+
+
+def lora_delta_reference(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``lora_delta`` as a gather of each row's adapter (T x the adapter weights: tests only)."""
+    safe = jnp.maximum(slots, 0)
+    delta = jnp.einsum("tr,tro->to", jnp.einsum("td,tdr->tr", x, a[safe]), b[safe])
+    return jnp.where((slots >= 0)[:, None], delta, 0.0)
