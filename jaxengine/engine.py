@@ -39,7 +39,7 @@ def plan_fields(plan, predicted_step_s: float, planner) -> dict:
     """A planned step's StepTrace fields: the planner's choices, its prediction of the step as it
     ran, its cost correction and a new request's predicted wait for its first token."""
     limits, knobs = plan.limits, plan.knobs
-    return {"autopilot_budget": limits.max_num_batched_tokens, "autopilot_max_num_seqs": limits.max_num_seqs,
+    return {"autopilot_budget": limits.max_num_batched_tokens, "autopilot_max_num_seqs": knobs.max_num_seqs_admitted,
             "autopilot_prefill_chunk": knobs.long_prefill_token_threshold or 0,
             "autopilot_partial_prefills": knobs.max_num_partial_prefills or 0,
             "predicted_step_s": round_seconds(predicted_step_s), "cost_correction": round(planner.cost.correction, 4),
@@ -83,6 +83,9 @@ class StepPlanner(Protocol):
 
     def retry_after(self, num_prompt_tokens: int, slo: LatencyTargets | None) -> int | None:
         """Seconds after which to retry a new request that overload turns away; None: take it."""
+
+    def taken(self, num_prompt_tokens: int) -> None:
+        """A request taken by ``retry_after`` reached the engine."""
 
 
 class _Launch(NamedTuple):
@@ -157,6 +160,8 @@ class Engine:
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           priority=priority, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                           stop_check=stop_check, slo=slo)
+        if self.planner is not None:
+            self.planner.taken(len(prompt_token_ids))
         if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
             self.scheduler.add_request(request)
             return request

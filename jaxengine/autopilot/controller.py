@@ -12,9 +12,10 @@ corrected by the steps it sees) and hands the scheduler that step's ``StepLimits
   nothing decodes (then the budget only sets how fast prompts go) or nothing waits, or when the
   decodes alone miss the target (a smaller step cannot save it). The budget is never below the
   decodes plus one prompt token: running requests are never starved.
-- **admission limit** (``max_num_seqs`` as a ceiling): the most sequences whose decode step
-  stays within the ITL target; never below those running (nobody is preempted for it), and no
-  limit when one sequence alone misses the target.
+- **admission limit** (``StepKnobs.max_num_seqs_admitted``, ``max_num_seqs`` its ceiling): the
+  most sequences whose decode step stays within the ITL target; never below those running, and
+  no limit when one sequence alone misses the target. It gates admissions and swap-ins only:
+  nobody is preempted for it (a priority policy's preemption judges by the step's limits).
 - **prefill chunking** (``long_prefill_token_threshold``, ``max_num_partial_prefills``): when
   a long prompt heads the queue and others wait behind it, the prompt budget is shared 2 or 4
   ways if the long prompt still meets its own TTFT target so (or misses it either way), so short
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -117,8 +119,10 @@ class Autopilot:
         self.outlook = self._outlook(Load(itl_s=config.itl_s), scheduler_config.max_num_batched_tokens,
                                      scheduler_config.max_num_seqs)
         self.mean_output_len: float | None = None       # of finished requests (decayed)
-        self._pending_tokens = 0        # taken by the server since the last plan (not yet queued)
-        self._pending_requests = 0
+        # Requests the outlook does not count yet, as [prompt tokens, requests]: accepted by the
+        # server and not yet in the engine, and in the engine since the last plan.
+        self._untaken, self._since_plan = [0, 0], [0, 0]
+        self._pending_lock = threading.Lock()          # the server's threads and the engine thread
         # Whether a step's time is the machine's own: not while the runner still compiles buckets
         # on the same cores (``attach_autopilot`` sets it from the runner).
         self.learning: Callable[[], bool] = lambda: True
@@ -132,10 +136,11 @@ class Autopilot:
         budget = self._budget(load, max_tokens)
         step_s = self.cost.predict(self._shape(load, budget, load.queued_tokens))
         chunk, partial = self._prefill_sharing(load, budget, step_s)
-        self.outlook = self._outlook(load, max_tokens, max_seqs)
-        self._pending_tokens = self._pending_requests = 0
-        return StepPlan(StepLimits(budget, self._max_seqs(load, max_seqs)),
-                        StepKnobs(chunk, partial, self._delay_factor(load, budget, step_s)), step_s)
+        with self._pending_lock:
+            self.outlook = self._outlook(load, max_tokens, max_seqs)
+            self._since_plan = [0, 0]
+        return StepPlan(StepLimits(budget, max_seqs), StepKnobs(chunk, partial, self._delay_factor(load, budget, step_s),
+                                                                self._max_seqs(load, max_seqs)), step_s)
 
     def observe(self, out: SchedulerOutput, step_s: float, finished: list[Request]) -> float:
         """The step ``out`` took ``step_s``: learn from it; returns its predicted time (median,
@@ -159,26 +164,35 @@ class Autopilot:
         tokens predicted to miss its TTFT target by more than ``OVERLOAD_MARGIN`` while others wait
         ahead of it; None: take it (and count it as queued until the next plan)."""
         target = (slo.ttft_s if slo is not None and slo.ttft_s is not None else None) or self.config.ttft_s
-        o = self.outlook
-        o = o._replace(queued_tokens=o.queued_tokens + self._pending_tokens,
-                       num_waiting=o.num_waiting + self._pending_requests)
-        if self.config.overload_policy == "reject" and target is not None and (o.num_waiting or o.queued_tokens):
-            predicted = o.ttft_s(num_prompt_tokens)
-            if predicted > OVERLOAD_MARGIN * target:
-                return max(MIN_RETRY_AFTER_S, math.ceil(predicted - target))
-        self._pending_tokens += num_prompt_tokens
-        self._pending_requests += 1
+        with self._pending_lock:
+            o = self.outlook
+            o = o._replace(queued_tokens=o.queued_tokens + self._untaken[0] + self._since_plan[0],
+                           num_waiting=o.num_waiting + self._untaken[1] + self._since_plan[1])
+            if self.config.overload_policy == "reject" and target is not None and (o.num_waiting or o.queued_tokens):
+                predicted = o.ttft_s(num_prompt_tokens)
+                if predicted > OVERLOAD_MARGIN * target:
+                    return max(MIN_RETRY_AFTER_S, math.ceil(predicted - target))
+            self._untaken[0] += num_prompt_tokens
+            self._untaken[1] += 1
         return None
+
+    def taken(self, num_prompt_tokens: int) -> None:
+        """The engine took in a request: the next plan's queues hold it."""
+        with self._pending_lock:
+            if self._untaken[1]:                        # (a request added offline was never accepted here)
+                self._untaken = [max(0, self._untaken[0] - num_prompt_tokens), self._untaken[1] - 1]
+            self._since_plan[0] += num_prompt_tokens
+            self._since_plan[1] += 1
 
     # ---- the plan's parts ----
     def _load(self, scheduler: Scheduler) -> Load:
         now, load = self.clock(), Load(itl_s=self.config.itl_s)
         keep = max(SHARES) + 1
+        load.running_seqs = scheduler.num_running_seqs          # as admission charges them (n before a fork)
         for group in scheduler.running:
             if group.slo is not None and group.slo.itl_s is not None:
                 load.itl_s = min(load.itl_s or math.inf, group.slo.itl_s)
             for seq in group.live_seqs:
-                load.running_seqs += 1
                 context = len(seq.token_ids)
                 remaining = context - seq.num_computed_tokens
                 if remaining <= 1:
@@ -219,6 +233,9 @@ class Autopilot:
             if budget >= work or self.cost.bound(self._shape(load, b, load.queued_tokens)) > load.itl_s:
                 break                 # all the work fits already, or this bucket's step is too slow
             budget = b
+        if not self.scheduler_config.enable_chunked_prefill and load.prefills:
+            # A prompt goes whole or not at all: a budget below it would hold the queue until the decodes end.
+            budget = max(budget, min(max_tokens, load.decode_rows + load.prefills[0].remaining))
         return budget
 
     @staticmethod
@@ -263,7 +280,7 @@ class Autopilot:
             return None, None
         alone = head.waited_s + math.ceil(head.remaining / share) * step_s
         for ways in SHARES:
-            if ways > len(load.prefills):
+            if ways > len(load.prefills) or share // ways < 1:
                 continue
             shared = head.waited_s + math.ceil(head.remaining / (share // ways)) * step_s
             if shared <= head.ttft_s or alone > head.ttft_s:

@@ -50,6 +50,7 @@ class StepState:
     num_partial: int = 0                  # groups part-way through their prefill
     max_partial: int = 1                  # ... at most (max_num_partial_prefills)
     max_chunk: int = 0                    # most tokens one prefill gets (long_prefill_token_threshold)
+    max_admitted: int = 0                 # admissions and swap-ins stop at this many sequences
     preempted: bool = False               # a step that preempted admits nothing
     new_seqs: list[Sequence] = field(default_factory=list)        # the runner has not seen them
     changed_seqs: list[Sequence] = field(default_factory=list)    # seen, their block table changed
@@ -206,9 +207,11 @@ class Scheduler:
         limits = limits or StepLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         threshold = self._knob(knobs.long_prefill_token_threshold, "long_prefill_token_threshold")
         max_chunk = (threshold if cfg.enable_chunked_prefill else 0) or cfg.max_num_batched_tokens
+        admitted = limits.max_num_seqs if knobs.max_num_seqs_admitted is None else \
+            min(knobs.max_num_seqs_admitted, limits.max_num_seqs)
         return StepState(SchedulerOutput(), now, limits.max_num_batched_tokens, limits,
                          max_partial=self._knob(knobs.max_num_partial_prefills, "max_num_partial_prefills"),
-                         max_chunk=max_chunk)
+                         max_chunk=max_chunk, max_admitted=admitted)
 
     def _knob(self, value, name: str):
         """A step's setting: the knob's value, else the configured one."""
@@ -459,7 +462,7 @@ class Scheduler:
     def _swap_in(self, step: StepState, group: Request) -> bool:
         """Swap a group in and schedule it; False if it cannot come back now."""
         kv, seqs = self.kv, group.live_seqs
-        if step.num_seqs + group.max_num_running_seqs > step.limits.max_num_seqs:
+        if step.num_seqs + group.max_num_running_seqs > step.max_admitted:
             return False
         if step.budget < len(seqs):
             return False                           # every live sequence needs a token
@@ -489,7 +492,7 @@ class Scheduler:
             self.waiting.pop()                     # grew past what can ever be scheduled
             self._finish_unschedulable(group, reason)
             return True
-        if step.num_seqs + group.max_num_running_seqs > step.limits.max_num_seqs:
+        if step.num_seqs + group.max_num_running_seqs > step.max_admitted:
             return False
         seqs = group.live_seqs
         hits = [kv.get_computed_blocks(s) for s in seqs]

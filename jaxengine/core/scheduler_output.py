@@ -94,11 +94,13 @@ class StepLimits(NamedTuple):
 
 
 class StepKnobs(NamedTuple):
-    """How one step treats prompts, where the autopilot chooses it (None: the configured value)."""
+    """How one step admits and treats prompts, where the autopilot chooses it (None: the
+    configured value or the step's limits)."""
 
     long_prefill_token_threshold: int | None = None     # most tokens one prefill gets (0: no cap)
     max_num_partial_prefills: int | None = None
     delay_factor: float | None = None
+    max_num_seqs_admitted: int | None = None            # admissions stop at this many sequences
 
 
 @dataclass

@@ -26,6 +26,7 @@ from jaxengine.models.config import ModelConfig
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+DEFAULT_ALPHA = 8               # PEFT's lora_alpha when the config leaves it out
 # PEFT's tensor names: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
 TENSOR_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -55,9 +56,12 @@ class AdapterConfig:
             raise ValueError(f"{path}: not valid JSON ({error})") from None
         if str(raw.get("peft_type", "LORA")).upper() != "LORA":
             raise ValueError(f"{path}: peft_type: only LORA adapters are served, got {raw['peft_type']!r}")
-        r, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
+        r, alpha = raw.get("r"), raw.get("lora_alpha", DEFAULT_ALPHA)
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise ValueError(f"{path}: r: must be an integer >= 1, got {r!r}")
+        for name in ("use_dora", "rank_pattern", "alpha_pattern"):      # a delta this module does not compute
+            if raw.get(name):
+                raise ValueError(f"{path}: {name}: not supported (plain LoRA only), got {raw[name]!r}")
         targets = raw.get("target_modules")
         targets = [targets] if isinstance(targets, str) else targets
         unknown = sorted(set(targets or ()) - set(TARGET_MODULES))
@@ -89,7 +93,7 @@ class LoRAAdapter:
 def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Read a PEFT LoRA folder for ``model_config``; a ValueError names the file and the field
     (a missing file, rank above ``max_rank``, a tensor whose shape does not fit the model)."""
-    from safetensors.numpy import load_file
+    from jaxengine.models.weights import SafetensorsSource
 
     folder = Path(path)
     config = AdapterConfig.from_folder(folder)
@@ -98,14 +102,15 @@ def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> 
     weights_path = folder / WEIGHTS_FILE
     if not weights_path.is_file():
         raise ValueError(f"{weights_path}: missing: a PEFT adapter saves its weights there")
-    tensors = load_file(str(weights_path))
     shapes, num_layers = module_shapes(model_config), model_config.num_layers
     weights = {m: (np.zeros((num_layers, shapes[m][0], max_rank), np.float32),
                    np.zeros((num_layers, max_rank, shapes[m][1]), np.float32)) for m in config.target_modules}
+    with SafetensorsSource([weights_path]) as source:     # bfloat16 and float8 files too
+        tensors = {name: np.asarray(source.read(name, slice(None)), np.float32) for name in source.names()}
     for name, value in sorted(tensors.items()):          # in name order: the first error is always the same
         match = TENSOR_NAME.search(name)
         if match is None:
-            continue
+            raise ValueError(f"{weights_path}: {name}: not a LoRA A or B of a projection this engine adapts")
         layer, module, which = int(match[1]), match[2], match[3]
         if module not in weights or layer >= num_layers:
             raise ValueError(f"{weights_path}: {name}: no such target in this model ({module}, layer {layer})")

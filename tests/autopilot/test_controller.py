@@ -35,7 +35,7 @@ def engine_on(profile: CostProfile, runner_profile: CostProfile | None = None, *
 
 def decoding_engine(runner_profile=None, num_decodes=8, **options):
     """``num_decodes`` requests past their prompts, decoding for a long while."""
-    engine, runner = engine_on(linear_profile(), runner_profile, slo_itl_ms=ITL_MS, **options)
+    engine, runner = engine_on(linear_profile(), runner_profile, **{"slo_itl_ms": ITL_MS, **options})
     for i in range(num_decodes):
         engine.add_request(f"d{i}", list(range(1, 17)), SamplingParams(max_tokens=400, ignore_eos=True))
     engine.step()
@@ -235,3 +235,16 @@ def test_drafts_are_priced_into_the_budget():
     assert drafted and {t.autopilot_budget for t in drafted} == {32}
     assert max(t.num_decode_tokens + t.num_draft_tokens for t in drafted) <= 32
     assert max(t.step_s for t in engine.traces[1:]) <= 0.0164 + 1e-9            # within 20 ms
+
+
+def test_a_prompt_budget_too_small_to_share_is_not_shared():
+    # 14 decodes: the budget's first bucket above them is 16 (15.2 ms, over a 15 ms target, but the
+    # floor), which leaves 2 prompt tokens: too few to share 4 ways, so the long prompt keeps them.
+    engine, _ = decoding_engine(num_decodes=14, slo_ttft_ms=60000, slo_itl_ms=15)
+    engine.add_request("long", list(range(1, 1001)), SamplingParams(max_tokens=1, ignore_eos=True))
+    for i in range(4):
+        engine.add_request(f"s{i}", list(range(200 + i, 210 + i)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    t = engine.last_trace
+    assert (t.autopilot_budget, t.num_decode_tokens + t.num_prefill_tokens, t.num_rows) == (16, 16, 16)
+    assert (t.autopilot_partial_prefills, t.autopilot_prefill_chunk) == (2, 1)     # 2 ways of 1 token

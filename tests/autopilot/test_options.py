@@ -69,7 +69,7 @@ def test_the_configured_profile_is_loaded_and_the_configured_limits_are_ceilings
     assert e.planner is autopilot and autopilot.cost.profile.kind == "constant"
     assert autopilot.cost.token_buckets[-1] == 256 and autopilot.cost.row_buckets[-1] == 32
     plan = autopilot.plan(e.scheduler, None)
-    assert plan.limits == (256, 32)                  # nothing queued: the configured limits
+    assert plan.limits == (256, 32) and plan.knobs.max_num_seqs_admitted == 32     # nothing queued: the ceilings
     assert attach_autopilot(engine()) is None        # no target: no autopilot
 
 

@@ -56,6 +56,20 @@ def test_an_adapter_reads_into_padded_slots_as_peft_computes_it(peft_adapter):
     assert len(adapter.digest) == 64 and load_adapter(folder, CONFIG, max_rank=4).digest == adapter.digest
 
 
+def test_a_bfloat16_adapter_reads_as_its_float32_values(peft_adapter, tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import load_file
+    from safetensors.flax import save_file
+
+    folder, _ = peft_adapter
+    (tmp_path / "adapter_config.json").write_bytes((folder / "adapter_config.json").read_bytes())
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(str(folder / "adapter_model.safetensors")).items()}
+    save_file({k: jnp.asarray(v) for k, v in tensors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    got = load_adapter(tmp_path, CONFIG, max_rank=4).weights["q_proj"][0]
+    name = next(k for k in tensors if "layers.1.self_attn.q_proj.lora_A" in k)
+    np.testing.assert_array_equal(got[1], tensors[name].astype(np.float32).T)
+
+
 def test_the_grouped_delta_equals_each_rows_own_adapter():
     rng = np.random.default_rng(1)
     a = jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32)
@@ -87,6 +101,9 @@ def test_rslora_scales_by_the_square_root_of_the_rank(peft_adapter, tmp_path):
     (lambda f: _config(f, r=16), "adapter_config.json: r: 16 exceeds max_lora_rank=8"),
     (lambda f: _config(f, target_modules=["q_proj", "lm_head"]), "adapter_config.json: target_modules: must be among"),
     (lambda f: _config(f, peft_type="IA3"), "adapter_config.json: peft_type: only LORA adapters are served"),
+    (lambda f: _config(f, use_dora=True), "adapter_config.json: use_dora: not supported"),
+    (lambda f: _config(f, rank_pattern={"q_proj": 8}), "adapter_config.json: rank_pattern: not supported"),
+    (lambda f: _tensor(f, "base_model.model.lm_head.lora_magnitude_vector"), "lora_magnitude_vector: not a LoRA A or B"),
 ])
 def test_a_bad_adapter_is_an_error_naming_the_file_and_field(peft_adapter, tmp_path, change, message):
     folder, _ = peft_adapter
@@ -107,3 +124,10 @@ def test_an_adapter_for_other_shapes_names_the_tensor(peft_adapter):
 def _config(folder, **changes) -> None:
     path = folder / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _tensor(folder, name: str) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    save_file({**load_file(str(path)), name: np.ones(4, np.float32)}, str(path))
