@@ -42,6 +42,17 @@ def decoding_engine(runner_profile=None, num_decodes=8, **options):
     return engine, runner
 
 
+def crowded_engine(itl_ms: float, *, prompt_len: int, max_tokens: int, steps: int) -> Engine:
+    """40 requests at once under an ITL target, after ``steps`` steps."""
+    engine, _ = engine_on(linear_profile(), slo_itl_ms=itl_ms)
+    for i in range(40):
+        engine.add_request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
+                                                                                  ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+    return engine
+
+
 def test_the_budget_is_the_largest_bucket_within_the_itl_target_while_a_long_prompt_advances():
     engine, _ = decoding_engine()
     assert engine.last_trace.autopilot_budget == 512          # nothing decoded yet: prompts go at full speed
@@ -104,11 +115,7 @@ def test_a_request_with_a_tighter_itl_target_shrinks_the_budget_while_it_runs():
 def test_the_admission_limit_keeps_the_decode_step_within_target():
     # Decodes alone: 8 rows pad to bucket 8 (11.6 ms), 64 rows to 64 (22.8 ms); a 15 ms target
     # admits up to 16 sequences (13.2 ms), never preempting those already running.
-    engine, _ = engine_on(linear_profile(), slo_itl_ms=15)
-    for i in range(40):
-        engine.add_request(f"r{i}", list(range(1, 9)), SamplingParams(max_tokens=30, ignore_eos=True))
-    for _ in range(6):
-        engine.step()
+    engine = crowded_engine(15, prompt_len=8, max_tokens=30, steps=6)
     assert engine.last_trace.autopilot_max_num_seqs == 16
     assert max(t.num_running for t in engine.traces) == 16
     engine.run()
@@ -213,11 +220,7 @@ def test_the_simulator_and_a_live_engine_make_the_same_decisions():
 
 def test_a_target_no_step_can_meet_holds_nothing_back():
     # 5 ms: a step takes at least 10 ms, so neither a smaller budget nor fewer sequences helps.
-    engine, _ = engine_on(linear_profile(), slo_itl_ms=5)
-    for i in range(40):
-        engine.add_request(f"r{i}", list(range(1, 65)), SamplingParams(max_tokens=20, ignore_eos=True))
-    for _ in range(4):
-        engine.step()
+    engine = crowded_engine(5, prompt_len=64, max_tokens=20, steps=4)
     t = engine.last_trace
     assert (t.autopilot_budget, t.autopilot_max_num_seqs) == (512, 64) and t.num_running == 40
 
