@@ -2,11 +2,12 @@
 from jaxengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxengine.core.policy import SchedulingPolicy
 from jaxengine.engine import Engine
+from jaxengine.lora_request import LoRARequest
 from jaxengine.request import Request, RequestStatus, SequenceGroup
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineArgs", "BeamSearchParams", "CacheConfig", "Engine", "EngineConfig", "Request", "RequestStatus", "SamplingParams",
+__all__ = ["LLM", "EngineArgs", "BeamSearchParams", "CacheConfig", "Engine", "EngineConfig", "LoRARequest", "Request", "RequestStatus", "SamplingParams",
            "SchedulerConfig", "SchedulingPolicy", "SequenceGroup"]
 
 

@@ -173,11 +173,37 @@ class AutopilotConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's names): ``max_loras`` adapters on the device at once (the scheduler
+    runs at most that many distinct ones per step), each of rank up to ``max_lora_rank``;
+    ``max_cpu_loras`` adapters kept in host memory (least recently used out), so an adapter
+    that left the device comes back without reading the disk."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None        # None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                     f"must be an integer >= 1, got {value!r}")
+        cpu = self.max_cpu_loras
+        _require(cpu is None or (isinstance(cpu, int) and not isinstance(cpu, bool) and cpu >= self.max_loras),
+                 "max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     autopilot: AutopilotConfig | None = None
+    lora: LoRAConfig | None = None          # None: no adapters served
 
     def replace(self, **changes) -> "EngineConfig":
         """Return a copy with fields of the sub-configs replaced, e.g. ``replace(block_size=4)``."""
@@ -187,4 +213,5 @@ class EngineConfig:
         _require(not unknown, "EngineConfig", f"unknown option(s) {sorted(unknown)}")
         cache = dataclasses.replace(self.cache, **{k: v for k, v in changes.items() if k in cache_fields})
         sched = dataclasses.replace(self.scheduler, **{k: v for k, v in changes.items() if k in sched_fields})
-        return EngineConfig(cache=cache, scheduler=sched, speculative=self.speculative, autopilot=self.autopilot)
+        return EngineConfig(cache=cache, scheduler=sched, speculative=self.speculative, autopilot=self.autopilot,
+                            lora=self.lora)

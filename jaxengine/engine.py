@@ -11,6 +11,7 @@ from typing import NamedTuple, Protocol
 from jaxengine.config import MODEL_PROPOSERS, EngineConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepLimits
+from jaxengine.lora_request import LoRARequest
 from jaxengine.request import LatencyTargets, Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.structured_output import StructuredOutputManager
@@ -132,7 +133,8 @@ class Engine:
         spec = config.speculative
         drafter = getattr(runner, "drafter", None) if spec is not None and spec.method in MODEL_PROPOSERS else None
         self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock, speculative=spec,
-                                   token_buckets=getattr(runner, "token_buckets", None), proposer=drafter)
+                                   token_buckets=getattr(runner, "token_buckets", None), proposer=drafter,
+                                   max_loras=0 if config.lora is None else config.lora.max_loras)
         self.clock = clock
         self.async_scheduling = async_scheduling
         self.num_steps = 0
@@ -153,13 +155,16 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    stop_check=None, slo: LatencyTargets | None = None) -> Request:
+                    stop_check=None, slo: LatencyTargets | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Queue a request (``stop_check``: a beam search's stop strings, see ``Request``; ``slo``:
-        its own latency targets for the autopilot)."""
+        its own latency targets for the autopilot; ``lora_request``: the adapter it runs with, read
+        now: a bad one is a ValueError naming the file and field, and nothing is queued)."""
         request = Request(request_id, prompt_token_ids, sampling_params or SamplingParams(),
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           priority=priority, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
-                          stop_check=stop_check, slo=slo)
+                          stop_check=stop_check, slo=slo, lora_request=lora_request,
+                          lora_digest=self.adapter_digest(lora_request))
         if self.planner is not None:
             self.planner.taken(len(prompt_token_ids))
         if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
@@ -169,6 +174,17 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.structured.submit(request)                # the scheduler takes it once its grammar is ready
         return request
+
+    def adapter_digest(self, lora_request: LoRARequest | None) -> str | None:
+        """The content digest of a request's adapter, read (or found in host memory) by the runner."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        slots = getattr(self.runner, "lora", None)
+        if self.config.lora is None or slots is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora=True)")
+        return slots.register(lora_request)
 
     def abort(self, request_id: str) -> bool:
         if (request := self.structured.awaiting.pop(request_id, None)) is not None:

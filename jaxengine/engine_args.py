@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 
 from jaxengine.config import OVERLOAD_POLICIES, PREEMPTION_MODES, SPECULATIVE_METHODS, AutopilotConfig, CacheConfig, \
-    EngineConfig, SchedulerConfig, SpeculativeConfig
+    EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 from jaxengine.runner.compile import COMPILE_MODES
@@ -127,6 +127,18 @@ class EngineArgs:
         "reject", "autopilot: when a new request would miss its time-to-first-token target by a margin even at the "
                   "best setting, reject it (the server answers 503 with Retry-After) or queue it anyway",
         choices=OVERLOAD_POLICIES)
+    enable_lora: bool = _option(
+        False, "serve LoRA adapters (PEFT folders) on the model, requests of different adapters and of the base "
+               "model in the same steps; an adapter is chosen per request (the server's model name, LLM.generate's "
+               "lora_request)")
+    max_loras: int = _option(1, "LoRA: adapters on the device at once (and most distinct adapters in one step)")
+    max_lora_rank: int = _option(16, "LoRA: the highest adapter rank served (the device slots' size)")
+    max_cpu_loras: int | None = _option(
+        None, "LoRA: adapters kept in host memory, least recently used out (default: --max-loras)")
+    lora_modules: list[str] | None = _option(
+        None, "LoRA: adapters served by name from start-up, as name=path (space- or comma-separated; vLLM's form; "
+              "default: none)",
+        cli_nargs=True)
     tensor_parallel_size: int = _option(
         1, "devices each model replica is split over (tensor parallelism: attention heads, MLP columns and "
            "vocabulary split across them, the KV cache split by KV heads)")
@@ -181,6 +193,8 @@ class EngineArgs:
         resolve_policy(self.scheduling_policy, field="scheduling_policy")
         SpeculativeConfig.from_dict(self.speculative_config)        # refused now, naming the key
         self.autopilot_config()                                     # likewise
+        self.lora_config()
+        self.named_lora_modules()
         self.step_buckets()                 # refused now, naming the option, not when the runner starts
 
     # ---- the three doors ----
@@ -205,8 +219,9 @@ class EngineArgs:
             if f.name in skip:
                 continue
             hint = f.metadata.get("cli_type", hints[f.name])
-            group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=f.metadata["help"],
-                               **_argparse_kind(hint, f.metadata.get("choices")))
+            kind = {"nargs": "+", "metavar": "NAME=PATH"} if f.metadata.get("cli_nargs") else \
+                _argparse_kind(hint, f.metadata.get("choices"))
+            group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=f.metadata["help"], **kind)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -279,6 +294,26 @@ class EngineArgs:
                                percentile=self.slo_percentile, overload_policy=self.overload_policy,
                                cost_profile=self.cost_profile)
 
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapters' limits, or None without ``enable_lora``."""
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules: adapters need enable_lora")
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    def named_lora_modules(self) -> dict[str, str]:
+        """``lora_modules`` as {name: path}; a malformed entry is an error naming it."""
+        named: dict[str, str] = {}
+        for entry in (part for item in self.lora_modules or () for part in str(item).split(",") if part.strip()):
+            name, sep, path = entry.strip().partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: expected name=path, got {entry!r}")
+            if name in named:
+                raise ValueError(f"lora_modules: the name {name!r} is given twice")
+            named[name] = path
+        return named
+
     def step_buckets(self) -> tuple[list[int], list[int]]:
         """The token and row buckets the runner compiles: those given, else its defaults."""
         from jaxengine.runner.buckets import step_buckets
@@ -298,7 +333,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode, delay_factor=self.scheduler_delay_factor)
         return EngineConfig(cache=cache, scheduler=scheduler,
                             speculative=SpeculativeConfig.from_dict(self.speculative_config),
-                            autopilot=self.autopilot_config())
+                            autopilot=self.autopilot_config(), lora=self.lora_config())
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -16,6 +16,8 @@ from jaxengine.autopilot import attach_autopilot
 from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs, resolve_dtype
 from jaxengine.kernels.paged_attention.backend import select_attention
+from jaxengine.lora_request import LoRARequest
+from jaxengine.models.lora_weights import attach_lora
 from jaxengine.models.config import ModelConfig
 from jaxengine.generation_config import generation_defaults
 from jaxengine.models.mesh import check_replica_devices, kv_head_repeats, make_mesh, replica_devices
@@ -87,6 +89,10 @@ class LLM:
         self._attach_autopilots(engines, progress)
         self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         self._ids = itertools.count()
+        self.loras: dict[str, LoRARequest] = {}      # adapters served by name (lora_modules, add_lora)
+        self._lora_ids = itertools.count(1)
+        for name, path in args.named_lora_modules().items():
+            self.add_lora(LoRARequest(name, next(self._lora_ids), path))
         if self.channel is not None:
             self.runner.channel = self.channel      # from now on each launch goes to the others too
 
@@ -123,6 +129,9 @@ class LLM:
         self.kv_dtype = args.resolve_kv_dtype(self.dtype)
         self.config = args.create_engine_config(self.model_config, self.kv_dtype, list(self.mesh.devices.flat),
                                                 self.draft_config)
+        if self.config.lora is not None and self.distributed is not None:
+            raise ValueError("enable_lora: adapters are served by one process (a job over several processes "
+                             "does not load them yet)")
         self._log_kv_cache()
         self.runner = self._runner(self.model, self.mesh, progress)   # the first replica's under data parallelism
         self.channel = None
@@ -186,9 +195,11 @@ class LLM:
         spec = self.config.speculative
         draft = None if self.draft_model is None else (self.draft_model, self.draft_config, spec.num_speculative_tokens,
                                                        spec.draft_sampling == "sampled")
+        lora = self.config.lora
+        targets = None if lora is None else attach_lora(model, lora.max_loras, lora.max_lora_rank, self.dtype)
         return ModelRunner(model, self.model_config, self.config, dtype=self.kv_dtype, warm_up=args.warm_up,
                            progress=progress, token_buckets=token_buckets, request_buckets=request_buckets,
-                           mesh=mesh, compile_mode=args.compile_mode, draft=draft)
+                           mesh=mesh, compile_mode=args.compile_mode, draft=draft, lora_targets=targets)
 
     def _replica_model(self, modules: list, replica: int, mesh, progress: bool):
         """Data-parallel replica ``replica``'s model: a copy of the given module, or the
@@ -258,21 +269,27 @@ class LLM:
         return [e.runner for e in engine.replicas] if isinstance(engine, DataParallelEngine) else [self.runner]
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Prompts -> outputs in input order. A prompt is a string, a list of token ids, or one of
         vLLM's prompt dicts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``, either with an
-        optional ``cache_salt``); give one prompt or a list of them."""
+        optional ``cache_salt``); give one prompt or a list of them. ``lora_request``: the LoRA
+        adapter to run with (``enable_lora``), one for all prompts or one per prompt (None: the base)."""
         parsed = [self._parse_prompt(p) for p in _prompt_list(prompts)]
         params = self._params_for(parsed, sampling_params)
+        loras = self._loras_for(parsed, lora_request)
         for prompt, p in zip(parsed, params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params: expected SamplingParams, got {type(p).__name__}"
                                 + (" (beam search is LLM.beam_search)" if isinstance(p, BeamSearchParams) else ""))
             self.check_request(prompt.token_ids, p)
             self.check_constraint(p)
+        for lora in dict.fromkeys(r for r in loras if r is not None):   # each read once, before any is queued
+            self.engine.adapter_digest(lora)
         requests = [self.add_request(f"offline-{next(self._ids)}", prompt.token_ids, p,
-                                     priority=priority[i] if priority else 0, cache_salt=prompt.cache_salt)
-                    for i, (prompt, p) in enumerate(zip(parsed, params))]
+                                     priority=priority[i] if priority else 0, cache_salt=prompt.cache_salt,
+                                     lora_request=lora)
+                    for i, (prompt, p, lora) in enumerate(zip(parsed, params, loras))]
         texts = self._run(requests, use_tqdm)
         return [make_request_output(r, prompt.text, t) for r, prompt, t in zip(requests, parsed, texts)]
 
@@ -303,7 +320,7 @@ class LLM:
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams | BeamSearchParams, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    slo: LatencyTargets | None = None) -> Request:
+                    slo: LatencyTargets | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Queue one request on the engine (``check_request`` it first); the caller steps the engine.
         ``arrival_time`` (the engine's clock, default now): when the request came in; ``slo``: its own
         latency targets for the autopilot."""
@@ -311,7 +328,39 @@ class LLM:
         if isinstance(params, BeamSearchParams):   # a beam's stop strings are checked as the search decides
             stop_check = beam_stop_check(self.tokenizer, params.sampling_params())
         return self.engine.add_request(request_id, token_ids, params, priority=priority, cache_salt=cache_salt,
-                                       arrival_time=arrival_time, stop_check=stop_check, slo=slo)
+                                       arrival_time=arrival_time, stop_check=stop_check, slo=slo,
+                                       lora_request=lora_request)
+
+    # ---- LoRA adapters ----
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Serve an adapter by its name (read now: a bad one is a ValueError naming the file and
+        field, and nothing changes). -> the request that selects it."""
+        if lora_request.lora_name in self.loras:
+            raise ValueError(f"lora_name: an adapter named {lora_request.lora_name!r} is already loaded")
+        self.engine.adapter_digest(lora_request)
+        self.loras[lora_request.lora_name] = lora_request
+        return lora_request
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """``add_lora`` under a new id (what the server's load endpoint does)."""
+        return self.add_lora(LoRARequest(name, next(self._lora_ids), path))
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter by name (requests running with it finish); False if unknown."""
+        request = self.loras.pop(name, None)
+        if request is None:
+            return False
+        for engine in getattr(self.engine, "replicas", [self.engine]):
+            if (slots := getattr(engine.runner, "lora", None)) is not None:
+                slots.forget(request.lora_int_id)
+        return True
+
+    def _loras_for(self, prompts: list, lora_request) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request: {len(lora_request)} given for {len(prompts)} prompts")
+        return list(lora_request)
 
     # ---- internals ----
     def get_default_sampling_params(self) -> SamplingParams:

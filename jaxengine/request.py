@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from jaxengine.lora_request import LoRARequest
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -126,6 +127,13 @@ class RequestTimes:
     finished: float | None = None
 
 
+def prefix_keys(cache_salt: str | None = None, lora_digest: str | None = None) -> tuple:
+    """A prompt's first-block extra keys: its cache salt, and its LoRA adapter's content digest
+    (by content, not name: an adapter reloaded changed under the same name shares nothing)."""
+    keys = () if cache_salt is None else (cache_salt,)
+    return keys if lora_digest is None else (*keys, ("lora", lora_digest))
+
+
 class LatencyTargets(NamedTuple):
     """A request's own latency targets in seconds, for the autopilot (None: the engine's)."""
 
@@ -162,7 +170,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | BeamSearchParams, *, arrival_time: float | None = None,
                  priority: int = 0, eos_token_id: int | None = None, cache_salt: str | None = None,
-                 stop_check=None, slo: LatencyTargets | None = None) -> None:
+                 stop_check=None, slo: LatencyTargets | None = None, lora_request: LoRARequest | None = None,
+                 lora_digest: str | None = None) -> None:
+        """``lora_request``: the adapter it runs with (None: the base model), whose weights' content
+        digest is ``lora_digest`` (the prefix cache keys on it)."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: must not be empty")
         if not all(isinstance(t, int) and t >= 0 for t in prompt_token_ids):
@@ -178,6 +189,8 @@ class Request:
         self.slo = slo
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.lora_digest = lora_digest
         # Until the scheduler takes it: a request with a constraint first waits for its grammar.
         self.status = (RequestStatus.WAITING if sampling_params.structured_outputs is None
                        else RequestStatus.WAITING_FOR_GRAMMAR)
@@ -206,6 +219,17 @@ class Request:
         self.waits_for_tokens = beam_params is not None or p.structured_outputs is not None
         # Fixed here so a preempted and resumed request continues the same random stream.
         self.seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
+
+    @property
+    def lora_id(self) -> int | None:
+        """Its adapter's identity (None: the base model)."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def prefix_keys(self) -> tuple:
+        """What its first KV block's hash covers besides the tokens: the cache salt and the
+        adapter's content digest (KV computed under one adapter serves no other)."""
+        return prefix_keys(self.cache_salt, self.lora_digest)
 
     # Single-sequence views; an n > 1 group keeps per-sample values on ``seqs``.
     @property

@@ -15,7 +15,7 @@ FOLDERS = {"jaxengine": "jaxengine"}
 # Lowest first. A module may import from its own layer or any layer below; the most specific
 # prefix decides a module's layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("types", ("jaxengine.config", "jaxengine.sampling_params", "jaxengine.request", "jaxengine.outputs",
+    ("types", ("jaxengine.config", "jaxengine.sampling_params", "jaxengine.request", "jaxengine.lora_request", "jaxengine.outputs",
                "jaxengine.trace", "jaxengine.models.config", "jaxengine.models.paths")),
     ("kernels", ("jaxengine.kernels",)),
     ("models", ("jaxengine.models", "jaxengine.sample")),

@@ -22,10 +22,11 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Seq[int], extra_keys
 
 
 def extend_block_hashes(block_hashes: list[bytes], token_ids: Seq[int], num_full_blocks: int,
-                        block_size: int, cache_salt: str | None = None) -> list[bytes]:
-    """Extend ``block_hashes`` in place to cover the first ``num_full_blocks`` full blocks."""
+                        block_size: int, extra_keys: tuple = ()) -> list[bytes]:
+    """Extend ``block_hashes`` in place to cover the first ``num_full_blocks`` full blocks; the
+    first block's hash covers ``extra_keys`` (``Request.prefix_keys``), so every later one does."""
     for i in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[i - 1] if i else None
-        extra = (cache_salt,) if (i == 0 and cache_salt is not None) else ()
+        extra = extra_keys if i == 0 else ()
         block_hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
     return block_hashes

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from jaxengine.config import CacheConfig
 from jaxengine.core.block_hash import extend_block_hashes
 from jaxengine.core.block_pool import BlockPool
-from jaxengine.request import Request, Sequence
+from jaxengine.request import Request, Sequence, prefix_keys
 
 
 class AllocStatus(enum.Enum):
@@ -79,7 +79,7 @@ class KVCacheManager:
             return NO_HIT                # prompt logprobs need every prompt token computed
         num_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_blocks, self.block_size,
-                                     seq.request.cache_salt)
+                                     seq.request.prefix_keys)
         hit = ComputedBlocks()
         for h in hashes[:num_blocks]:
             b = self.pool.lookup(h)
@@ -89,7 +89,8 @@ class KVCacheManager:
             hit.num_evictable += self.pool.ref_cnt[b] == 0
         return hit
 
-    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None,
+                             lora_digest: str | None = None) -> int:
         """How many leading blocks of a prompt the prefix cache holds now (as
         ``get_computed_blocks``, never the block of its last token). A query only: no block is
         touched and no hit counted. Hashes block by block and stops at the first miss."""
@@ -97,7 +98,7 @@ class KVCacheManager:
             return 0
         hashes: list[bytes] = []
         for i in range((len(token_ids) - 1) // self.block_size):
-            extend_block_hashes(hashes, token_ids, i + 1, self.block_size, cache_salt)
+            extend_block_hashes(hashes, token_ids, i + 1, self.block_size, prefix_keys(cache_salt, lora_digest))
             if self.pool.lookup(hashes[i]) is None:
                 return i
         return len(hashes)
@@ -108,7 +109,7 @@ class KVCacheManager:
         if num_full <= seq.num_cached_blocks:
             return
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_full, self.block_size,
-                                     seq.request.cache_salt)
+                                     seq.request.prefix_keys)
         table = seq.block_table
         for i in range(seq.num_cached_blocks, num_full):
             self.pool.cache(table[i], hashes[i])

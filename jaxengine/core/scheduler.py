@@ -59,11 +59,15 @@ class StepState:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
                  clock: Callable[[], float] = time.monotonic, speculative: SpeculativeConfig | None = None,
-                 token_buckets: list[int] | None = None, proposer=None) -> None:
+                 token_buckets: list[int] | None = None, proposer=None, max_loras: int = 0) -> None:
         """``token_buckets``: the runner's (the speculation gate prices a draft by the bucket it
         moves the step to; default: every token count its own). ``proposer``: the draft model's
-        (``runner.drafter.Drafter``: ``propose_rows``), for method draft_model."""
+        (``runner.drafter.Drafter``: ``propose_rows``), for method draft_model. ``max_loras``: most
+        distinct LoRA adapters running at once (0: no adapters), so every step's fit the device's
+        slots; a request whose adapter would pass it waits at the head of the queue, and is the
+        first admitted once an adapter's last request ends (nothing overtakes it: no starvation)."""
         self.config = config
+        self.max_loras = max_loras
         self.proposer = self.gate = None
         if speculative is not None:
             if speculative.method == "draft_model" and proposer is None:
@@ -462,7 +466,7 @@ class Scheduler:
     def _swap_in(self, step: StepState, group: Request) -> bool:
         """Swap a group in and schedule it; False if it cannot come back now."""
         kv, seqs = self.kv, group.live_seqs
-        if step.num_seqs + group.max_num_running_seqs > step.max_admitted:
+        if step.num_seqs + group.max_num_running_seqs > step.max_admitted or self._adapter_blocked(group):
             return False
         if step.budget < len(seqs):
             return False                           # every live sequence needs a token
@@ -492,7 +496,7 @@ class Scheduler:
             self.waiting.pop()                     # grew past what can ever be scheduled
             self._finish_unschedulable(group, reason)
             return True
-        if step.num_seqs + group.max_num_running_seqs > step.max_admitted:
+        if step.num_seqs + group.max_num_running_seqs > step.max_admitted or self._adapter_blocked(group):
             return False
         seqs = group.live_seqs
         hits = [kv.get_computed_blocks(s) for s in seqs]
@@ -514,6 +518,17 @@ class Scheduler:
         self._admit(step, group, hits, chunks)
         step.num_partial += partial
         return True
+
+    def running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running groups (their ``lora_int_id``)."""
+        return {g.lora_id for g in self.running if g.lora_id is not None}
+
+    def _adapter_blocked(self, group: Request) -> bool:
+        """Running ``group`` would make more than ``max_loras`` distinct adapters run at once."""
+        if group.lora_id is None:
+            return False
+        running = self.running_adapters()
+        return group.lora_id not in running and len(running) >= self.max_loras
 
     def _plan_chunks(self, step: StepState, seqs: list[Sequence], hit_tokens: list[int]) -> list[int]:
         budget, chunks = step.budget, []

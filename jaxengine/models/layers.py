@@ -130,6 +130,14 @@ def to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8_KV)
 
 
+def adapters(module: nnx.Module, md: AttentionMetadata | None):
+    """The module's LoRA slots (``models.lora.LoRAWeights``) where it has them and the step carries
+    its rows' adapters; else None (no adapter, or a step without them: a draft model's)."""
+    if md is None or md.lora_order is None:
+        return None
+    return getattr(module, "lora", None)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, *, input_size: int | None = None,
                  rngs: nnx.Rngs) -> None:
@@ -167,6 +175,10 @@ class Attention(nnx.Module):
         q = self.dense_fn(x, self.q_proj[...], layer)                # [T, N, H]
         k = self.dense_fn(x, self.k_proj[...], layer)                # [T, K, H]
         v = self.dense_fn(x, self.v_proj[...], layer)
+        lora = adapters(self, md)
+        if lora is not None:
+            q, k, v = (p + lora.delta(name, x, md, layer).reshape(p.shape)
+                       for name, p in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
         if cfg.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -181,7 +193,10 @@ class Attention(nnx.Module):
         o_proj = self.o_proj[...]                                    # [(L,) N, H, D] -> [(L,) N*H, D]
         if not isinstance(o_proj, QuantizedWeight):                 # (a quantized one contracts N, H itself)
             o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
-        out = self.dense_fn(o.reshape(o.shape[0], -1), o_proj, layer)
+        o = o.reshape(o.shape[0], -1)
+        out = self.dense_fn(o, o_proj, layer)
+        if lora is not None:
+            out = out + lora.delta("o_proj", o, md, layer)
         return (out + self.o_bias[...] if cfg.output_bias else out), cache
 
     def _kv_scales(self, cache_dtype) -> tuple[jax.Array, jax.Array] | None:
@@ -224,10 +239,15 @@ class MLP(nnx.Module):
         self.down_proj = weight(cfg, "down_proj", rngs, (f, d), dtype, (M, None))
         self.dense_fn = dense
 
-    def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-        gate = jax.nn.silu(self.dense_fn(x, self.gate_proj[...], layer))
-        up = self.dense_fn(x, self.up_proj[...], layer)
-        return self.dense_fn(gate * up, self.down_proj[...], layer)
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None, md: AttentionMetadata | None = None) -> jax.Array:
+        """``md``: the step's metadata, whose LoRA grouping the adapters' deltas need (models.lora)."""
+        lora = adapters(self, md)
+
+        def project(name: str, h: jax.Array) -> jax.Array:
+            out = self.dense_fn(h, getattr(self, name)[...], layer)
+            return out if lora is None else out + lora.delta(name, h, md, layer)
+
+        return project("down_proj", jax.nn.silu(project("gate_proj", x)) * project("up_proj", x))
 
 
 class DecoderLayer(nnx.Module):
@@ -264,7 +284,7 @@ def run_mlp(mlp: nnx.Module, h: jax.Array, layer: jax.Array | None, md: Attentio
     ``md``'s last row goes nowhere); with the tokens routed to each of the ``num_experts`` [E]
     (none for a dense MLP)."""
     if isinstance(mlp, MLP):
-        return mlp(h, layer), jnp.zeros(num_experts, jnp.int32)
+        return mlp(h, layer, md), jnp.zeros(num_experts, jnp.int32)
     return mlp(h, layer, md.query_start_loc[-1])
 
 
@@ -276,9 +296,10 @@ DENSE_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", 
 
 
 def is_dense_weight(path: tuple, value) -> bool:
-    """A projection weight, or a part of one kept quantized (``(..., "q_proj", "scale")``)."""
-    return bool(path) and (path[-1] in DENSE_WEIGHTS or (len(path) > 1 and path[-2] in DENSE_WEIGHTS
-                                                         and path[-1] in PARTS))
+    """A projection weight, a part of one kept quantized (``(..., "q_proj", "scale")``), or a LoRA
+    slot stack (``(..., "lora", "q_proj_a")``, read in place by layer as the projections are)."""
+    return bool(path) and (path[-1] in DENSE_WEIGHTS or (len(path) > 1 and (
+        (path[-2] in DENSE_WEIGHTS and path[-1] in PARTS) or path[-2] == "lora")))
 
 
 def dense_modules(model: nnx.Module) -> list[nnx.Module]:

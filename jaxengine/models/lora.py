@@ -1,13 +1,11 @@
-"""LoRA adapters as data: PEFT checkpoints read into fixed slots, and the grouped LoRA delta.
+"""LoRA adapters as data: PEFT checkpoints read into arrays that fit the model's slots.
 
 A PEFT LoRA adapter adds to a projection of its target modules (``y = x @ W``, W: [D_in, D_out])
 the low-rank delta ``scale * (x @ A) @ B`` with A: [D_in, r], B: [r, D_out] and
 ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA). The scale is folded into B
-when an adapter is read. Adapters live in fixed slots, ``max_loras`` x ``max_rank`` zero-padded
-(a padded rank adds nothing), so loading one writes a slot and never changes a shape. Each token
-row carries its slot (-1: the base model alone). A step's delta is computed over its rows grouped
-by slot with ``jax.lax.ragged_dot``, shrink then expand (``lora_delta``), not as a dense product
-over every slot; ``lora_delta_reference`` is the per-row gather it is tested against.
+when an adapter is read, and the rank is zero-padded to ``max_rank`` (a padded rank adds
+nothing): the arrays fit a device slot (``models.lora_weights``) whatever the adapter's rank.
+``lora_delta_reference`` is the per-row gather the grouped delta is tested against.
 """
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.lora_weights import module_shapes
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -68,14 +67,6 @@ class AdapterConfig:
         if not targets or unknown:
             raise ValueError(f"{path}: target_modules: must be among {list(TARGET_MODULES)}, got {targets!r}")
         return cls(r, float(alpha), tuple(sorted(targets, key=TARGET_MODULES.index)), bool(raw.get("use_rslora")))
-
-
-def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(D_in, D_out) of each projection LoRA may adapt."""
-    d, q, kv, f = (config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
-                   config.intermediate_size)
-    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
 
 
 @dataclass
@@ -125,23 +116,6 @@ def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> 
             b[layer, :config.r, :] = value.T * config.scale
     digest = hashlib.sha256(weights_path.read_bytes() + (folder / CONFIG_FILE).read_bytes()).hexdigest()
     return LoRAAdapter(folder, config, weights, digest)
-
-
-def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    """The LoRA delta of each row: ``x[t] @ a[s] @ b[s]`` for its slot ``s = slots[t]``, zero for
-    slot -1. x: [T, D_in]; slots: [T] int32; a: [S, D_in, R]; b: [S, R, D_out] -> [T, D_out].
-
-    The rows are sorted by slot and multiplied group by group (``ragged_dot``: each row meets one
-    adapter, never all S); base rows form a last group against a zero adapter."""
-    num_slots = a.shape[0]
-    group = jnp.where(slots < 0, num_slots, slots)
-    order = jnp.argsort(group, stable=True)
-    sizes = jnp.bincount(group, length=num_slots + 1).astype(jnp.int32)
-    a = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
-    b = jnp.concatenate([b, jnp.zeros((1, *b.shape[1:]), b.dtype)])
-    shrunk = jax.lax.ragged_dot(x[order], a, sizes)               # [T, R]
-    expanded = jax.lax.ragged_dot(shrunk, b, sizes)               # [T, D_out]
-    return jnp.zeros_like(expanded).at[order].set(expanded)
 
 
 def lora_delta_reference(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:

@@ -26,9 +26,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.kernels.matmul import xla_dense
+from jaxengine.kernels.matmul import xla_dense, xla_grouped_dense
 from jaxengine.kernels.matmul.quantized import QuantizedWeight
 from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules
+from jaxengine.models.lora_weights import LoRAWeights
 from jaxengine.models.moe import Experts, expert_of_rows, grouped_swiglu, routed_swiglu
 
 logger = logging.getLogger(__name__)
@@ -309,6 +310,8 @@ def shard_kernels(model: nnx.Module, mesh: Mesh) -> None:
     if mesh.devices.size > 1:
         for module in dense_modules(model):
             module.dense_fn = xla_dense
+        for slots in [node for _, node in nnx.iter_graph(model) if isinstance(node, LoRAWeights)]:
+            slots.grouped_fn = xla_grouped_dense
         for experts in [node for _, node in nnx.iter_graph(model) if isinstance(node, Experts)]:
             if not isinstance(experts.experts_fn, ShardedExperts):
                 experts.experts_fn = ShardedExperts(mesh, experts.expert_parallel)

@@ -75,16 +75,21 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams | None = None, *, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    stop_check=None, slo=None) -> Request:
+                    stop_check=None, slo=None, lora_request=None) -> Request:
         """Queue a request on the replica ``route`` picks (the arguments are ``Engine.add_request``'s)."""
         if self._replica_of(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         i = self.route(prompt_token_ids, cache_salt)
         request = self.replicas[i].add_request(request_id, prompt_token_ids, sampling_params, priority=priority,
                                                arrival_time=arrival_time, cache_salt=cache_salt,
-                                               stop_check=stop_check, slo=slo)
+                                               stop_check=stop_check, slo=slo, lora_request=lora_request)
         self.num_routed[i] += 1
         return request
+
+    def adapter_digest(self, lora_request):
+        """Each replica reads the adapter (a bad one fails before any request is queued)."""
+        digests = [replica.adapter_digest(lora_request) for replica in self.replicas]
+        return digests[0]
 
     def route(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """The replica a request for this prompt would go to now."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxengine.core.scheduler_output import SchedulerOutput
 from jaxengine.kernels.paged_attention import AttentionMetadata
+from jaxengine.models.lora_weights import lora_rows
 from jaxengine.runner.buckets import step_bucket
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sampling_params import MAX_LOGIT_BIAS
@@ -58,8 +59,10 @@ def seed_words(seed: int) -> tuple[int, int]:
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int,
                  token_buckets: list[int], request_buckets: list[int],
-                 placement: jax.sharding.Sharding | None = None, vocab_size: int = 32) -> None:
+                 placement: jax.sharding.Sharding | None = None, vocab_size: int = 32, num_lora_slots: int = 0) -> None:
+        """``num_lora_slots``: the model's LoRA slots (0: no adapters; the steps then carry no grouping)."""
         self.block_size = block_size
+        self.num_lora_slots = num_lora_slots
         self.bitmask_words = bitmask_words(vocab_size)
         self.token_buckets, self.request_buckets = token_buckets, request_buckets
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -121,8 +124,9 @@ class InputBatch:
         self.block_tables[slot, len(table):] = 0
 
     # ---- one step's inputs ----
-    def prepare(self, out: SchedulerOutput) -> tuple[StepInputs, np.ndarray]:
-        """Padded inputs, plus the slots of the rows."""
+    def prepare(self, out: SchedulerOutput, row_lora_slots: np.ndarray | None = None) -> tuple[StepInputs, np.ndarray]:
+        """Padded inputs, plus the slots of the rows. ``row_lora_slots``: each row's adapter slot
+        (-1: the base model), with LoRA slots."""
         slots = np.fromiter((self.slot_of[s] for s in out.seq_ids), np.int64, len(out.seq_ids))
         n = np.asarray(out.num_scheduled_tokens, np.int32)
         samples = np.asarray(out.num_samples, np.int32)
@@ -135,7 +139,8 @@ class InputBatch:
         token_slot = slots[token_row]
         pos = np.arange(num_tokens) - (ends - n)[token_row] + computed[token_row]
         input_ids, prev_index = self._input_ids(token_slot, pos, ends, out.previous_sample_rows, t_pad)
-        attention = self._attention(slots, token_slot, pos, ends, seq_lens, t_pad, b_pad)
+        attention = self._attention(slots, token_slot, pos, ends, seq_lens, t_pad, b_pad,
+                                    None if row_lora_slots is None else row_lora_slots[token_row])
         sampling, logits_indices = self._sampling(slots, samples, ends, seq_lens, b_pad, out.token_bitmask, drafted)
         want, target = self._prompt_logprob_targets(token_slot, pos, t_pad)
         following = self._following_ids(token_slot, pos, t_pad)
@@ -175,7 +180,9 @@ class InputBatch:
             input_ids[ends[previous >= 0] - 1] = 0
         return input_ids, prev_index
 
-    def _attention(self, slots, token_slot, pos, ends, seq_lens, t_pad: int, b_pad: int) -> AttentionMetadata:
+    def _attention(self, slots, token_slot, pos, ends, seq_lens, t_pad: int, b_pad: int,
+                   token_lora_slots: np.ndarray | None = None) -> AttentionMetadata:
+        """``token_lora_slots``: each real token's adapter slot (None: all the base model's)."""
         num_rows, num_tokens, bs = len(slots), len(pos), self.block_size
         tokens = np.zeros((2, t_pad), np.int32)            # positions, slot mapping
         tokens[0, :num_tokens] = pos
@@ -187,7 +194,11 @@ class InputBatch:
         padded_seq_lens[:num_rows] = seq_lens
         block_tables = np.zeros((b_pad, self.max_blocks_per_seq), np.int32)
         block_tables[:num_rows] = self.block_tables[slots]
-        return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables)
+        lora = {}
+        if self.num_lora_slots:
+            base = np.full(num_tokens, -1, np.int32) if token_lora_slots is None else token_lora_slots
+            lora = dict(zip(("lora_order", "lora_sizes"), lora_rows(base, self.num_lora_slots, t_pad)))
+        return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables, **lora)
 
     def _sampling(self, slots, samples, ends, seq_lens, b_pad: int, token_bitmask: np.ndarray | None = None,
                   drafted: np.ndarray | None = None) -> tuple[SamplingMetadata, np.ndarray]:

@@ -30,6 +30,7 @@ from jaxengine.runner.drafter import Drafter
 from jaxengine.runner.eagle_drafter import EagleDrafter
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
+from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.sampler import SamplerOutput, logprobs_of, sample
 from jaxengine.sampling_params import MAX_LOGPROBS
@@ -88,13 +89,15 @@ class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, dtype=jnp.float32,
                  warm_up: bool = True, progress: bool = True, token_buckets: list[int] | None = None,
                  request_buckets: list[int] | None = None, mesh: Mesh | None = None, compile_mode: str = "eager",
-                 before_compile: Callable[[tuple[int, int]], None] | None = None, draft=None) -> None:
+                 before_compile: Callable[[tuple[int, int]], None] | None = None, draft=None,
+                 lora_targets: tuple[str, ...] | None = None) -> None:
         """``warm_up``: compile the step buckets and block moves at start-up, every one before
         returning (``compile_mode="eager"``) or the smallest bucket now and the others on a thread
         (``"background"``, ``compile_in_background``; ``before_compile`` runs there before each).
         Without it each compiles on first use, counted in ``num_compiles``. ``draft``: (the draft
         model, its config, k, sampled) of the ``draft_model`` or ``eagle3`` proposer (``runner.drafter``), whose steps
-        compile with these, and whether it samples its drafts."""
+        compile with these, and whether it samples its drafts. ``lora_targets``: the modules the
+        model has LoRA slots for (``models.lora.attach_lora``; with ``config.lora``)."""
         sc, cc = config.scheduler, config.cache
         self.mesh = mesh
         self._replicated = None if mesh is None else replicated(mesh)
@@ -106,7 +109,8 @@ class ModelRunner:
                                                                 token_buckets, request_buckets)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
                                 cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated,
-                                vocab_size=model_config.vocab_size)
+                                vocab_size=model_config.vocab_size,
+                                num_lora_slots=0 if config.lora is None else config.lora.max_loras)
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype,
                                         sharding=None if mesh is None else kv_cache_sharding(mesh))
         kv_shape = (cc.block_size, model_config.num_kv_heads, model_config.head_dim)
@@ -126,6 +130,9 @@ class ModelRunner:
         max_rows = self.request_buckets[-1]
         self.state, self.step_fn = make_forward(model, head=functools.partial(_sample_head, max_rows=max_rows),
                                                 mesh=mesh, expert_counts=True, aux_layers=aux_layers)
+        self.lora = None if config.lora is None else LoRASlots(config.lora, model_config, lora_targets)
+        if self.lora is not None:
+            self.state = self.lora.write(self.state, 0, None)      # compiles the slot writes now
         self._previous_tokens = self._zero_tokens(max_rows)      # the last launched step's tokens
         self._uncollected: collections.deque[PendingStep] = collections.deque()
         self.num_compiles = 0            # compilations after start-up
@@ -288,7 +295,7 @@ class ModelRunner:
         # Host preparation (process 0 only under several processes) ...
         self.batch.update(out)
         moves = BlockMoves(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        inputs, slots = self.batch.prepare(out) if out.seq_ids else (None, None)
+        inputs, slots = self.batch.prepare(out, self._lora_rows(out)) if out.seq_ids else (None, None)
         inputs = self._with_sampled_drafts(inputs, out)
         if inputs is None and not moves:
             self._wait_for_buckets()
@@ -304,6 +311,14 @@ class ModelRunner:
         step = PendingStep(self, out, inputs, slots, device_result)
         self._uncollected.append(step)
         return step
+
+    def _lora_rows(self, out: SchedulerOutput) -> np.ndarray | None:
+        """With LoRA slots: the step's adapters put in slots, and each row's slot (-1: base)."""
+        if self.lora is None:
+            return None
+        requests = [seq.request.lora_request for seq in out.scheduled_seqs]
+        self.state, slot_of = self.lora.activate(self.state, [r for r in requests if r is not None])
+        return self.lora.row_slots(requests, slot_of)
 
     def _wait_for_buckets(self) -> None:
         """An empty step while buckets compile in the background: requests may be waiting for

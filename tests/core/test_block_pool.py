@@ -85,4 +85,4 @@ def test_block_hashes_chain_over_parents_and_salt():
     assert hashes == [h1, hash_block_tokens(h1, [3, 4])]
     other = extend_block_hashes([], [9, 9, 3, 4], 2, 2)
     assert other[1] != hashes[1]                                 # equal block, other prefix
-    assert extend_block_hashes([], [1, 2], 1, 2, cache_salt="s")[0] == hash_block_tokens(None, [1, 2], ("s",))
+    assert extend_block_hashes([], [1, 2], 1, 2, extra_keys=("s",))[0] == hash_block_tokens(None, [1, 2], ("s",))

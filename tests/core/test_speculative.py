@@ -61,7 +61,7 @@ def check_speculation(h) -> None:
     for group in h.scheduler.running:
         for seq in group.live_seqs:
             hashes = extend_block_hashes([], seq.token_ids, seq.num_cached_blocks, h.kv.block_size,
-                                         seq.request.cache_salt)
+                                         seq.request.prefix_keys)
             assert seq.block_hashes[:seq.num_cached_blocks] == hashes[:seq.num_cached_blocks]
 
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.lora import lora_delta, lora_delta_reference, load_adapter
+from jaxengine.models.lora import load_adapter, lora_delta_reference
+from jaxengine.models.lora_weights import lora_delta, lora_rows
 
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -70,17 +71,25 @@ def test_a_bfloat16_adapter_reads_as_its_float32_values(peft_adapter, tmp_path):
     np.testing.assert_array_equal(got[1], tensors[name].astype(np.float32).T)
 
 
-def test_the_grouped_delta_equals_each_rows_own_adapter():
+@pytest.mark.parametrize("grouped", ["openblas", "ragged_dot"])
+def test_the_grouped_delta_equals_each_rows_own_adapter(grouped):
+    from jaxengine.kernels.matmul import grouped_dense, xla_grouped_dense
+
+    fn = grouped_dense if grouped == "openblas" else xla_grouped_dense
     rng = np.random.default_rng(1)
     a = jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((3, 4, 24)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((11, 16)), jnp.float32)
-    slots = jnp.asarray([2, -1, 0, 2, 1, -1, 0, 0, 2, -1, 1], jnp.int32)      # interleaved, base rows among them
-    got = lora_delta(x, slots, a, b)
-    np.testing.assert_allclose(got, lora_delta_reference(x, slots, a, b), rtol=1e-5, atol=1e-5)
+    x = jnp.asarray(rng.standard_normal((13, 16)), jnp.float32)
+    slots = np.asarray([2, -1, 0, 2, 1, -1, 0, 0, 2, -1, 1], np.int32)      # interleaved, base rows among them
+    order, sizes = lora_rows(slots, 3, 13)                                    # two padding tokens after them
+    assert sizes.tolist() == [3, 2, 3] and order[8:].tolist() == [1, 5, 9, 11, 12]
+    got = np.asarray(lora_delta(x, order, sizes, a, b, grouped_fn=fn))
+    padded = np.concatenate([slots, [-1, -1]])
+    np.testing.assert_allclose(got, lora_delta_reference(x, padded, a, b), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[3], np.asarray(x[3]) @ np.asarray(a[2]) @ np.asarray(b[2]), rtol=1e-5, atol=1e-5)
-    assert not np.asarray(got)[[1, 5, 9]].any()                              # the base model's rows: nothing added
-    np.testing.assert_array_equal(lora_delta(x, jnp.full((11,), -1, jnp.int32), a, b), 0.0)
+    assert not got[[1, 5, 9, 11, 12]].any()                  # the base model's rows and the padding: nothing added
+    order, sizes = lora_rows(np.full(11, -1, np.int32), 3, 13)
+    np.testing.assert_array_equal(lora_delta(x, order, sizes, a, b, grouped_fn=fn), 0.0)
 
 
 def test_rslora_scales_by_the_square_root_of_the_rank(peft_adapter, tmp_path):

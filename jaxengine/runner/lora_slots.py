@@ -1,0 +1,135 @@
+"""LoRA adapters onto the device: which adapter sits in which of the model's slots, and the
+copies kept in host memory.
+
+A step's adapters must sit in the model's slots when it launches; the scheduler runs at most
+``max_loras`` distinct adapters at once, so they always fit. A slot keeps its adapter until
+another needs it (the least recently used goes). An adapter read from disk stays in host memory
+(least recently used out past ``max_cpu_loras``), so one that left the device comes back
+without reading the disk. Writing a slot replaces the values of the slot stacks
+(``models.lora.LoRAWeights``) with arrays of the same shapes and shardings: nothing compiles
+again once the writes are compiled at start-up.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxengine.config import LoRAConfig
+from jaxengine.lora_request import LoRARequest
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.lora import CONFIG_FILE, LoRAAdapter, load_adapter
+
+
+@functools.cache
+def _slot_writer(sharding) -> Callable:
+    """stack [L, S, ...], slot, value [L, ...] -> the stack with that slot replaced, in the stack's
+    own sharding (what the compiled steps take); one compile per stack shape."""
+    return jax.jit(lambda stack, slot, value: stack.at[:, slot].set(value.astype(stack.dtype)),
+                   out_shardings=sharding)
+
+
+class LoRASlots:
+    """The device slots and the host copies of one model's adapters. ``targets``: the modules
+    the model has slots for (``models.lora.attach_lora``)."""
+
+    def __init__(self, config: LoRAConfig, model_config: ModelConfig, targets: tuple[str, ...]) -> None:
+        self.config, self.model_config, self.targets = config, model_config, targets
+        self.host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()   # id -> adapter, LRU
+        self.paths: dict[int, str] = {}                # id -> its folder, for reading it again
+        self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()       # id -> slot, LRU
+        self.num_disk_reads = 0
+        self.num_slot_writes = 0
+        self.load_s = 0.0                              # time spent reading and writing adapters
+
+    @property
+    def num_slots(self) -> int:
+        return self.config.max_loras
+
+    # ---- host side ----
+    def register(self, request: LoRARequest) -> str:
+        """Read (or find in host memory) the adapter of a new request; -> its content digest. A bad
+        adapter is a ValueError naming the file and field, and changes nothing."""
+        known = self.paths.get(request.lora_int_id)
+        if known is not None and known != request.lora_path:
+            raise ValueError(f"lora_request.lora_int_id: {request.lora_int_id} is already the adapter at {known}, "
+                             f"not {request.lora_path}")
+        return self._adapter(request.lora_int_id, request.lora_path).digest
+
+    def forget(self, lora_int_id: int) -> None:
+        """An adapter unloaded: its host copy and its slot go (a request still running with it reads
+        it again from its path for its next step)."""
+        self.host.pop(lora_int_id, None)
+        self.paths.pop(lora_int_id, None)
+        self.slot_of.pop(lora_int_id, None)
+
+    def _adapter(self, lora_int_id: int, path: str) -> LoRAAdapter:
+        adapter = self.host.get(lora_int_id)
+        if adapter is not None:
+            self.host.move_to_end(lora_int_id)
+            return adapter
+        start = time.perf_counter()
+        adapter = load_adapter(path, self.model_config, self.config.max_lora_rank)
+        unserved = sorted(set(adapter.config.target_modules) - set(self.targets))
+        if unserved:
+            raise ValueError(f"{adapter.path / CONFIG_FILE}: target_modules: this model has no LoRA slots for "
+                             f"{unserved} (a mixture of experts' experts take no adapter); served: {list(self.targets)}")
+        self.num_disk_reads += 1
+        self.load_s += time.perf_counter() - start
+        self.host[lora_int_id], self.paths[lora_int_id] = adapter, path
+        while len(self.host) > self.config.num_cpu_loras:
+            self.host.popitem(last=False)
+        return adapter
+
+    # ---- device side ----
+    def activate(self, state: nnx.State, requests: list[LoRARequest]) -> tuple[nnx.State, dict[int, int]]:
+        """Put a step's adapters (at most ``max_loras`` distinct) in slots; -> the model state
+        with any slot written, and each adapter's slot."""
+        wanted = {r.lora_int_id: r for r in requests}
+        if len(wanted) > self.num_slots:
+            raise RuntimeError(f"a step of {len(wanted)} adapters, {self.num_slots} slots (max_loras)")
+        for lora_int_id, request in wanted.items():
+            if lora_int_id in self.slot_of:
+                self.slot_of.move_to_end(lora_int_id)
+                continue
+            slot = self._free_slot(wanted)
+            adapter = self._adapter(lora_int_id, self.paths.get(lora_int_id, request.lora_path))
+            state = self.write(state, slot, adapter)
+            self.slot_of[lora_int_id] = slot
+        return state, {i: self.slot_of[i] for i in wanted}
+
+    def _free_slot(self, wanted: dict) -> int:
+        """A slot no adapter holds, else the least recently used one not wanted by this step."""
+        taken = set(self.slot_of.values())
+        for slot in range(self.num_slots):
+            if slot not in taken:
+                return slot
+        victim = next(i for i in self.slot_of if i not in wanted)
+        return self.slot_of.pop(victim)
+
+    def write(self, state: nnx.State, slot: int, adapter: LoRAAdapter | None) -> nnx.State:
+        """``adapter``'s weights into slot ``slot`` of every stack (modules it does not adapt: zero;
+        None: all zero)."""
+        start = time.perf_counter()
+        index = np.int32(slot)
+        for path, variable in nnx.to_flat_state(state):
+            if len(path) < 2 or path[-2] != "lora":
+                continue
+            module, which = path[-1].rsplit("_", 1)
+            stack = variable[...]
+            pair = None if adapter is None else adapter.weights.get(module)
+            value = np.zeros((stack.shape[0], *stack.shape[2:]), np.float32) if pair is None else \
+                pair[0 if which == "a" else 1]
+            variable[...] = _slot_writer(stack.sharding)(stack, index, value)
+        self.num_slot_writes += 1
+        self.load_s += time.perf_counter() - start
+        return state
+
+    def row_slots(self, requests: list[LoRARequest | None], slot_of: dict[int, int]) -> np.ndarray:
+        """Each row's slot (-1: the base model)."""
+        return np.fromiter((-1 if r is None else slot_of[r.lora_int_id] for r in requests), np.int32, len(requests))
