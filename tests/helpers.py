@@ -28,9 +28,10 @@ class Clock:
 class Harness:
     """A scheduler plus the KV-simulating runner, stepped by hand."""
 
-    def __init__(self, clock: Clock | None = None, async_scheduling: bool = False, speculative=None,
+    def __init__(self, clock: Clock | None = None, async_scheduling: bool = False, speculative=None, lora=None,
                  **overrides) -> None:
-        self.config = dataclasses.replace(EngineConfig().replace(**{**SMALL, **overrides}), speculative=speculative)
+        self.config = dataclasses.replace(EngineConfig().replace(**{**SMALL, **overrides}), speculative=speculative,
+                                          lora=lora)
         cache = self.config.cache
         self.clock = clock or Clock()
         self.runner = HashRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size)

@@ -118,6 +118,8 @@ class Scheduler:
 
     def _never_reason(self, request: Request) -> str | None:
         cfg, n = self.config, request.num_prompt_tokens
+        if request.lora_id is not None and not self.max_loras:
+            return "it asks for a LoRA adapter and this scheduler runs none (max_loras=0)"
         if n >= cfg.max_model_len:
             return (f"prompt has {n} tokens, which leaves no room for output within "
                     f"max_model_len={cfg.max_model_len}")

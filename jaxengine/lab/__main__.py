@@ -84,6 +84,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", default="128", help="output tokens, as --input-len")
     g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
     g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
+    g.add_argument("--num-adapters", type=int, default=0,
+                   help="LoRA adapters the requests are spread over, uniformly (needs --enable-lora; 0: none)")
     g.add_argument("--priorities", type=_priorities, default=None, metavar="P:W,...",
                    help="priority mix, e.g. 0:0.8,1:0.2 (priority: weight)")
     g.add_argument("--n", type=int, default=1, help="samples per request")
@@ -163,7 +165,8 @@ def _workload(args: argparse.Namespace):
         return (from_jsonl if args.requests.endswith(".jsonl") else from_bench_result)(args.requests)
     return Workload(num_requests=args.num_requests, request_rate=args.request_rate, burstiness=args.burstiness,
                     input_len=args.input_len, output_len=args.output_len, shared_prefix_len=args.shared_prefix_len,
-                    num_prefixes=args.num_prefixes, priorities=args.priorities, n=args.n, seed=args.seed)
+                    num_prefixes=args.num_prefixes, priorities=args.priorities, n=args.n,
+                    num_adapters=args.num_adapters, seed=args.seed)
 
 
 def _options(args: argparse.Namespace) -> dict:

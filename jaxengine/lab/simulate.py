@@ -21,6 +21,7 @@ from jaxengine.engine_args import EngineArgs
 from jaxengine.lab.profile import CostProfile, StepShape
 from jaxengine.lab.roofline import RooflineProfile
 from jaxengine.lab.workload import SimRequest, Workload
+from jaxengine.lora_request import LoRARequest
 from jaxengine.sampling_params import SamplingParams
 from jaxengine.spec_decode.gate import expected_accepted
 
@@ -170,6 +171,7 @@ def simulate(workload: Workload | list[SimRequest], profile: Profile, *, slos: d
     clock = SimClock()
     runner = SimRunner(profile, *args.step_buckets(), clock, noise=noise, seed=seed, acceptance=acceptance)
     runner.record = record_outputs
+    runner.lora = None if config.lora is None else SimAdapters()
     engine = Engine(config, runner, clock=clock, timer=clock, trace=True)
     if config.autopilot is not None:
         from jaxengine.autopilot import attach_autopilot     # lazily: the autopilot imports the lab
@@ -218,8 +220,18 @@ def _run(engine: Engine, clock: SimClock, requests: list[SimRequest], overhead_s
 
 def _add(engine: Engine, request_id: str, r: SimRequest, overhead_s: float) -> None:
     params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, n=r.n, temperature=1.0 if r.n > 1 else 0.0)
+    lora = None if r.adapter is None else LoRARequest(f"adapter-{r.adapter}", r.adapter, "simulated")
     engine.add_request(request_id, list(r.prompt_token_ids), params, priority=r.priority,
-                       arrival_time=r.arrival_s + overhead_s)
+                       arrival_time=r.arrival_s + overhead_s, lora_request=lora)
+
+
+class SimAdapters:
+    """The simulator's LoRA adapters: identities without weights. What it simulates is the
+    scheduler's limit of ``max_loras`` adapters at once; the profile has no cost for the deltas."""
+
+    @staticmethod
+    def register(request: LoRARequest) -> str:
+        return f"simulated-{request.lora_int_id}"
 
 
 def _stream(out: SchedulerOutput, sampled: list[list[int]], timelines: list[RequestTimeline], now: float) -> None:

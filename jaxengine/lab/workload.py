@@ -7,7 +7,7 @@ give the same send times as a measured ``python -m jaxengine.bench serve`` run, 
 and output lengths use the same ``LengthSpec`` strings (``128``, ``32:512``, ``lognormal:128``).
 A recorded run replays too: ``from_bench_result`` (a ``serve`` result's per-request records) or
 ``from_jsonl`` (one ``{"arrival_s", "prompt_len" or "prompt_token_ids", "output_len",
-"priority", "n"}`` per line).
+"priority", "n", "adapter"}`` per line).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class SimRequest:
     output_len: int
     priority: int = 0
     n: int = 1
+    adapter: int | None = None      # its LoRA adapter (1, 2, ...; None: the base model)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Workload:
     """``request_rate`` in requests/s (inf: all at time 0); ``burstiness`` the gamma shape of the
     gaps (1: Poisson). ``shared_prefix_len`` tokens open every prompt, drawn from
     ``num_prefixes`` distinct prefixes (the prompt lengths are the rest). ``priorities``:
-    ``{priority: weight}``."""
+    ``{priority: weight}``. ``num_adapters``: each request runs with one of that many LoRA adapters,
+    drawn uniformly (0: the base model; the simulation needs ``enable_lora``)."""
 
     num_requests: int = 200
     request_rate: float = math.inf
@@ -45,6 +47,7 @@ class Workload:
     num_prefixes: int = 1
     priorities: dict[int, float] | None = None
     n: int = 1
+    num_adapters: int = 0
     vocab_size: int = 32000
     seed: int = 0
 
@@ -55,8 +58,8 @@ class Workload:
             raise ValueError(f"num_requests: must be >= 1, got {self.num_requests}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate: must be > 0 (inf: all at once), got {self.request_rate}")
-        if self.n < 1 or self.num_prefixes < 1 or self.shared_prefix_len < 0:
-            raise ValueError("n, num_prefixes: must be >= 1; shared_prefix_len: must be >= 0")
+        if self.n < 1 or self.num_prefixes < 1 or self.shared_prefix_len < 0 or self.num_adapters < 0:
+            raise ValueError("n, num_prefixes: must be >= 1; shared_prefix_len, num_adapters: must be >= 0")
 
     def requests(self, max_model_len: int = 1 << 30) -> list[SimRequest]:
         """The requests, arrival order; lengths cut so each fits ``max_model_len``."""
@@ -73,7 +76,9 @@ class Workload:
             n_in = in_spec.sample(rng, max(max_model_len - 1 - len(prefix), 1))
             n_out = out_spec.sample(rng, max(max_model_len - len(prefix) - n_in, 1))
             priority = rng.choices(list(weights), list(weights.values()))[0]
-            requests.append(SimRequest(t, tuple(prefix + _ids(rng, n_in, self.vocab_size)), n_out, priority, self.n))
+            ids = tuple(prefix + _ids(rng, n_in, self.vocab_size))
+            adapter = rng.randint(1, self.num_adapters) if self.num_adapters else None   # (no draw without)
+            requests.append(SimRequest(t, ids, n_out, priority, self.n, adapter))
             t += gap
         return requests
 
@@ -110,8 +115,10 @@ def from_jsonl(path: str | Path, vocab_size: int = 32000, seed: int = 0) -> list
         r = json.loads(line)
         try:
             ids = r.get("prompt_token_ids") or _ids(rng, int(r["prompt_len"]), vocab_size)
+            adapter = r.get("adapter")
             requests.append(SimRequest(float(r["arrival_s"]), tuple(ids), int(r["output_len"]),
-                                       int(r.get("priority", 0)), int(r.get("n", 1))))
+                                       int(r.get("priority", 0)), int(r.get("n", 1)),
+                                       None if adapter is None else int(adapter)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: line {i + 1}: needs arrival_s, prompt_len or prompt_token_ids, "
                              f"output_len ({e})") from None

@@ -1,7 +1,8 @@
 """Exact-value scenarios for the scheduler. Block size 4 unless said; {request: tokens} per step."""
 import pytest
 
-from jaxengine.request import RequestStatus
+from jaxengine.request import Request, RequestStatus
+from jaxengine.sampling_params import SamplingParams
 
 from tests.helpers import Clock, Harness
 
@@ -421,3 +422,29 @@ def test_a_grammar_group_swapped_out_by_the_step_run_ahead_samples_its_token_aga
     assert outputs == run(async_scheduling=False)[0]
     assert all(len(o) == 8 for o in outputs["g"])
     assert fed == [o[:-1] for o in outputs["g"]]          # the token that ends it by length is not fed
+
+
+def test_a_request_whose_adapter_would_pass_max_loras_waits_and_nothing_overtakes_it():
+    """max_loras 1: adapter 1 runs; a request of adapter 2 waits at the head, and a later request
+    of the running adapter 1 waits behind it (else adapter 1 could hold the slot for ever); once
+    adapter 1's request ends, adapter 2's goes first."""
+    from jaxengine.config import LoRAConfig
+    from jaxengine.lora_request import LoRARequest
+
+    h = Harness(lora=LoRAConfig(max_loras=1))
+
+    def add(request_id: str, adapter: int, max_tokens: int) -> None:
+        request = Request(request_id, [100 + adapter] * 5, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                          arrival_time=h.clock(), lora_request=LoRARequest(f"a{adapter}", adapter, "unread"),
+                          lora_digest=f"d{adapter}")
+        h.requests[request_id] = request
+        h.scheduler.add_request(request)
+
+    add("first", 1, 3)
+    add("other", 2, 3)
+    add("same", 1, 3)
+    assert h.step() == {"first": 5}
+    assert h.step() == {"first": 1} and h.step() == {"first": 1}
+    assert h.step() == {"other": 5}                  # adapter 1 has ended: the head goes
+    assert h.step() == {"other": 1} and h.step() == {"other": 1}
+    assert h.step() == {"same": 5}

@@ -20,7 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxengine.core.kv_cache_manager import cdiv
+from jaxengine.config import LoRAConfig
 from jaxengine.core.policy import POLICIES
+from jaxengine.lora_request import LoRARequest
 from jaxengine.request import Request, RequestStatus
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -43,6 +45,7 @@ class Spec:
     abort_step: int | None
     beam: int = 0                       # a beam search of this width (n unused)
     early_stopping: bool | str = False
+    adapter: int | None = None          # its LoRA adapter's id (None: the base model)
 
 
 BASES = [tuple(range(1, 30)), tuple(range(30, 1, -1))]   # shared prefixes for the prefix cache
@@ -143,8 +146,10 @@ def add(h: Harness, spec: Spec) -> None:
     if spec.beam:
         params = BeamSearchParams(beam_width=spec.beam, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos,
                                   early_stopping=spec.early_stopping, length_penalty=spec.priority - 0.5)
+    lora = None if spec.adapter is None else LoRARequest(f"adapter-{spec.adapter}", spec.adapter, "unread")
     request = Request(spec.request_id, list(spec.prompt), params, arrival_time=h.clock(),
-                      priority=spec.priority, eos_token_id=0)
+                      priority=spec.priority, eos_token_id=0, lora_request=lora,
+                      lora_digest=None if lora is None else f"digest-{spec.adapter}")
     h.requests[spec.request_id] = request
     h.scheduler.add_request(request)
 
@@ -308,3 +313,26 @@ def test_priority_groups_come_back_in_rank_order_and_the_best_request_never_wait
     assert all(r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
                for r in h.requests.values())
     assert watch.vip_idle_steps <= 1 + config["async_scheduling"]
+
+
+@settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples // 4))
+@given(st.data())
+def test_at_most_max_loras_adapters_run_at_once_and_every_request_finishes(data):
+    """Requests of up to five adapters and of the base model under a limit of 1 to 3 adapters:
+    no step runs more adapters than the limit (nor do the running groups hold more), every
+    request finishes, and the outputs are the unlimited run's."""
+    workload = [replace(s, adapter=data.draw(st.sampled_from([None, 1, 2, 3, 4, 5]))) for s in
+                data.draw(specs(with_aborts=False))]
+    max_loras = data.draw(st.integers(1, 3))
+    config = data.draw(configs(workload))
+
+    def observe(h, step):
+        scheduled = {seq.request.lora_id for seq in h.last.scheduled_seqs} - {None}
+        assert len(scheduled) <= max_loras and len(h.scheduler.running_adapters()) <= max_loras
+
+    h = run_workload(workload, config, observe=observe,
+                     make_harness=lambda **c: Harness(lora=LoRAConfig(max_loras=max_loras), **c))
+    assert_all_released(h)
+    unlimited = run_workload(workload, REFERENCE, check=False,
+                             make_harness=lambda **c: Harness(lora=LoRAConfig(max_loras=5), **c))
+    assert h.outputs() == unlimited.outputs()

@@ -138,6 +138,23 @@ def test_shared_prefixes_hit_the_prefix_cache():
     assert hits == 19 * 64
 
 
+def test_the_adapter_limit_is_simulated():
+    """Twelve adapters over the requests: at most max_loras of them in any step, every request
+    served; a limit of 2 stretches the run against a limit of 12."""
+    workload = Workload(num_requests=60, request_rate=400.0, input_len="24", output_len="12", num_adapters=12)
+    assert {r.adapter for r in workload.requests()} == set(range(1, 13))
+    runs = {}
+    for max_loras in (2, 12):
+        result = simulate(workload, constant_profile(STEP, num_gpu_blocks=400, block_size=4), record_outputs=True,
+                          enable_lora=True, max_loras=max_loras, **SMALL)
+        per_step = [len({s.request.lora_id for s in out.scheduled_seqs}) for out in result.outputs]
+        assert max(per_step) == min(max_loras, SMALL["max_num_seqs"]) and result.metrics["completed"] == 60
+        runs[max_loras] = result.metrics["duration_s"]
+    assert runs[2] > runs[12]
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        simulate(workload, constant_profile(STEP, num_gpu_blocks=400, block_size=4), **SMALL)
+
+
 def test_recorded_runs_replay(tmp_path):
     bench = {"mode": "serve", "requests": [
         {"ok": True, "start_s": 0.5, "prompt_tokens": 12, "output_tokens": 7},
