@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the model name clients send (default: the model folder or file name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
+    g.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and unload LoRA "
+                        "adapters while the server runs (with --enable-lora; or set "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; default: off)")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     add_log_level_arg(g, default="info")
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = EngineMetrics(name)
     engine = AsyncEngine(llm, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key,
-                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=args.shutdown_grace))
     threading.Thread(target=_announce, args=(server, args, name), daemon=True).start()

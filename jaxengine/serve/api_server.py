@@ -38,8 +38,9 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 
 def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMetrics,
               api_key: str | None = None, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
-    """The app; starting it starts the engine thread, stopping it stops the engine."""
+              tool_call_parser: str | None = None, allow_runtime_lora_updating: bool = False) -> FastAPI:
+    """The app; starting it starts the engine thread, stopping it stops the engine.
+    ``allow_runtime_lora_updating``: serve the LoRA load and unload endpoints."""
     serving = OpenAIServing(engine, served_model_name, reasoning_parser, tool_call_parser)
     logger.info("tool calls (tool_choice auto) parsed as %s%s", serving.tool_call_parser,
                 "" if tool_call_parser else " (from the chat template)")
@@ -57,6 +58,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
     _add_error_handlers(app)
     _add_info_routes(app, engine, serving, metrics)
     _add_dashboard_routes(app, engine, serving, metrics)
+    if allow_runtime_lora_updating:
+        _add_lora_routes(app, engine, serving)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, raw: Request):
@@ -178,9 +181,12 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
 
     @get_route(app, "/v1/models")
     async def models():
-        card = p.ModelCard(id=serving.model_name, root=str(llm.model_path),
-                           max_model_len=llm.config.scheduler.max_model_len)
-        return p.ModelList(data=[card]).model_dump()
+        """The base model and every LoRA adapter served (``parent``: the base)."""
+        max_len = llm.config.scheduler.max_model_len
+        cards = [p.ModelCard(id=serving.model_name, root=str(llm.model_path), max_model_len=max_len)]
+        cards += [p.ModelCard(id=name, root=lora.lora_path, parent=serving.model_name, max_model_len=max_len)
+                  for name, lora in list(serving.adapters.items())]
+        return p.ModelList(data=cards).model_dump()
 
     @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest):
@@ -204,6 +210,32 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
         if serving.tokenizer is None:
             raise RequestError(400, "tokens: the server runs without a tokenizer", "tokens")
         return {"prompt": await engine.decode(body.tokens)}
+
+
+def _add_lora_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing) -> None:
+    """vLLM's runtime adapter endpoints: load and unload an adapter by name while the server runs
+    (on the engine thread, between steps: running requests go on; one still running with an
+    unloaded adapter finishes with it)."""
+    llm = engine.llm
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: p.LoadLoRAAdapterRequest):
+        if llm.config.lora is None:
+            raise RequestError(400, "lora_name: this server serves no LoRA adapters (start it with --enable-lora)",
+                               "lora_name")
+        if body.lora_name == serving.model_name or body.lora_name in serving.adapters:
+            raise RequestError(400, f"lora_name: `{body.lora_name}` is already served", "lora_name")
+        try:
+            await engine.run_on_engine_thread(lambda: llm.load_lora(body.lora_name, body.lora_path))
+        except ValueError as error:
+            raise RequestError(400, str(error), "lora_path") from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest):
+        if not await engine.run_on_engine_thread(lambda: llm.remove_lora(body.lora_name)):
+            raise RequestError(404, f"lora_name: no adapter named `{body.lora_name}` is loaded", "lora_name")
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
 def _add_dashboard_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: EngineMetrics) -> None:

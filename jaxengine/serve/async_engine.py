@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from jaxengine.llm import LLM
+from jaxengine.lora_request import LoRARequest
 from jaxengine.output_processor import OutputProcessor
 from jaxengine.request import LatencyTargets, Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
@@ -195,7 +196,8 @@ class AsyncEngine:
                                   f"{self.num_waiting} requests waiting; retry later", retry_after)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 priority: int = 0, slo: LatencyTargets | None = None) -> AsyncIterator[RequestDelta]:
+                 priority: int = 0, slo: LatencyTargets | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestDelta]:
         """Queue a request (``check`` it first); returns the iterator of its deltas, which ends
         with one that has ``finished``. Leaving the iteration early (a client that went away)
         aborts the request and frees its blocks. Call from the event loop."""
@@ -205,9 +207,27 @@ class AsyncEngine:
         # Stamped now, not when the engine thread takes it in after its current step: the wait
         # behind a long step is queueing, and the delay factor and fcfs must count it.
         arrival = self.engine.clock()
-        self._commands.put(("add", request_id, prompt_token_ids, params, priority, slo, arrival,
+        self._commands.put(("add", request_id, prompt_token_ids, params, priority, slo, arrival, lora_request,
                             lambda d: _deliver(loop, deltas, d)))
         return self._deltas(request_id, deltas)
+
+    async def run_on_engine_thread(self, fn: Callable[[], object]):
+        """``fn()`` run on the engine thread between steps (what changes the engine's state, such as
+        loading an adapter); its result, or its exception raised here."""
+        if self._stopping:
+            raise EngineStoppedError("the server is shutting down")
+        if (problem := self.health_problem) is not None:
+            raise EngineUnhealthyError(problem)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(outcome: tuple[bool, object]) -> None:
+            if not done.done():
+                ok, value = outcome
+                done.set_result(value) if ok else done.set_exception(value)
+
+        self._commands.put(("call", fn, lambda outcome: loop.call_soon_threadsafe(settle, outcome)))
+        return await done
 
     async def _deltas(self, request_id: str, deltas: asyncio.Queue) -> AsyncIterator[RequestDelta]:
         finished = False
@@ -300,6 +320,8 @@ class AsyncEngine:
                 with self._lock:
                     self._num_queued -= 1
                 command[-1](RequestDelta(command[1], [], finished=True, error=self._unhealthy, error_status=503))
+            elif command[0] == "call":
+                command[-1]((False, EngineUnhealthyError(self._unhealthy)))
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False on the stop command."""
@@ -317,16 +339,24 @@ class AsyncEngine:
                 return True
 
     def _do_add(self, request_id: str, ids: list[int], params: SamplingParams, priority: int,
-                slo: LatencyTargets | None, arrival: float, deliver) -> None:
+                slo: LatencyTargets | None, arrival: float, lora_request: LoRARequest | None, deliver) -> None:
         with self._lock:
             self._num_queued -= 1
         try:
-            request = self.llm.add_request(request_id, ids, params, priority=priority, arrival_time=arrival, slo=slo)
+            request = self.llm.add_request(request_id, ids, params, priority=priority, arrival_time=arrival, slo=slo,
+                                           lora_request=lora_request)
         except Exception as error:                      # noqa: BLE001 - reported to that request only
             deliver(RequestDelta(request_id, [], finished=True, error=str(error), error_status=400))
             return
         output = OutputProcessor(request, self.tokenizer, self.engine.finish_sequence)
         self._tracked[request_id] = _Tracked(request, deliver, output)
+
+    @staticmethod
+    def _do_call(fn: Callable[[], object], settle) -> None:
+        try:
+            settle((True, fn()))
+        except Exception as error:                      # noqa: BLE001 - raised where it was asked for
+            settle((False, error))
 
     def _do_abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is not None:

@@ -9,6 +9,7 @@ from contextlib import aclosing
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from jaxengine.lora_request import LoRARequest
 from jaxengine.request import LatencyTargets
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.serve import protocol as p
@@ -62,18 +63,36 @@ class OpenAIServing:
         self.defaults = getattr(getattr(engine, "llm", None), "generation_defaults", {})   # generation_config
 
     # ---- requests -> engine ----
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError(400, f"model: `{model}` is not served here; this server serves "
-                                    f"`{self.model_name}`", "model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); an unknown name is
+        a 404, as OpenAI answers for a model that does not exist."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            served = [self.model_name, *self.adapters]
+            raise RequestError(404, f"model: the model `{model}` does not exist; this server serves "
+                                    f"{', '.join(f'`{m}`' for m in served)}", "model")
+        return adapter
+
+    @property
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters served by name (``LLM.loras``)."""
+        return getattr(getattr(self.engine, "llm", None), "loras", {})
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter asked for, else the base model."""
+        return model if model is not None and model in self.adapters else self.model_name
 
     def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams | BeamSearchParams,
                request: p.CompletionRequest | p.ChatCompletionRequest) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Check every prompt before queueing any, then merge their delta streams."""
         slo = LatencyTargets.from_ms(request.slo)
+        lora = self.check_model(request.model)
         for ids in prompts:
             self.engine.check(ids, params, slo)
-        return _merge([self.engine.generate(f"{request_id}-{i}", ids, params, priority=request.priority, slo=slo)
+        return _merge([self.engine.generate(f"{request_id}-{i}", ids, params, priority=request.priority, slo=slo,
+                                            lora_request=lora)
                        for i, ids in enumerate(prompts)])
 
     async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
@@ -119,12 +138,14 @@ class OpenAIServing:
             echo = _Echo(prompts, texts if request.echo else [""] * len(prompts), echo_logprobs is not None,
                          request.prompt_logprobs is not None)
             deltas = echo.watch(deltas)
+        model = self.response_model(request.model)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._completion_stream(request_id, deltas, request.n, include_usage, echo), True
-        return self._completion_full(request_id, deltas, request.n, len(prompts), echo), False
+            return self._completion_stream(request_id, model, deltas, request.n, include_usage, echo), True
+        return self._completion_full(request_id, model, deltas, request.n, len(prompts), echo), False
 
-    def _completion_stream(self, request_id: str, deltas, n: int, include_usage: bool, echo: "_Echo | None"):
+    def _completion_stream(self, request_id: str, model: str, deltas, n: int, include_usage: bool,
+                           echo: "_Echo | None"):
         started: set[tuple[int, int]] = set()
 
         def chunk(i: int, c, usage: p.UsageInfo | None = None) -> p.CompletionResponse:
@@ -133,13 +154,14 @@ class OpenAIServing:
                 first = (i, c.index) not in started
                 started.add((i, c.index))
                 choices = [self._completion_choice(i * n + c.index, c, echo, i if first else None)]
-            return p.CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+            return p.CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
         return _sse_stream(_chunk_stream(deltas, chunk, include_usage))
 
-    async def _completion_full(self, request_id: str, deltas, n: int, num_prompts: int, echo: "_Echo | None"):
+    async def _completion_full(self, request_id: str, model: str, deltas, n: int, num_prompts: int,
+                               echo: "_Echo | None"):
         choices, usage = await _gather(deltas, n, num_prompts)
-        yield p.CompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=[
+        yield p.CompletionResponse(id=request_id, model=model, usage=usage, choices=[
             self._completion_choice(k, c, echo, k // n) for k, c in enumerate(choices)])
 
     def _completion_choice(self, index: int, c, echo: "_Echo | None", prompt: int | None) -> p.CompletionChoice:
@@ -236,7 +258,7 @@ class OpenAIServing:
         if request.prompt_logprobs is not None:
             echo = _Echo([prompt], [""], False, True)
             deltas = echo.watch(deltas)
-        return ChatRun(request_id, deltas, request.n, tools, echo)
+        return ChatRun(request_id, deltas, request.n, tools, echo, self.response_model(request.model))
 
     def chat_chunks(self, run: "ChatRun", include_usage: bool):
         """The run's stream chunks (a RequestError item if it fails; with ``include_usage`` a
@@ -251,7 +273,7 @@ class OpenAIServing:
 
         def chunk(_i: int, c, usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk | None:
             if c is None:
-                return p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
+                return p.ChatCompletionChunk(id=request_id, model=run.model, choices=[], usage=usage)
             role = None if c.index in started else "assistant"
             first = c.index not in started
             started.add(c.index)
@@ -282,7 +304,7 @@ class OpenAIServing:
             elif tools.kind == "required":
                 held[c.index] = held.get(c.index, "") + c.text
                 if finish is None:
-                    return None if not first else p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+                    return None if not first else p.ChatCompletionChunk(id=request_id, model=run.model, choices=[
                         p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(role=role, content=""))])
                 thinking, text = self._split(held.pop(c.index))
                 content, calls, finish = _tool_message(tools, text, finish)
@@ -296,7 +318,7 @@ class OpenAIServing:
                 message = p.DeltaMessage(content=c.text, role=role)
             choice = p.ChatStreamChoice(index=c.index, delta=message, finish_reason=finish,
                                         stop_reason=c.stop_reason, logprobs=self._chat_logprobs(c))
-            return p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
+            return p.ChatCompletionChunk(id=request_id, model=run.model, choices=[choice])
 
         return _chunk_stream(run.deltas, chunk, include_usage)
 
@@ -314,7 +336,7 @@ class OpenAIServing:
                 for call in calls] or None)
             out.append(p.ChatChoice(index=k, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                     logprobs=self._chat_logprobs(c)))
-        yield p.ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage, choices=out,
+        yield p.ChatCompletionResponse(id=request_id, model=run.model, usage=usage, choices=out,
                                        prompt_logprobs=None if echo is None else self._vllm_prompt_logprobs(echo, 0))
 
     def _chat_logprobs(self, choice) -> p.ChatLogprobs | None:
@@ -353,6 +375,7 @@ class ChatRun:
     n: int
     tools: ToolMode
     echo: "_Echo | None" = None
+    model: str = ""                  # the model its responses name (the adapter asked for, or the base)
 
 
 @dataclass

@@ -346,7 +346,22 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxengine"
     root: str
+    parent: str | None = None       # a LoRA adapter's base model
     max_model_len: int
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

@@ -224,7 +224,7 @@ class ResponsesServing:
     def _head(self, request: ResponsesRequest) -> dict:
         """The response's fields that echo the request."""
         return {"id": item_id("resp"), "object": "response", "created_at": int(time.time()),
-                "model": self.chat.model_name, "instructions": request.instructions,
+                "model": self.chat.response_model(request.model), "instructions": request.instructions,
                 "max_output_tokens": request.max_output_tokens, "temperature": request.temperature,
                 "top_p": request.top_p, "tools": request.tools or [], "tool_choice": request.tool_choice or "auto",
                 "parallel_tool_calls": request.parallel_tool_calls, "store": False,
