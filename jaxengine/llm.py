@@ -92,7 +92,7 @@ class LLM:
         self.loras: dict[str, LoRARequest] = {}      # adapters served by name (lora_modules, add_lora)
         self._lora_ids = itertools.count(1)
         for name, path in args.named_lora_modules().items():
-            self.add_lora(LoRARequest(name, next(self._lora_ids), path))
+            self.load_lora(name, path)
         if self.channel is not None:
             self.runner.channel = self.channel      # from now on each launch goes to the others too
 
@@ -342,8 +342,12 @@ class LLM:
         return lora_request
 
     def load_lora(self, name: str, path: str) -> LoRARequest:
-        """``add_lora`` under a new id (what the server's load endpoint does)."""
-        return self.add_lora(LoRARequest(name, next(self._lora_ids), path))
+        """``add_lora`` under an id no adapter has had here (what the server's load endpoint does)."""
+        used = {r.lora_int_id for r in self.loras.values()}
+        for runner in self.runners:
+            used.update(getattr(runner.lora, "paths", ()))
+        lora_int_id = next(i for i in self._lora_ids if i not in used)
+        return self.add_lora(LoRARequest(name, lora_int_id, path))
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving an adapter by name (requests running with it finish); False if unknown."""

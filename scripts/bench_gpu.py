@@ -15,6 +15,7 @@ engine:   the engine end to end on a random-weight model of Llama-3-8B shape (bf
           offline throughput for 1,000 requests of 128 prompt / 128 output tokens (ignore_eos),
           and the decode step time at batch 256 against its roofline floor.
 moe, quantized: a mixture-of-experts layer; quantized weights' matmul against bf16 (into kernel.json).
+speculation, lora: the 8B model's verify step; its step with 8 LoRA adapters against none (into kernel.json).
 Each writes DIR/<name>.json.
 """
 from __future__ import annotations
@@ -617,6 +618,67 @@ def speculation(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=la
     return result
 
 
+def lora(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
+    """LoRA on the 8B-shaped random model (bf16, the engine's attention): one step with 8 slots of
+    rank 16 on every target, the rows spread over 8 adapters (and over 1), against the same step
+    with no row on an adapter (the base model's work; the grouping still rides along), at decode
+    batch 256 (1k tokens of context) and a 2,048-token prefill: ms and the overhead.
+    Whether XLA kept ``ragged_dot`` for the delta or rewrote it densely (in kernel.json)."""
+    from flax import nnx
+
+    from jaxengine.kernels.paged_attention.backend import select_attention
+    from jaxengine.models.forward import make_forward
+    from jaxengine.models.llama import LlamaForCausalLM, init_kv_caches
+    from jaxengine.models.lora_weights import attach_lora, lora_rows
+
+    cfg = llama3_8b(smoke)
+    model = LlamaForCausalLM(cfg, jnp.bfloat16, select_attention("auto"), rngs=nnx.Rngs(0))
+    attach_lora(model, 8, 16, jnp.bfloat16)
+    for path, variable in nnx.to_flat_state(nnx.state(model)):        # random slots: every delta non-zero
+        if len(path) > 1 and path[-2] == "lora":
+            key = jax.random.PRNGKey(hash(path) % (1 << 31))
+            variable[...] = (jax.random.normal(key, variable[...].shape, jnp.float32) * 0.01).astype(jnp.bfloat16)
+    state, forward = make_forward(model)
+    block, context = 16, 64 if smoke else 1024
+    result = {"slots": 8, "rank": 16, "context": context, "rows": []}
+    cases = [(256 if not smoke else 32, 1), (1, 256 if smoke else 2048)]      # (rows, tokens per row)
+    for rows, per_row in cases:
+        pages = -(-(context + per_row) // block)
+        caches = init_kv_caches(cfg, 1 + rows * pages, block, jnp.bfloat16)
+        n = rows * per_row
+        seq = [(context if per_row == 1 else 0, per_row, list(range(1 + r * pages, 1 + (r + 1) * pages)))
+               for r in range(rows)]
+        md = AttentionMetadata.build(seq, block, num_tokens=n, max_blocks=pages, num_rows=rows)
+        row = {"rows": rows, "tokens": n}
+        for name, adapters in (("base", 0), ("1_adapter", 1), ("8_adapters", 8)):
+            slots = np.repeat(np.arange(rows) % adapters if adapters else np.full(rows, -1), per_row).astype(np.int32)
+            order, sizes, inverse = lora_rows(slots, 8, n)
+            md_lora = dataclasses.replace(md, lora_order=jnp.asarray(order), lora_sizes=jnp.asarray(sizes),
+                                          lora_inverse=jnp.asarray(inverse))
+            ids = jnp.zeros(n, jnp.int32)
+
+            def step(caches, md=md_lora, ids=ids):
+                return forward(state, caches, ids, md, jnp.arange(min(n, 256)))
+
+            if name == "base" and per_row == 1:
+                hlo = forward.lower(state, caches, ids, md_lora, jnp.arange(min(n, 256))).compile().as_text()
+                result["hlo_ragged_dot"] = "ragged" in hlo
+            caches, logits = step(caches)
+            logits.block_until_ready()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                caches, logits = step(caches)
+                logits.block_until_ready()
+                times.append(time.perf_counter() - start)
+            row[f"{name}_ms"] = round(statistics.median(times) * 1e3, 3)
+        row["overhead_8"] = round(row["8_adapters_ms"] / row["base_ms"] - 1, 3)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        save_part(result)
+    return result
+
+
 def head_step_ms(cfg, batch: int, block: int, context: int, pages: int) -> float:
     """One drafting step of an EAGLE-3 head for ``cfg`` (its one layer of the model's width, a
     32,000-token draft vocabulary) over ``batch`` rows of one token."""
@@ -733,6 +795,10 @@ def summary(out: Path) -> None:
                      f"{row.get('verify_k4_ms')} ({row.get('verify_over_decode')}) | - | - |")
         lines.append(f"| EAGLE-3 head's drafting step, batch {row['batch']}: ms (k = 4 step over decode) | "
                      f"{row.get('eagle3_head_step_ms')} ({row.get('eagle3_step_k4_over_decode')}) | - | - |")
+    for row in results.get("kernel", {}).get("lora", {}).get("rows", []):
+        lines.append(f"| 8B step with LoRA, {row['rows']} rows / {row['tokens']} tokens: ms base / 1 / 8 adapters "
+                     f"(overhead at 8) | {row['base_ms']} / {row['1_adapter_ms']} / {row['8_adapters_ms']} "
+                     f"({row['overhead_8']}) | <= 0.15 | {'yes' if row['overhead_8'] <= 0.15 else 'NO'} |")
     for row in results.get("kernel", {}).get("moe", {}).get("quantized_experts", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens, experts bf16 / fp8 / int4 (ms) | {row.get('bf16_ms')} / "
                      f"{row.get('fp8_ms')} / {row.get('int4_ms')} | - | - |")
@@ -746,14 +812,15 @@ def summary(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "quantized", "speculation", "summary"])
+    parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "quantized", "speculation", "lora",
+                                         "summary"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a dry run, also on the CPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "summary":
         return summary(args.out)
-    if args.what in ("moe", "quantized", "speculation"):      # into kernel.json: the device tool brings back 8 files at most
+    if args.what in ("moe", "quantized", "speculation", "lora"):      # into kernel.json: the device tool brings back 8 files at most
         ceil = json.loads((args.out / "ceilings.json").read_text())
         kernel_file = args.out / "kernel.json"
         merged = json.loads(kernel_file.read_text()) if kernel_file.exists() else {}
@@ -762,7 +829,7 @@ def main() -> None:
             merged[args.what] = result
             kernel_file.write_text(json.dumps(merged, indent=1))
 
-        part = {"moe": moe, "quantized": quantized, "speculation": speculation}[args.what]
+        part = {"moe": moe, "quantized": quantized, "speculation": speculation, "lora": lora}[args.what]
         save_part(part(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"], save_part))
         return None
     info = {"device": str(jax.devices()[0]), "jax": jax.__version__}

@@ -177,8 +177,7 @@ class Attention(nnx.Module):
         v = self.dense_fn(x, self.v_proj[...], layer)
         lora = adapters(self, md)
         if lora is not None:
-            q, k, v = (p + lora.delta(name, x, md, layer).reshape(p.shape)
-                       for name, p in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
+            q, k, v = (p + d.reshape(p.shape) for p, d in zip((q, k, v), lora.deltas("qkv", x, md, layer)))
         if cfg.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -196,7 +195,7 @@ class Attention(nnx.Module):
         o = o.reshape(o.shape[0], -1)
         out = self.dense_fn(o, o_proj, layer)
         if lora is not None:
-            out = out + lora.delta("o_proj", o, md, layer)
+            out = out + lora.deltas("o", o, md, layer)[0]
         return (out + self.o_bias[...] if cfg.output_bias else out), cache
 
     def _kv_scales(self, cache_dtype) -> tuple[jax.Array, jax.Array] | None:
@@ -242,12 +241,14 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, layer: jax.Array | None = None, md: AttentionMetadata | None = None) -> jax.Array:
         """``md``: the step's metadata, whose LoRA grouping the adapters' deltas need (models.lora)."""
         lora = adapters(self, md)
-
-        def project(name: str, h: jax.Array) -> jax.Array:
-            out = self.dense_fn(h, getattr(self, name)[...], layer)
-            return out if lora is None else out + lora.delta(name, h, md, layer)
-
-        return project("down_proj", jax.nn.silu(project("gate_proj", x)) * project("up_proj", x))
+        gate = self.dense_fn(x, self.gate_proj[...], layer)
+        up = self.dense_fn(x, self.up_proj[...], layer)
+        if lora is not None:
+            gate_delta, up_delta = lora.deltas("gate_up", x, md, layer)
+            gate, up = gate + gate_delta, up + up_delta
+        h = jax.nn.silu(gate) * up
+        out = self.dense_fn(h, self.down_proj[...], layer)
+        return out if lora is None else out + lora.deltas("down", h, md, layer)[0]
 
 
 class DecoderLayer(nnx.Module):

@@ -108,7 +108,12 @@ def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> 
         d_in, d_out = shapes[module]
         expected = (config.r, d_in) if which == "A" else (d_out, config.r)
         if value.shape != expected:
-            raise ValueError(f"{weights_path}: {name}: shape {list(value.shape)}, the model needs {list(expected)}")
+            hint = ""
+            if module in ("k_proj", "v_proj") and which == "B" and value.shape[0] and d_out % value.shape[0] == 0:
+                hint = (" (the mesh repeats the model's KV heads at this tensor_parallel_size: adapters of "
+                        "k_proj / v_proj are served where the KV heads split evenly)")
+            raise ValueError(f"{weights_path}: {name}: shape {list(value.shape)}, the model needs "
+                             f"{list(expected)}{hint}")
         a, b = weights[module]
         if which == "A":
             a[layer, :, :config.r] = value.T

@@ -197,7 +197,7 @@ class InputBatch:
         lora = {}
         if self.num_lora_slots:
             base = np.full(num_tokens, -1, np.int32) if token_lora_slots is None else token_lora_slots
-            lora = dict(zip(("lora_order", "lora_sizes"), lora_rows(base, self.num_lora_slots, t_pad)))
+            lora = dict(zip(("lora_order", "lora_sizes", "lora_inverse"), lora_rows(base, self.num_lora_slots, t_pad)))
         return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables, **lora)
 
     def _sampling(self, slots, samples, ends, seq_lens, b_pad: int, token_bitmask: np.ndarray | None = None,

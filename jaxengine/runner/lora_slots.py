@@ -24,6 +24,7 @@ from jaxengine.config import LoRAConfig
 from jaxengine.lora_request import LoRARequest
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.lora import CONFIG_FILE, LoRAAdapter, load_adapter
+from jaxengine.models.lora_weights import INPUT_GROUPS
 
 
 @functools.cache
@@ -120,12 +121,8 @@ class LoRASlots:
         for path, variable in nnx.to_flat_state(state):
             if len(path) < 2 or path[-2] != "lora":
                 continue
-            module, which = path[-1].rsplit("_", 1)
             stack = variable[...]
-            pair = None if adapter is None else adapter.weights.get(module)
-            value = np.zeros((stack.shape[0], *stack.shape[2:]), np.float32) if pair is None else \
-                pair[0 if which == "a" else 1]
-            variable[...] = _slot_writer(stack.sharding)(stack, index, value)
+            variable[...] = _slot_writer(stack.sharding)(stack, index, slot_value(path[-1], stack.shape, adapter))
         self.num_slot_writes += 1
         self.load_s += time.perf_counter() - start
         return state
@@ -133,3 +130,20 @@ class LoRASlots:
     def row_slots(self, requests: list[LoRARequest | None], slot_of: dict[int, int]) -> np.ndarray:
         """Each row's slot (-1: the base model)."""
         return np.fromiter((-1 if r is None else slot_of[r.lora_int_id] for r in requests), np.int32, len(requests))
+
+
+def slot_value(name: str, shape: tuple[int, ...], adapter: LoRAAdapter | None) -> np.ndarray:
+    """What slot stack ``name`` (``a_<group>`` or ``b_<module>``, [L, S, ...]) holds of ``adapter``
+    in one slot ([L, ...]): a group's A side by side, zero for a module it does not adapt."""
+    value = np.zeros((shape[0], *shape[2:]), np.float32)
+    if adapter is None:
+        return value
+    which, target = name.split("_", 1)
+    if which == "b":
+        pair = adapter.weights.get(target)
+        return value if pair is None else pair[1]
+    rank = adapter.weights[next(iter(adapter.weights))][0].shape[-1]
+    for i, module in enumerate(INPUT_GROUPS[target]):
+        if module in adapter.weights:
+            value[..., i * rank:(i + 1) * rank] = adapter.weights[module][0]
+    return value

@@ -169,3 +169,16 @@ def test_an_engine_without_lora_refuses_an_adapter(setup):
     with pytest.raises(ValueError, match="serves no LoRA adapters"):
         llm.generate([PROMPTS[0]], lora_request=LoRARequest("alpha", 1, str(folders["alpha"])), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_tensor_parallel_2_splits_the_slots_like_their_projections_and_matches_peft(setup):
+    from flax import nnx
+
+    base, folders, want = setup
+    llm = engine(base, max_loras=3, tensor_parallel_size=2, lora_modules=[f"{n}={f}" for n, f in folders.items()])
+    specs = {path[-1]: variable[...].sharding.spec for path, variable in nnx.to_flat_state(llm.runner.state)
+             if len(path) > 1 and path[-2] == "lora"}
+    assert specs["b_q_proj"][-1] == "model" and specs["a_qkv"][-2] is None          # column-split: B's output
+    assert specs["a_o"][-2] == "model" and specs["b_down_proj"][-1] is None          # row-split: A's input
+    jobs = mixed_jobs(llm.loras)
+    assert run(llm, jobs) == expected(want, jobs)

@@ -72,24 +72,31 @@ def test_a_bfloat16_adapter_reads_as_its_float32_values(peft_adapter, tmp_path):
 
 
 @pytest.mark.parametrize("grouped", ["openblas", "ragged_dot"])
-def test_the_grouped_delta_equals_each_rows_own_adapter(grouped):
+def test_the_grouped_deltas_equal_each_rows_own_adapter(grouped):
+    """Two modules sharing an input (one shrink for both, side by side), three slots."""
     from jaxengine.kernels.matmul import grouped_dense, xla_grouped_dense
 
     fn = grouped_dense if grouped == "openblas" else xla_grouped_dense
     rng = np.random.default_rng(1)
-    a = jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((3, 4, 24)), jnp.float32)
+    a1, a2 = (jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32) for _ in range(2))
+    b1, b2 = jnp.asarray(rng.standard_normal((3, 4, 24)), jnp.float32), jnp.asarray(rng.standard_normal((3, 4, 8)),
+                                                                                     jnp.float32)
     x = jnp.asarray(rng.standard_normal((13, 16)), jnp.float32)
     slots = np.asarray([2, -1, 0, 2, 1, -1, 0, 0, 2, -1, 1], np.int32)      # interleaved, base rows among them
-    order, sizes = lora_rows(slots, 3, 13)                                    # two padding tokens after them
+    order, sizes, inverse = lora_rows(slots, 3, 13)                           # two padding tokens after them
     assert sizes.tolist() == [3, 2, 3] and order[8:].tolist() == [1, 5, 9, 11, 12]
-    got = np.asarray(lora_delta(x, order, sizes, a, b, grouped_fn=fn))
+    assert (order[inverse] == np.arange(13)).all()
+    got1, got2 = (np.asarray(d) for d in lora_delta(x, order, sizes, inverse, jnp.concatenate([a1, a2], -1),
+                                                   (b1, b2), grouped_fn=fn))
     padded = np.concatenate([slots, [-1, -1]])
-    np.testing.assert_allclose(got, lora_delta_reference(x, padded, a, b), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[3], np.asarray(x[3]) @ np.asarray(a[2]) @ np.asarray(b[2]), rtol=1e-5, atol=1e-5)
-    assert not got[[1, 5, 9, 11, 12]].any()                  # the base model's rows and the padding: nothing added
-    order, sizes = lora_rows(np.full(11, -1, np.int32), 3, 13)
-    np.testing.assert_array_equal(lora_delta(x, order, sizes, a, b, grouped_fn=fn), 0.0)
+    np.testing.assert_allclose(got1, lora_delta_reference(x, padded, a1, b1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got2, lora_delta_reference(x, padded, a2, b2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got1[3], np.asarray(x[3]) @ np.asarray(a1[2]) @ np.asarray(b1[2]), rtol=1e-5,
+                               atol=1e-5)
+    assert not got1[[1, 5, 9, 11, 12]].any()                  # the base model's rows and the padding: nothing added
+    order, sizes, inverse = lora_rows(np.full(11, -1, np.int32), 3, 13)
+    for delta in lora_delta(x, order, sizes, inverse, jnp.concatenate([a1, a2], -1), (b1, b2), grouped_fn=fn):
+        np.testing.assert_array_equal(delta, 0.0)
 
 
 def test_rslora_scales_by_the_square_root_of_the_rank(peft_adapter, tmp_path):

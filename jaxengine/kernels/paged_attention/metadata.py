@@ -15,10 +15,12 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # [B + 1] int32: row r's tokens are [query_start_loc[r], query_start_loc[r+1])
     seq_lens: jax.Array         # [B] int32: context length of each row after this step (padding rows: 0)
     block_tables: jax.Array     # [B, M] int32: each row's blocks (padding entries: the null block 0)
-    # With LoRA adapters (models.lora): the tokens in adapter-slot order [T] and each slot's count
-    # [S] (the base model's tokens and the padding last, in no group); None without adapters.
+    # With LoRA adapters (models.lora_weights): the tokens in adapter-slot order [T], each slot's
+    # count [S] (the base model's tokens and the padding last, in no group), and each token's place
+    # in that order [T]; None without adapters.
     lora_order: jax.Array | None = None
     lora_sizes: jax.Array | None = None
+    lora_inverse: jax.Array | None = None
 
     @property
     def token_rows(self) -> jax.Array:
