@@ -2,7 +2,9 @@
 
 Each input line is a JSON object with an ``id`` and a ``prompt`` (text or token ids) or
 ``messages`` (chat), plus optional sampling fields (``max_tokens``, ``temperature``, ``stop``,
-...), or a line of OpenAI's batch-file format (``custom_id``, ``url``, ``body``). Each output
+...) and a ``model`` (a LoRA adapter's name from ``--lora-modules`` runs the line with that
+adapter; any other name, the model), or a line of OpenAI's batch-file format (``custom_id``,
+``url``, ``body``). Each output
 line carries the id, the text (a list for ``n`` > 1), token counts and the finish reason.
 Resumable: ids already in the output file are skipped. A malformed line is reported with its
 line number and the rest still runs (the exit status is then 1).
@@ -33,6 +35,7 @@ class Job:
     prompt: str | list[int] | None
     messages: list[dict] | None
     params: dict
+    model: str | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,7 +79,8 @@ def parse_line(line_number: int, line: str) -> Job:
     if "max_completion_tokens" in record:
         record["max_tokens"] = record.pop("max_completion_tokens")
     params = {k: v for k, v in record.items() if k in SAMPLING_FIELDS}
-    return Job(line_number, str(job_id), prompt, messages, params)
+    model = record.get("model")
+    return Job(line_number, str(job_id), prompt, messages, params, model if isinstance(model, str) else None)
 
 
 def read_jobs(path: Path, done: set[str]) -> tuple[list[Job], list[str]]:
@@ -141,7 +145,8 @@ def run(args: argparse.Namespace, llm) -> int:
                 except Exception as error:      # noqa: BLE001 - any bad line is reported, the rest runs
                     problems.append(f"line {job.line_number}: {error}")
             if ready:
-                outputs = llm.generate([ids for _, ids, _ in ready], [p for _, _, p in ready], use_tqdm=False)
+                outputs = llm.generate([ids for _, ids, _ in ready], [p for _, _, p in ready], use_tqdm=False,
+                                       lora_request=[getattr(llm, "loras", {}).get(job.model) for job, _, _ in ready])
                 for (job, _, _), output in zip(ready, outputs):
                     out.write(json.dumps(result_record(job, output)) + "\n")
                 out.flush()

@@ -21,6 +21,7 @@ Each writes DIR/<name>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics

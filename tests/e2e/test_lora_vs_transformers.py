@@ -72,6 +72,7 @@ def setup(tmp_path_factory):
 
 
 OPTIONS = dict(skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4, max_model_len=64,
+               num_kv_blocks=128,
                swap_space=0.001, progress=False, compile_mode="eager", token_buckets=[32], request_buckets=[8],
                enable_lora=True, max_lora_rank=8)
 
@@ -182,3 +183,45 @@ def test_tensor_parallel_2_splits_the_slots_like_their_projections_and_matches_p
     assert specs["a_o"][-2] == "model" and specs["b_down_proj"][-1] is None          # row-split: A's input
     jobs = mixed_jobs(llm.loras)
     assert run(llm, jobs) == expected(want, jobs)
+
+
+def test_batch_lines_pick_adapters_by_model(llm, tmp_path, monkeypatch):
+    """python -m jaxengine.generate: a line's model names its adapter; another name is the model."""
+    from jaxengine.generate import parse_args, run
+
+    lines = [{"id": "a", "prompt": PROMPTS[1], "model": "gamma"}, {"id": "b", "prompt": PROMPTS[1]},
+             {"custom_id": "c", "url": "/v1/completions", "body": {"model": "some-base-name", "prompt": PROMPTS[3]}}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    args = parse_args(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+                       "--max-tokens", str(MAX_TOKENS), "--temperature", "0"])
+    asked = []
+    generate = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda *a, **k: asked.append(k["lora_request"]) or generate(*a, **k))
+    assert run(args, llm) == 0
+    assert asked == [[llm.loras["gamma"], None, None]]
+    got = [json.loads(line)["completion_tokens"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert got == [MAX_TOKENS] * 3
+
+
+def test_an_adapter_reloaded_with_other_weights_under_its_name_reuses_no_stale_kv(llm, setup, tmp_path):
+    """The prefix cache keys on content: the same weights under a new name share alpha's blocks;
+    other weights loaded under that name share none and give their own tokens."""
+    from safetensors.numpy import load_file, save_file
+
+    base, folders, want = setup
+    kv = llm.engine.scheduler.kv
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (tmp_path / name).write_bytes((folders["alpha"] / name).read_bytes())
+    run(llm, [(4, llm.loras["alpha"])])                       # alpha's blocks of prompt 4 are cached
+    before = kv.prefix_cache_hits
+    assert run(llm, [(4, llm.load_lora("same", str(tmp_path)))]) == [want["alpha"][4]]
+    assert kv.prefix_cache_hits - before == 12
+    assert llm.remove_lora("same")
+    tensors = load_file(str(tmp_path / "adapter_model.safetensors"))
+    save_file({k: v * (1.5 if "lora_B" in k else 1.0) for k, v in tensors.items()},
+              str(tmp_path / "adapter_model.safetensors"))
+    changed = llm.load_lora("same", str(tmp_path))
+    before = kv.prefix_cache_hits
+    assert run(llm, [(4, changed)]) == peft_greedy(base, tmp_path, [PROMPTS[4]])
+    assert kv.prefix_cache_hits - before == 0
+    llm.remove_lora("same")
