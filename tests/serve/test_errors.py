@@ -25,7 +25,6 @@ BAD = [  # (endpoint, body changes, param named in the error)
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
     ("chat/completions", {"messages": []}, "messages"),
-    ("completions", {"model": "gpt-4"}, "model"),
     ("completions", {"temperature": "hot"}, "temperature"),
     ("completions", {"n": "two"}, "n"),
     ("completions", {"prompt": None}, "prompt"),
@@ -38,6 +37,15 @@ BAD = [  # (endpoint, body changes, param named in the error)
 
 def post(server, endpoint: str, body, headers=AUTH, **kw) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/{endpoint}", json=body, headers=headers, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_model_not_served_is_a_404_naming_the_field(server, endpoint):
+    r = post(server, endpoint, {**(CHAT if endpoint.startswith("chat") else GOOD), "model": "gpt-4"})
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error == {"message": "model: the model `gpt-4` does not exist; this server serves `tiny`",
+                     "type": "not_found_error", "param": "model", "code": 404}
 
 
 @pytest.mark.parametrize("endpoint,change,param", BAD, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(BAD)])

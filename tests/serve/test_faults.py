@@ -221,9 +221,10 @@ def _fake_async_engine():
     cfg = EngineConfig().replace(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, max_num_seqs=8)
     engine = Engine(cfg, HashRunner(64, 0, 4), eos_token_id=0)
     llm = SimpleNamespace(engine=engine, tokenizer=None, check_request=lambda ids, params: None,
-                          add_request=lambda request_id, ids, params, priority=0, arrival_time=None, slo=None:
-                          engine.add_request(request_id, ids, params, priority=priority, arrival_time=arrival_time,
-                                             slo=slo))
+                          add_request=lambda request_id, ids, params, priority=0, arrival_time=None, slo=None,
+                          lora_request=None: engine.add_request(request_id, ids, params, priority=priority,
+                                                                arrival_time=arrival_time, slo=slo,
+                                                                lora_request=lora_request))
     return AsyncEngine(llm)
 
 
