@@ -10,7 +10,8 @@ from jaxengine import LLM, SamplingParams
 from jaxengine.generation_config import generation_defaults
 from jaxengine.serve import protocol as p
 
-OPTIONS = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, max_model_len=64, progress=False)
+OPTIONS = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, max_model_len=64, progress=False,
+               num_kv_blocks=64, token_buckets=[32], request_buckets=[4], compile_mode="eager")
 FILE = {"temperature": 0.0, "top_k": 7, "repetition_penalty": 1.3, "max_new_tokens": 5, "do_sample": True}
 WANT = {"temperature": 0.0, "top_k": 7, "repetition_penalty": 1.3, "max_tokens": 5}
 
@@ -32,7 +33,8 @@ def test_unset_fields_take_the_checkpoints_defaults_offline(checkpoint):
     explicit = llm.generate(["abc abc"], SamplingParams(temperature=0.0, top_k=7, repetition_penalty=1.3, max_tokens=5),
                             use_tqdm=False)[0].outputs[0].token_ids
     assert implicit == explicit and len(implicit) == 5
-    assert LLM(checkpoint, generation_config="vllm", **OPTIONS).get_default_sampling_params() == SamplingParams()
+    assert LLM(checkpoint, generation_config="vllm", warm_up=False, **OPTIONS).get_default_sampling_params() == \
+        SamplingParams()
 
 
 def test_the_servers_requests_take_them_where_unset(checkpoint):

@@ -136,7 +136,7 @@ def tiny_llm(tmp_path_factory):
     make_checkpoint(folder, "llama")
     return LLM(str(folder), skip_tokenizer_init=True, token_buckets=[8, 16], request_buckets=[8], max_num_seqs=8,
                max_num_batched_tokens=16, block_size=4, max_model_len=64, progress=False, compile_mode="eager",
-               trace_file=str(folder / "steps.jsonl")), folder / "steps.jsonl"
+               num_kv_blocks=64, trace_file=str(folder / "steps.jsonl")), folder / "steps.jsonl"
 
 
 def test_the_option_through_llm_writes_the_model_runners_records(tiny_llm):

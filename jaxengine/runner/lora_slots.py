@@ -79,7 +79,8 @@ class LoRASlots:
         unserved = sorted(set(adapter.config.target_modules) - set(self.targets))
         if unserved:
             raise ValueError(f"{adapter.path / CONFIG_FILE}: target_modules: this model has no LoRA slots for "
-                             f"{unserved} (a mixture of experts' experts take no adapter); served: {list(self.targets)}")
+                             f"{unserved} (a mixture of experts' experts take no adapter); "
+                             f"served: {list(self.targets)}")
         self.num_disk_reads += 1
         self.load_s += time.perf_counter() - start
         self.host[lora_int_id], self.paths[lora_int_id] = adapter, path

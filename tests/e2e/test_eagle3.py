@@ -13,7 +13,7 @@ from jaxengine import LLM, SamplingParams
 from tests.helpers import every_draft_goes
 
 OPTIONS = dict(max_num_batched_tokens=32, max_num_seqs=8, block_size=4, max_model_len=128, swap_space=0.002,
-               num_kv_blocks=50, progress=False, compile_mode="eager")
+               num_kv_blocks=50, progress=False, compile_mode="eager", token_buckets=[8, 32], request_buckets=[8])
 PROMPTS = ["abcabcabcab", "the cat saw the cat and the", "xyz", "0101010101",
            "a prompt longer than one step's budget of thirty-two tokens, chunked"]
 AUX_LAYERS = [1, 0, 1]          # of the tiny model's two layers (repeats allowed)
