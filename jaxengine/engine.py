@@ -164,7 +164,7 @@ class Engine:
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           priority=priority, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                           stop_check=stop_check, slo=slo, lora_request=lora_request,
-                          lora_digest=self.adapter_digest(lora_request))
+                          lora_adapter=self.read_adapter(lora_request))
         if self.planner is not None:
             self.planner.taken(len(prompt_token_ids))
         if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
@@ -175,8 +175,9 @@ class Engine:
         self.structured.submit(request)                # the scheduler takes it once its grammar is ready
         return request
 
-    def adapter_digest(self, lora_request: LoRARequest | None) -> str | None:
-        """The content digest of a request's adapter, read (or found in host memory) by the runner."""
+    def read_adapter(self, lora_request: LoRARequest | None):
+        """A request's adapter as the runner reads it (or finds it in host memory): its weights,
+        which the request keeps, and its content ``digest``."""
         if lora_request is None:
             return None
         if not isinstance(lora_request, LoRARequest):

@@ -285,7 +285,7 @@ class LLM:
             self.check_request(prompt.token_ids, p)
             self.check_constraint(p)
         for lora in dict.fromkeys(r for r in loras if r is not None):   # each read once, before any is queued
-            self.engine.adapter_digest(lora)
+            self.engine.read_adapter(lora)
         requests = [self.add_request(f"offline-{next(self._ids)}", prompt.token_ids, p,
                                      priority=priority[i] if priority else 0, cache_salt=prompt.cache_salt,
                                      lora_request=lora)
@@ -337,7 +337,7 @@ class LLM:
         field, and nothing changes). -> the request that selects it."""
         if lora_request.lora_name in self.loras:
             raise ValueError(f"lora_name: an adapter named {lora_request.lora_name!r} is already loaded")
-        self.engine.adapter_digest(lora_request)
+        self.engine.read_adapter(lora_request)
         self.loras[lora_request.lora_name] = lora_request
         return lora_request
 

@@ -171,9 +171,11 @@ class Request:
                  sampling_params: SamplingParams | BeamSearchParams, *, arrival_time: float | None = None,
                  priority: int = 0, eos_token_id: int | None = None, cache_salt: str | None = None,
                  stop_check=None, slo: LatencyTargets | None = None, lora_request: LoRARequest | None = None,
-                 lora_digest: str | None = None) -> None:
-        """``lora_request``: the adapter it runs with (None: the base model), whose weights' content
-        digest is ``lora_digest`` (the prefix cache keys on it)."""
+                 lora_adapter=None, lora_digest: str | None = None) -> None:
+        """``lora_request``: the adapter it runs with (None: the base model); ``lora_adapter``: its
+        weights as read when the request came (the runner's object: the request runs on these
+        whatever is loaded or unloaded later), whose content digest is ``lora_digest`` (the prefix
+        cache and the scheduler's adapter limit key on it)."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: must not be empty")
         if not all(isinstance(t, int) and t >= 0 for t in prompt_token_ids):
@@ -190,7 +192,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
         self.lora_request = lora_request
-        self.lora_digest = lora_digest
+        self.lora_adapter = lora_adapter
+        self.lora_digest = lora_digest if lora_adapter is None else lora_adapter.digest
         # Until the scheduler takes it: a request with a constraint first waits for its grammar.
         self.status = (RequestStatus.WAITING if sampling_params.structured_outputs is None
                        else RequestStatus.WAITING_FOR_GRAMMAR)

@@ -124,7 +124,8 @@ def load_cost(llm: LLM, folder: Path, repeats: int = 5) -> dict:
         request = llm.load_lora(f"load-{i}", str(path))
         reads.append(time.perf_counter() - start)
         start = time.perf_counter()
-        llm.runner.state, _ = slots.activate(llm.runner.state, [request])       # what a step's launch does
+        adapter = slots.host[request.lora_int_id]                # what the request would keep
+        llm.runner.state, _ = slots.activate(llm.runner.state, [adapter])       # what a step's launch does
         jax.block_until_ready(llm.runner.state)
         writes.append(time.perf_counter() - start)
         llm.remove_lora(f"load-{i}")

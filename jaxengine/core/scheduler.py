@@ -118,7 +118,7 @@ class Scheduler:
 
     def _never_reason(self, request: Request) -> str | None:
         cfg, n = self.config, request.num_prompt_tokens
-        if request.lora_id is not None and not self.max_loras:
+        if request.lora_request is not None and not self.max_loras:
             return "it asks for a LoRA adapter and this scheduler runs none (max_loras=0)"
         if n >= cfg.max_model_len:
             return (f"prompt has {n} tokens, which leaves no room for output within "
@@ -521,16 +521,16 @@ class Scheduler:
         step.num_partial += partial
         return True
 
-    def running_adapters(self) -> set[int]:
-        """The LoRA adapters of the running groups (their ``lora_int_id``)."""
-        return {g.lora_id for g in self.running if g.lora_id is not None}
+    def running_adapters(self) -> set[str]:
+        """The LoRA adapters of the running groups, by content digest (what takes a device slot)."""
+        return {g.lora_digest for g in self.running if g.lora_digest is not None}
 
     def _adapter_blocked(self, group: Request) -> bool:
         """Running ``group`` would make more than ``max_loras`` distinct adapters run at once."""
-        if group.lora_id is None:
+        if group.lora_digest is None:
             return False
         running = self.running_adapters()
-        return group.lora_id not in running and len(running) >= self.max_loras
+        return group.lora_digest not in running and len(running) >= self.max_loras
 
     def _plan_chunks(self, step: StepState, seqs: list[Sequence], hit_tokens: list[int]) -> list[int]:
         budget, chunks = step.budget, []

@@ -8,6 +8,8 @@ goodput, throughput over time) and the step trace (KV usage, queues, preemptions
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import dataclasses
 import math
 import random
@@ -230,8 +232,8 @@ class SimAdapters:
     scheduler's limit of ``max_loras`` adapters at once; the profile has no cost for the deltas."""
 
     @staticmethod
-    def register(request: LoRARequest) -> str:
-        return f"simulated-{request.lora_int_id}"
+    def register(request: LoRARequest) -> SimpleNamespace:
+        return SimpleNamespace(digest=f"simulated-{request.lora_int_id}")
 
 
 def _stream(out: SchedulerOutput, sampled: list[list[int]], timelines: list[RequestTimeline], now: float) -> None:

@@ -86,10 +86,9 @@ class DataParallelEngine:
         self.num_routed[i] += 1
         return request
 
-    def adapter_digest(self, lora_request):
+    def read_adapter(self, lora_request):
         """Each replica reads the adapter (a bad one fails before any request is queued)."""
-        digests = [replica.adapter_digest(lora_request) for replica in self.replicas]
-        return digests[0]
+        return [replica.read_adapter(lora_request) for replica in self.replicas][0]
 
     def route(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """The replica a request for this prompt would go to now."""

@@ -42,8 +42,9 @@ class LoRASlots:
     def __init__(self, config: LoRAConfig, model_config: ModelConfig, targets: tuple[str, ...]) -> None:
         self.config, self.model_config, self.targets = config, model_config, targets
         self.host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()   # id -> adapter, LRU
-        self.paths: dict[int, str] = {}                # id -> its folder, for reading it again
-        self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()       # id -> slot, LRU
+        self.paths: dict[int, str] = {}                # id -> its folder
+        # content digest -> slot, LRU: a slot holds weights, whatever name or id they came under
+        self.slot_of: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.num_disk_reads = 0
         self.num_slot_writes = 0
         self.load_s = 0.0                              # time spent reading and writing adapters
@@ -53,21 +54,21 @@ class LoRASlots:
         return self.config.max_loras
 
     # ---- host side ----
-    def register(self, request: LoRARequest) -> str:
-        """Read (or find in host memory) the adapter of a new request; -> its content digest. A bad
-        adapter is a ValueError naming the file and field, and changes nothing."""
+    def register(self, request: LoRARequest) -> LoRAAdapter:
+        """Read (or find in host memory) the adapter of a new request; -> its weights and content
+        digest, which the request keeps. A bad adapter is a ValueError naming the file and field,
+        and changes nothing."""
         known = self.paths.get(request.lora_int_id)
         if known is not None and known != request.lora_path:
             raise ValueError(f"lora_request.lora_int_id: {request.lora_int_id} is already the adapter at {known}, "
                              f"not {request.lora_path}")
-        return self._adapter(request.lora_int_id, request.lora_path).digest
+        return self._adapter(request.lora_int_id, request.lora_path)
 
     def forget(self, lora_int_id: int) -> None:
-        """An adapter unloaded: its host copy and its slot go (a request still running with it reads
-        it again from its path for its next step)."""
+        """An adapter unloaded: its host copy goes, and its id may name other weights later. A
+        request still running with it keeps the weights it came with (and their slot)."""
         self.host.pop(lora_int_id, None)
         self.paths.pop(lora_int_id, None)
-        self.slot_of.pop(lora_int_id, None)
 
     def _adapter(self, lora_int_id: int, path: str) -> LoRAAdapter:
         adapter = self.host.get(lora_int_id)
@@ -89,21 +90,21 @@ class LoRASlots:
         return adapter
 
     # ---- device side ----
-    def activate(self, state: nnx.State, requests: list[LoRARequest]) -> tuple[nnx.State, dict[int, int]]:
-        """Put a step's adapters (at most ``max_loras`` distinct) in slots; -> the model state
-        with any slot written, and each adapter's slot."""
-        wanted = {r.lora_int_id: r for r in requests}
+    def activate(self, state: nnx.State, adapters: list[LoRAAdapter]) -> tuple[nnx.State, dict[str, int]]:
+        """Put a step's adapters (the weights its requests keep; at most ``max_loras`` distinct)
+        in slots; -> the model state with any slot written, and each adapter's slot by digest.
+        Never reads the disk."""
+        wanted = {a.digest: a for a in adapters}
         if len(wanted) > self.num_slots:
             raise RuntimeError(f"a step of {len(wanted)} adapters, {self.num_slots} slots (max_loras)")
-        for lora_int_id, request in wanted.items():
-            if lora_int_id in self.slot_of:
-                self.slot_of.move_to_end(lora_int_id)
+        for digest, adapter in wanted.items():
+            if digest in self.slot_of:
+                self.slot_of.move_to_end(digest)
                 continue
             slot = self._free_slot(wanted)
-            adapter = self._adapter(lora_int_id, self.paths.get(lora_int_id, request.lora_path))
             state = self.write(state, slot, adapter)
-            self.slot_of[lora_int_id] = slot
-        return state, {i: self.slot_of[i] for i in wanted}
+            self.slot_of[digest] = slot
+        return state, {d: self.slot_of[d] for d in wanted}
 
     def _free_slot(self, wanted: dict) -> int:
         """A slot no adapter holds, else the least recently used one not wanted by this step."""
@@ -128,9 +129,10 @@ class LoRASlots:
         self.load_s += time.perf_counter() - start
         return state
 
-    def row_slots(self, requests: list[LoRARequest | None], slot_of: dict[int, int]) -> np.ndarray:
+    @staticmethod
+    def row_slots(adapters: list[LoRAAdapter | None], slot_of: dict[str, int]) -> np.ndarray:
         """Each row's slot (-1: the base model)."""
-        return np.fromiter((-1 if r is None else slot_of[r.lora_int_id] for r in requests), np.int32, len(requests))
+        return np.fromiter((-1 if a is None else slot_of[a.digest] for a in adapters), np.int32, len(adapters))
 
 
 def slot_value(name: str, shape: tuple[int, ...], adapter: LoRAAdapter | None) -> np.ndarray:

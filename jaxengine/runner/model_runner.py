@@ -316,9 +316,9 @@ class ModelRunner:
         """With LoRA slots: the step's adapters put in slots, and each row's slot (-1: base)."""
         if self.lora is None:
             return None
-        requests = [seq.request.lora_request for seq in out.scheduled_seqs]
-        self.state, slot_of = self.lora.activate(self.state, [r for r in requests if r is not None])
-        return self.lora.row_slots(requests, slot_of)
+        adapters = [seq.request.lora_adapter for seq in out.scheduled_seqs]
+        self.state, slot_of = self.lora.activate(self.state, [a for a in adapters if a is not None])
+        return self.lora.row_slots(adapters, slot_of)
 
     def _wait_for_buckets(self) -> None:
         """An empty step while buckets compile in the background: requests may be waiting for

@@ -268,6 +268,7 @@ class AsyncEngine:
         finally:
             self._fail_all("the server shut down before the request finished" if self._stopping else
                            THREAD_STOPPED, status=503)
+            self._settle_left_calls()
             self.engine.flush_trace()
 
     def _turn(self) -> bool:
@@ -323,6 +324,22 @@ class AsyncEngine:
             elif command[0] == "call":
                 command[-1]((False, EngineUnhealthyError(self._unhealthy)))
 
+    def _settle_left_calls(self) -> None:
+        """Calls still queued when the thread ends (after the stop command) are answered, not left
+        waiting; requests queued then get ``add``'s answer from the event loop's own check."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "call":
+                command[-1]((False, EngineStoppedError("the server is shutting down")))
+            elif command[0] == "add":
+                with self._lock:
+                    self._num_queued -= 1
+                command[-1](RequestDelta(command[1], [], finished=True, error="the server is shutting down",
+                                         error_status=503))
+
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False on the stop command."""
         try:
@@ -342,6 +359,11 @@ class AsyncEngine:
                 slo: LatencyTargets | None, arrival: float, lora_request: LoRARequest | None, deliver) -> None:
         with self._lock:
             self._num_queued -= 1
+        # An adapter unloaded between the request's check and now: not brought back for it.
+        if lora_request is not None and getattr(self.llm, "loras", {}).get(lora_request.lora_name) != lora_request:
+            deliver(RequestDelta(request_id, [], finished=True, error=f"model: the adapter `{lora_request.lora_name}` "
+                                 f"was unloaded before the request started", error_status=404))
+            return
         try:
             request = self.llm.add_request(request_id, ids, params, priority=priority, arrival_time=arrival, slo=slo,
                                            lora_request=lora_request)

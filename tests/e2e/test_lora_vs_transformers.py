@@ -137,9 +137,9 @@ def test_the_adapter_limit_holds_and_adapters_move_through_host_memory(setup):
     seen = []
     original = llm.runner.lora.activate
 
-    def activate(state, requests):
-        seen.append({r.lora_int_id for r in requests})
-        return original(state, requests)
+    def activate(state, adapters):
+        seen.append({a.digest for a in adapters})
+        return original(state, adapters)
 
     llm.runner.lora.activate = activate
     assert run(llm, jobs) == expected(want, jobs)
@@ -225,3 +225,25 @@ def test_an_adapter_reloaded_with_other_weights_under_its_name_reuses_no_stale_k
     assert run(llm, [(4, changed)]) == peft_greedy(base, tmp_path, [PROMPTS[4]])
     assert kv.prefix_cache_hits - before == 0
     llm.remove_lora("same")
+
+
+def test_a_request_keeps_its_adapter_through_an_unload_and_its_id_taken_by_other_weights(llm, setup, tmp_path):
+    """Unloaded while its request runs, its folder deleted, its id given to other weights: the
+    request finishes on the weights it came with."""
+    import shutil
+
+    _, folders, want = setup
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (tmp_path / name).write_bytes((folders["beta"] / name).read_bytes())
+    lora = llm.load_lora("going", str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request = llm.add_request("in-flight", PROMPTS[1], params, lora_request=lora)
+    llm.engine.step()
+    assert llm.remove_lora("going")
+    shutil.rmtree(tmp_path)
+    llm.add_lora(LoRARequest("taker", lora.lora_int_id, str(folders["gamma"])))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert request.output_token_ids == want["beta"][1]
+    assert run(llm, [(1, llm.loras["taker"])]) == [want["gamma"][1]]
+    llm.remove_lora("taker")
