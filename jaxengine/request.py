@@ -224,11 +224,6 @@ class Request:
         self.seed = sampling_params.seed if sampling_params.seed is not None else random.getrandbits(32)
 
     @property
-    def lora_id(self) -> int | None:
-        """Its adapter's identity (None: the base model)."""
-        return None if self.lora_request is None else self.lora_request.lora_int_id
-
-    @property
     def prefix_keys(self) -> tuple:
         """What its first KV block's hash covers besides the tokens: the cache salt and the
         adapter's content digest (KV computed under one adapter serves no other)."""

@@ -567,6 +567,20 @@ def fp8_kv_attention(smoke: bool, copy_gbs: float) -> dict:
     return result
 
 
+def median_step_ms(step, caches, repeats: int = 5) -> tuple:
+    """``step(caches) -> (caches, out)`` (the caches donated) run once to compile, then
+    ``repeats`` times: -> (the caches, the median ms)."""
+    caches, out = step(caches)
+    out.block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        caches, out = step(caches)
+        out.block_until_ready()
+        times.append(time.perf_counter() - start)
+    return caches, round(statistics.median(times) * 1e3, 3)
+
+
 def speculation(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
     """What a speculative verify step costs on the 8B-shaped random model (bf16, the engine's
     attention): B rows at 1k tokens of context, each with 1 token (a decode step) or with 1 + k
@@ -600,15 +614,7 @@ def speculation(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=la
                 caches, logits = forward(state, caches, ids, md, jnp.arange(n))
                 return caches, logits
 
-            caches, logits = step(caches)                       # compile
-            logits.block_until_ready()
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                caches, logits = step(caches)
-                logits.block_until_ready()
-                times.append(time.perf_counter() - start)
-            row["decode_ms" if k == 0 else f"verify_k{k}_ms"] = round(statistics.median(times) * 1e3, 3)
+            caches, row["decode_ms" if k == 0 else f"verify_k{k}_ms"] = median_step_ms(step, caches)
         row["verify_over_decode"] = round(row["verify_k4_ms"] / row["decode_ms"], 3)
         row["eagle3_head_step_ms"] = head_step_ms(cfg, batch, block, context, pages)
         row["eagle3_step_k4_over_decode"] = round((row["verify_k4_ms"] + 4 * row["eagle3_head_step_ms"])
@@ -664,15 +670,7 @@ def lora(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda re
             if name == "base" and per_row == 1:
                 hlo = forward.lower(state, caches, ids, md_lora, jnp.arange(min(n, 256))).compile().as_text()
                 result["hlo_ragged_dot"] = "ragged" in hlo
-            caches, logits = step(caches)
-            logits.block_until_ready()
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                caches, logits = step(caches)
-                logits.block_until_ready()
-                times.append(time.perf_counter() - start)
-            row[f"{name}_ms"] = round(statistics.median(times) * 1e3, 3)
+            caches, row[f"{name}_ms"] = median_step_ms(step, caches)
         row["overhead_8"] = round(row["8_adapters_ms"] / row["base_ms"] - 1, 3)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)

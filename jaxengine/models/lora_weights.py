@@ -94,7 +94,6 @@ class LoRAWeights(nnx.Module):
             for module in modules:
                 setattr(self, f"b_{module}", _sharded(jnp.zeros((num_layers, max_loras, max_rank, shapes[module][1]),
                                                                 dtype), (None, None, None, None if rows else M)))
-        self.groups = groups
         self.grouped_fn = grouped_dense         # XLA's ragged_dot over a mesh (models.mesh.shard_kernels)
 
     def deltas(self, group: str, x: jax.Array, md: AttentionMetadata, layer: jax.Array | None) -> tuple[jax.Array, ...]:

@@ -327,7 +327,7 @@ def test_at_most_max_loras_adapters_run_at_once_and_every_request_finishes(data)
     config = data.draw(configs(workload))
 
     def observe(h, step):
-        scheduled = {seq.request.lora_id for seq in h.last.scheduled_seqs} - {None}
+        scheduled = {seq.request.lora_digest for seq in h.last.scheduled_seqs} - {None}
         assert len(scheduled) <= max_loras and len(h.scheduler.running_adapters()) <= max_loras
 
     h = run_workload(workload, config, observe=observe,

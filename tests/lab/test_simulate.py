@@ -147,7 +147,7 @@ def test_the_adapter_limit_is_simulated():
     for max_loras in (2, 12):
         result = simulate(workload, constant_profile(STEP, num_gpu_blocks=400, block_size=4), record_outputs=True,
                           enable_lora=True, max_loras=max_loras, **SMALL)
-        per_step = [len({s.request.lora_id for s in out.scheduled_seqs}) for out in result.outputs]
+        per_step = [len({s.request.lora_digest for s in out.scheduled_seqs}) for out in result.outputs]
         assert max(per_step) == min(max_loras, SMALL["max_num_seqs"]) and result.metrics["completed"] == 60
         runs[max_loras] = result.metrics["duration_s"]
     assert runs[2] > runs[12]
