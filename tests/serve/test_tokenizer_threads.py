@@ -3,6 +3,7 @@ prompts are tokenized the server answers /health at once and its streams keep re
 chunks, and every request is answered correctly."""
 import asyncio
 import json
+import statistics
 import threading
 import time
 
@@ -105,6 +106,11 @@ def test_long_prompts_tokenize_off_the_event_loop_while_streams_run(server, monk
                                                                              for i in range(NUM_LONG)]
     assert len(slow.calls) == NUM_LONG + 1
     assert all(name.startswith("jaxengine-tokenize") and not shared for name, shared in slow.calls), slow.calls
-    assert latencies and max(latencies) < SLOW_S / 2, latencies        # the event loop stayed free
-    assert len(gaps) > NUM_STREAMS and max(gaps) < SLOW_S / 2, gaps    # and the streams kept flowing
+    # The event loop stayed free and the streams kept flowing. Tokenizing on the loop would block
+    # it 17 times for SLOW_S; one pause of the whole process (a full garbage collection on a busy
+    # machine) may delay one probe and one chunk, wherever prompts are tokenized.
+    assert len(latencies) > NUM_LONG and statistics.median(latencies) < SLOW_S / 8, latencies
+    assert sum(latency >= SLOW_S / 2 for latency in latencies) <= 1, latencies
+    assert len(gaps) > NUM_STREAMS and statistics.median(gaps) < SLOW_S / 8, gaps
+    assert sum(gap >= SLOW_S / 2 for gap in gaps) <= 1, gaps
     server.wait_idle()
