@@ -20,6 +20,7 @@ from jaxengine.config import OVERLOAD_POLICIES, PREEMPTION_MODES, SPECULATIVE_ME
     EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
+from jaxengine.kernels.paged_attention.latent import FORMS as LATENT_ATTENTION_FORMS
 from jaxengine.runner.compile import COMPILE_MODES
 
 GiB = 1 << 30
@@ -84,6 +85,11 @@ class EngineArgs:
         "auto", "paged attention: the Pallas kernels (auto picks them on CUDA GPUs of compute capability "
                 "8.0+; pallas-triton / pallas-mosaic force one) or the plain-jnp path (reference)",
         choices=BACKENDS)
+    latent_attention_form: str = _option(
+        "absorbed", "how a model with multi-head latent attention (DeepSeek-V3) attends over its cache of "
+                    "latents: absorbed (the query taken into the latent space, the cache read as it lies) or "
+                    "decompressed (every head's keys and values expanded from the latents as they are read); "
+                    "the same result", choices=LATENT_ATTENTION_FORMS)
     skip_kernel_check: bool = _option(
         False, "on an accelerator, skip the start-up check of the attention kernel and KV write against "
                "the plain-jnp path (a kernel that fails to compile or disagrees is otherwise replaced by it)")
@@ -266,17 +272,18 @@ class EngineArgs:
 
     def kv_bytes_per_block(self, model_config, kv_dtype=None, draft_config=None) -> int:
         """What one KV block costs each device: its share of the KV heads (under tensor
-        parallelism, with the heads repeated when there are fewer than devices), and of a draft
+        parallelism, with the heads repeated when there are fewer than devices; latent attention's
+        cache whole), and of a draft
         model's (``draft_config``), whose cache shares the block tables."""
-        from jaxengine.models.mesh import kv_heads_per_device
+        from jaxengine.models.mesh import kv_elements_per_device
         from jaxengine.runner.kv_cache import bytes_per_block
 
         kv_dtype = kv_dtype if kv_dtype is not None else self.resolve_kv_dtype(resolve_dtype(self.dtype, None))
         total = 0
         for cfg in (model_config, getattr(draft_config, "layer", draft_config)):    # an EAGLE-3 head: its layer
             if cfg is not None:
-                heads = kv_heads_per_device(cfg, self.tensor_parallel_size)
-                total += bytes_per_block(cfg.num_layers, self.block_size, heads, cfg.head_dim, kv_dtype)
+                elements = kv_elements_per_device(cfg, self.tensor_parallel_size)
+                total += bytes_per_block(elements, self.block_size, kv_dtype)
         return total
 
     def autopilot_config(self) -> AutopilotConfig | None:

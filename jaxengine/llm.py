@@ -175,8 +175,16 @@ class LLM:
     def _log_kv_cache(self) -> None:
         cc = self.config.cache
         per_block = self.engine_args.kv_bytes_per_block(self.model_config, self.kv_dtype, self.draft_config)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per device), %s", cc.num_gpu_blocks, cc.block_size,
-                    cc.num_gpu_blocks * per_block / (1 << 20), self.kv_dtype.name)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per device), %s, %d tokens per GiB", cc.num_gpu_blocks,
+                    cc.block_size, cc.num_gpu_blocks * per_block / (1 << 20), self.kv_dtype.name,
+                    self.kv_cache_capacity()["tokens_per_gib"])
+
+    def kv_cache_capacity(self) -> dict[str, int]:
+        """The KV pool's ``tokens`` (one replica's) and ``tokens_per_gib`` (tokens one GiB of a
+        device's memory holds: what a token costs there, latent attention's cache included)."""
+        cc = self.config.cache
+        per_block = self.engine_args.kv_bytes_per_block(self.model_config, self.kv_dtype, self.draft_config)
+        return {"tokens": cc.num_gpu_blocks * cc.block_size, "tokens_per_gib": (1 << 30) * cc.block_size // per_block}
 
     def _engine(self, runner: ModelRunner, replica: int) -> Engine:
         args = self.engine_args
@@ -509,7 +517,8 @@ def _is_token_ids(x) -> bool:
 def _layout(args: EngineArgs) -> dict:
     """How the model lays its weights out (over the mesh, beyond tensor parallelism's defaults;
     quantized or not)."""
-    return {"expert_parallel": args.enable_expert_parallel, "quantization": args.quantization}
+    return {"expert_parallel": args.enable_expert_parallel, "quantization": args.quantization,
+            "latent_attention_form": args.latent_attention_form}
 
 
 def _replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list:

@@ -761,6 +761,48 @@ TARGETS = [  # (label, file, key path, target text, passes)
 ]
 
 
+def mla(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
+    """DeepSeek-V3's latent attention in one layer at decode (bf16: 128 heads, latent 512 + rotary
+    64, keys 128 + 64 and values 128 a head), 256 rows at 2k tokens of context (smoke: 8 at 64),
+    absorbed through the engine's attention kernel (``select_attention("auto")``; the Pallas ones
+    where they serve a head of 576): ms, the latent cache's GB/s (bytes read / time) and its share
+    of the copy bandwidth; its output against the decompressed form on the first 4 rows."""
+    from jaxengine.kernels.paged_attention.backend import select_attention
+    from jaxengine.kernels.paged_attention.latent import absorbed_attention, decompressed_attention
+
+    heads, rank, rotary, nope, value, block = 128, 512, 64, 128, 128, 16
+    rows, context = (8, 64) if smoke else (256, 2048)
+    pages = -(-context // block)
+    keys = jax.random.split(jax.random.key(3), 5)
+    cache = jax.random.normal(keys[0], (1 + rows * pages, block, 1, rank + rotary), jnp.bfloat16)
+    q_nope = jax.random.normal(keys[1], (rows, heads, nope), jnp.bfloat16)
+    q_rope = jax.random.normal(keys[2], (rows, heads, rotary), jnp.bfloat16)
+    w_uk = (jax.random.normal(keys[3], (rank, heads, nope), jnp.float32) * rank ** -0.5).astype(jnp.bfloat16)
+    w_uv = (jax.random.normal(keys[4], (rank, heads, value), jnp.float32) * rank ** -0.5).astype(jnp.bfloat16)
+    md = AttentionMetadata.build([(context - 1, 1, list(range(1 + r * pages, 1 + (r + 1) * pages))) for r in range(rows)],
+                                 block, num_tokens=rows, max_blocks=pages, num_rows=rows)
+    md = jax.tree.map(jnp.asarray, md)
+    scale = (nope + rotary) ** -0.5
+    kernel = select_attention("auto")
+    absorbed = jax.jit(lambda *a: absorbed_attention(*a, scale=scale, attention_fn=kernel))
+    t = timed(absorbed, q_nope, q_rope, cache, md, w_uk, w_uv)
+    read = rows * context * (rank + rotary) * 2
+    result = {"rows": rows, "context": context, "kernel": getattr(kernel, "__name__", str(kernel)),
+              "ms": round(t * 1e3, 3), "cache_gbs": round(read / t / 1e9, 1),
+              "fraction_of_copy_bw": round(read / t / 1e9 / copy_gbs, 3)}
+    save_part(result)
+    few = jax.tree.map(lambda a: a[:4], (q_nope, q_rope))
+    md_few = AttentionMetadata.build([(context - 1, 1, list(range(1 + r * pages, 1 + (r + 1) * pages)))
+                                      for r in range(4)], block, num_tokens=4, max_blocks=pages, num_rows=4)
+    md_few = jax.tree.map(jnp.asarray, md_few)
+    want = decompressed_attention(*few, cache, md_few, w_uk, w_uv, scale=scale).astype(jnp.float32)
+    got = absorbed(*few, cache, md_few, w_uk, w_uv).astype(jnp.float32)
+    result["max_abs_diff_vs_decompressed"] = float(jnp.abs(got - want).max())
+    result["max_abs_decompressed"] = float(jnp.abs(want).max())
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def summary(out: Path) -> None:
     """All results in one JSON and a short table (printed last)."""
     results = {name: json.loads((out / f"{name}.json").read_text()) for name in ("ceilings", "kernel", "engine", "sharding")
@@ -798,6 +840,10 @@ def summary(out: Path) -> None:
         lines.append(f"| 8B step with LoRA, {row['rows']} rows / {row['tokens']} tokens: ms base / 1 / 8 adapters "
                      f"(overhead at 8) | {row['base_ms']} / {row['1_adapter_ms']} / {row['8_adapters_ms']} "
                      f"({row['overhead_8']}) | <= 0.15 | {'yes' if row['overhead_8'] <= 0.15 else 'NO'} |")
+    if mla_row := results.get("kernel", {}).get("mla"):
+        lines.append(f"| DeepSeek-V3 latent attention, decode {mla_row['rows']} x {mla_row['context']}: ms, cache GB/s "
+                     f"(share of copy), max diff vs decompressed | {mla_row['ms']}, {mla_row['cache_gbs']} "
+                     f"({mla_row['fraction_of_copy_bw']}), {mla_row.get('max_abs_diff_vs_decompressed')} | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("quantized_experts", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens, experts bf16 / fp8 / int4 (ms) | {row.get('bf16_ms')} / "
                      f"{row.get('fp8_ms')} / {row.get('int4_ms')} | - | - |")
@@ -812,14 +858,14 @@ def summary(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "quantized", "speculation", "lora",
-                                         "summary"])
+                                         "mla", "summary"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a dry run, also on the CPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "summary":
         return summary(args.out)
-    if args.what in ("moe", "quantized", "speculation", "lora"):      # into kernel.json: the device tool brings back 8 files at most
+    if args.what in ("moe", "quantized", "speculation", "lora", "mla"):      # into kernel.json: the device tool brings back 8 files at most
         ceil = json.loads((args.out / "ceilings.json").read_text())
         kernel_file = args.out / "kernel.json"
         merged = json.loads(kernel_file.read_text()) if kernel_file.exists() else {}
@@ -828,7 +874,7 @@ def main() -> None:
             merged[args.what] = result
             kernel_file.write_text(json.dumps(merged, indent=1))
 
-        part = {"moe": moe, "quantized": quantized, "speculation": speculation, "lora": lora}[args.what]
+        part = {"moe": moe, "quantized": quantized, "speculation": speculation, "lora": lora, "mla": mla}[args.what]
         save_part(part(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"], save_part))
         return None
     info = {"device": str(jax.devices()[0]), "jax": jax.__version__}

@@ -26,7 +26,10 @@
 #    (in kernel.json);
 # 9. LoRA: the 8B model's step with 8 rank-16 adapter slots on every target, rows spread over 8
 #    adapters and over 1, against no row on an adapter, at decode batch 256 and a 2,048-token
-#    prefill; whether XLA kept ragged_dot (in kernel.json).
+#    prefill; whether XLA kept ragged_dot (in kernel.json);
+# 10. DeepSeek-V3's latent attention at decode (one layer, 256 rows x 2k, absorbed through the
+#    engine's kernel): ms, the latent cache's bandwidth against the copy bandwidth, its output
+#    against the decompressed form (in kernel.json).
 # Each part has its own time limit; a part whose limit would take the run past 590 s is skipped (logged),
 # so the whole run ends within the device's 10-minute call with its summary; results land in
 # OUT_DIR as JSON (gpu_check.json) and a table (gpu_check.md), printed last. Add --smoke to
@@ -58,7 +61,7 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 130 $PY -P -m pytest -v -p no:cache
 echo "exit status $?" >> "$OUT_DIR/kernel_tests.txt"
 log "kernel tests: $(grep -c ' PASSED' "$OUT_DIR/kernel_tests.txt") passed, $(grep -c ' FAILED' "$OUT_DIR/kernel_tests.txt") failed; $(tail -1 "$OUT_DIR/kernel_tests.txt")"
 
-for part in "ceilings 40" "kernel 115" "engine 150" "moe 35" "quantized 50" "speculation 40" "lora 30"; do
+for part in "ceilings 40" "kernel 115" "engine 150" "moe 35" "quantized 50" "speculation 40" "lora 30" "mla 30"; do
   set -- $part
   if [ -z "$SMOKE" ] && [ $((SECONDS - start + $2 + 60)) -gt 590 ]; then   # the sharding part and the summary last
     log "$1: skipped, its time limit would end the run past 590 s"

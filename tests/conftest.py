@@ -67,6 +67,35 @@ MOE_VARIANTS = {
 }
 
 
+# DeepSeek-V3: a dense first layer, then 8 routed experts in 4 groups (2 kept) and a shared one;
+# latent attention with and without the query's low-rank step, the first with YaRN past a short
+# original context and its softmax-scale correction.
+DEEPSEEK = dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4)
+DEEPSEEK_VARIANTS = {
+    "q-lora-yarn": dict(q_lora_rank=24, rope_parameters={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+        "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}),
+    "no-q-lora": dict(q_lora_rank=None),
+}
+
+
+def make_deepseek_checkpoint(folder, variant: str, **overrides):
+    """A tiny DeepSeek-V3 whose routers' score-correction biases are far from 0 (they change
+    which experts are chosen)."""
+    import torch
+
+    hf = make_checkpoint(folder, "deepseek_v3", **{**DEEPSEEK, **DEEPSEEK_VARIANTS[variant], **overrides})
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.5)
+    hf.save_pretrained(folder)
+    return hf
+
+
 def make_checkpoint(folder, model_type: str, **overrides):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -73,6 +73,25 @@ class ModelConfig:
     # The checkpoint holds a K and a V scale per layer (self_attn.k_scale / v_scale) for an FP8 KV
     # cache; without them an FP8 cache's scales are 1.0.
     kv_scales: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3), on when kv_lora_rank > 0: keys and values come
+    # from a latent of kv_lora_rank per token plus one rotary key of qk_rope_head_dim (= head_dim)
+    # shared by the heads; queries through a q_lora_rank bottleneck (None: straight from D).
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    mscale_all_dim: float = 0.0          # YaRN's factor on the softmax scale (squared), DeepSeek's way
+    rope_interleave: bool = False        # the checkpoint's rotary dimensions in pairs (x0, x1), (x2, x3)...
+    num_mtp_layers: int = 0              # multi-token prediction layers after the decoder's (layers L...)
+    # DeepSeek-V3's router: sigmoid scores, a per-expert bias added for the choice only, the top
+    # topk_group of n_group expert groups (each scored by its two best), weights times
+    # routed_scaling_factor; its shared experts run ungated.
+    scoring: str = "softmax"             # or "sigmoid"
+    score_correction_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True     # Qwen2-MoE's sigmoid gate on its shared expert
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -84,6 +103,29 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: the KV cache holds one latent and rotary key per token."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_parts(self) -> tuple[tuple[int, int], ...]:
+        """(heads, head size) of each array of the KV cache: K and V, or MLA's one array of
+        latent and rotary key side by side (one "head" per token, whatever the query heads)."""
+        if self.is_mla:
+            return ((1, self.kv_lora_rank + self.head_dim),)
+        return ((self.num_kv_heads, self.head_dim),) * 2
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Numbers the KV cache holds per token, all layers."""
+        return self.num_layers * sum(heads * size for heads, size in self.kv_cache_parts)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """An MLA query head's size: its part without position and its rotary part."""
+        return self.qk_nope_head_dim + self.head_dim
 
     @property
     def num_params(self) -> int:
@@ -104,6 +146,8 @@ class ModelConfig:
     def _params(self, active: bool) -> int:
         d, h = self.hidden_size, self.head_dim
         attention = d * (self.num_heads + 2 * self.num_kv_heads) * h + self.num_heads * h * d
+        if self.is_mla:
+            attention = self._latent_attention_params()
         attention += (self.num_heads + 2 * self.num_kv_heads) * h if self.attention_bias else 0
         attention += d if self.output_bias else 0
         attention += 2 * h if self.qk_norm else 0
@@ -113,11 +157,18 @@ class ModelConfig:
         expert = 3 * d * self.moe_intermediate_size + (2 * self.moe_intermediate_size + d if self.expert_bias else 0)
         moe = d * self.num_experts + (self.num_experts if self.router_bias else 0) + experts * expert
         if self.shared_expert_intermediate_size:
-            moe += 3 * d * self.shared_expert_intermediate_size + d
+            moe += 3 * d * self.shared_expert_intermediate_size + (d if self.shared_expert_gated else 0)
+        moe += self.num_experts if self.score_correction_bias else 0
         sparse = len(self.sparse_layers)
         layers = self.num_layers * (attention + 2 * d) + sparse * moe + (self.num_layers - sparse) * dense_mlp
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return layers + self.vocab_size * d + head + d
+
+    def _latent_attention_params(self) -> int:
+        d, n, r = self.hidden_size, self.num_heads, self.kv_lora_rank
+        q = d * n * self.qk_head_dim if self.q_lora_rank is None else (
+            d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim)
+        return q + d * (r + self.head_dim) + r + r * n * (self.qk_nope_head_dim + self.v_head_dim) + n * self.v_head_dim * d
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (None: it attends to the whole context)."""
@@ -173,7 +224,7 @@ class ModelConfig:
                             or bool(getattr(hf, "qkv_bias", False) and hf.model_type == "qwen2_moe")),
             output_bias=hf.model_type in _OUTPUT_BIAS and bool(getattr(hf, "attention_bias", False)),
             qk_norm=hf.model_type in ("qwen3", "qwen3_moe"), attention_sinks=hf.model_type == "gpt_oss",
-            **_attention_windows(hf), **_experts(hf),
+            **_attention_windows(hf), **_experts(hf), **_latent_attention(hf, scaling),
             bos_token_id=getattr(hf, "bos_token_id", None), eos_token_id=getattr(hf, "eos_token_id", None))
 
 
@@ -215,6 +266,14 @@ def _experts(hf) -> dict:
     if hf.model_type == "mixtral":
         return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
                     moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True)
+    if hf.model_type == "deepseek_v3":
+        return dict(num_experts=hf.n_routed_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
+                    shared_expert_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0),
+                    shared_expert_gated=False, scoring="sigmoid", score_correction_bias=True,
+                    n_group=hf.n_group or 1, topk_group=hf.topk_group or 1,
+                    routed_scaling_factor=float(hf.routed_scaling_factor),
+                    dense_layers=tuple(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))))
     if hf.model_type not in ("qwen2_moe", "qwen3_moe"):
         return {}
     experts = getattr(hf, "num_experts", None) or hf.num_local_experts
@@ -226,7 +285,36 @@ def _experts(hf) -> dict:
                 dense_layers=dense)
 
 
+# What a DeepSeek-V3 config must say: transformers fills a missing one with DeepSeek-V3's own
+# size, which would read the checkpoint's tensors as the wrong shapes.
+REQUIRED_FIELDS = {"deepseek_v3": ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                   "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")}
+
+
+def check_config_fields(raw: dict, where: str = "config.json") -> None:
+    """ValueError naming the first field a model type needs that ``raw`` (config.json) lacks."""
+    for name in REQUIRED_FIELDS.get(raw.get("model_type"), ()):
+        if raw.get(name) is None:
+            raise ValueError(f"{where}: {name} is missing; a {raw['model_type']} model needs it")
+
+
+def _latent_attention(hf, scaling) -> dict:
+    """DeepSeek-V3's multi-head latent attention (none for others). Its rotary part is head_dim."""
+    if hf.model_type != "deepseek_v3":
+        return {}
+    mscale_all_dim = float(scaling.mscale_all_dim or 0) if isinstance(scaling, YarnScaling) else 0.0
+    if getattr(hf, "attention_bias", False):
+        raise ValueError("attention_bias: latent attention with biases is not supported")
+    if hf.head_dim != hf.qk_rope_head_dim:
+        raise ValueError(f"head_dim ({hf.head_dim}) must equal qk_rope_head_dim ({hf.qk_rope_head_dim})")
+    return dict(q_lora_rank=hf.q_lora_rank or None, kv_lora_rank=int(hf.kv_lora_rank),
+                qk_nope_head_dim=int(hf.qk_nope_head_dim), v_head_dim=int(hf.v_head_dim),
+                mscale_all_dim=mscale_all_dim, rope_interleave=bool(getattr(hf, "rope_interleave", True)),
+                num_mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0))
+
+
 def _default_architecture(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}.get(model_type, model_type)
+            "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}.get(model_type, model_type)

@@ -47,4 +47,5 @@ def make_forward(model: nnx.Module, head: Callable = _logits, mesh=None, expert_
 
     if mesh is None:
         return state, jax.jit(forward, donate_argnums=(1,))
-    return state, jax.jit(forward, donate_argnums=(1,), out_shardings=(kv_cache_sharding(mesh), replicated(mesh)))
+    kv_sharding = kv_cache_sharding(mesh, getattr(model, "config", None))
+    return state, jax.jit(forward, donate_argnums=(1,), out_shardings=(kv_sharding, replicated(mesh)))

@@ -135,6 +135,29 @@ class HeadsBias:
 
 
 @dataclasses.dataclass(frozen=True)
+class RotaryDeinterleaved:
+    """DeepSeek's rotary dimensions stored in pairs (x0, x1), (x2, x3)...: the ``size`` of them
+    from ``start`` on the last axis read as evens then odds, the half-split layout ``apply_rope``
+    rotates. Queries and keys are permuted alike, so their products are unchanged."""
+    inner: object
+    start: int
+    size: int
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return self.inner.hf_shape(shape)
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        w = self.inner.read(read_hf, index)
+        last = index[-1]
+        if (last.start, last.stop) != (0, w.shape[-1]) or w.shape[-1] < self.start + self.size:
+            raise ValueError("a rotary projection is read whole along its last axis")
+        rotary = np.arange(self.start, self.start + self.size)
+        order = np.concatenate([np.arange(self.start), rotary[0::2], rotary[1::2],
+                                np.arange(self.start + self.size, w.shape[-1])])
+        return w[..., order]
+
+
+@dataclasses.dataclass(frozen=True)
 class RepeatedHeads:
     """KV heads repeated ``repeats`` times in a row (head j -> j*r .. j*r + r - 1) on ``axis``:
     heads [a, b) of ours are copies of original heads a//r .. (b-1)//r, each read once."""
@@ -215,14 +238,48 @@ def _rules(cfg: ModelConfig) -> list[tuple[re.Pattern, Callable[[re.Match], Para
     def layer(*rest):
         return lambda m: ("layers", int(m.group(1)), *rest)
 
+    if cfg.is_mla:
+        return _latent_attention_rules(cfg, layer) + _common_rules(cfg, layer)
+    return [
+        (re.compile(_LAYER + r"self_attn\.q_proj\.weight"), layer("self_attn", "q_proj"), HeadsIn(h)),
+        (re.compile(_LAYER + r"self_attn\.o_proj\.weight"), layer("self_attn", "o_proj"), HeadsOut(h)),
+    ] + _common_rules(cfg, layer)
+
+
+def _latent_attention_rules(cfg: ModelConfig, layer) -> list:
+    """DeepSeek-V3's attention tensors (``models.latent_attention``'s names)."""
+    q_head, r, hr = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.head_dim
+
+    def rotary(layout, start):
+        return RotaryDeinterleaved(layout, start, hr) if cfg.rope_interleave else layout
+
+    return [
+        (re.compile(_LAYER + r"self_attn\.q_proj\.weight"), layer("self_attn", "q_proj"),
+         rotary(HeadsIn(q_head), cfg.qk_nope_head_dim)),
+        (re.compile(_LAYER + r"self_attn\.q_b_proj\.weight"), layer("self_attn", "q_b_proj"),
+         rotary(HeadsIn(q_head), cfg.qk_nope_head_dim)),
+        (re.compile(_LAYER + r"self_attn\.q_a_proj\.weight"), layer("self_attn", "q_a_proj"), Transposed()),
+        (re.compile(_LAYER + r"self_attn\.q_a_layernorm\.weight"), layer("self_attn", "q_a_norm", "weight"), Same()),
+        (re.compile(_LAYER + r"self_attn\.kv_a_proj_with_mqa\.weight"), layer("self_attn", "kv_a_proj"),
+         rotary(Transposed(), r)),
+        (re.compile(_LAYER + r"self_attn\.kv_a_layernorm\.weight"), layer("self_attn", "kv_a_norm", "weight"), Same()),
+        (re.compile(_LAYER + r"self_attn\.kv_b_proj\.weight"), layer("self_attn", "kv_b_proj"),
+         HeadsIn(cfg.qk_nope_head_dim + cfg.v_head_dim)),
+        (re.compile(_LAYER + r"self_attn\.o_proj\.weight"), layer("self_attn", "o_proj"), HeadsOut(cfg.v_head_dim)),
+        (re.compile(_LAYER + r"mlp\.gate\.e_score_correction_bias"), layer("mlp", "score_correction_bias"), Same()),
+        (re.compile(_LAYER + r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight"),
+         lambda m: ("layers", int(m.group(1)), "mlp", "shared_expert", m.group(2)), Transposed()),
+    ]
+
+
+def _common_rules(cfg: ModelConfig, layer) -> list:
+    h = cfg.head_dim
     return [
         (re.compile(r"model\.embed_tokens\.weight"), lambda m: ("embed_tokens",), Same()),
         (re.compile(r"model\.norm\.weight"), lambda m: ("norm", "weight"), Same()),
         (re.compile(r"lm_head\.weight"), lambda m: ("lm_head",), Transposed()),
-        (re.compile(_LAYER + r"self_attn\.q_proj\.weight"), layer("self_attn", "q_proj"), HeadsIn(h)),
         (re.compile(_LAYER + r"self_attn\.k_proj\.weight"), layer("self_attn", "k_proj"), HeadsIn(h)),
         (re.compile(_LAYER + r"self_attn\.v_proj\.weight"), layer("self_attn", "v_proj"), HeadsIn(h)),
-        (re.compile(_LAYER + r"self_attn\.o_proj\.weight"), layer("self_attn", "o_proj"), HeadsOut(h)),
         (re.compile(_LAYER + r"self_attn\.q_proj\.bias"), layer("self_attn", "q_bias"), HeadsBias(h)),
         (re.compile(_LAYER + r"self_attn\.k_proj\.bias"), layer("self_attn", "k_bias"), HeadsBias(h)),
         (re.compile(_LAYER + r"self_attn\.v_proj\.bias"), layer("self_attn", "v_bias"), HeadsBias(h)),
@@ -251,6 +308,7 @@ def _rules(cfg: ModelConfig) -> list[tuple[re.Pattern, Callable[[re.Match], Para
 
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER_INDEX = re.compile(_LAYER)
 KV_HEAD_AXIS = {"k_proj": 1, "v_proj": 1, "k_bias": 0, "v_bias": 0}      # in our per-layer layout
 
 Located = dict[ParamPath, tuple[str, object]]      # our per-layer path -> (HF name, layout)
@@ -265,6 +323,9 @@ def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) 
         base, _, part = name.partition(":")           # a quantized tensor's scale and offset: X:scale
         if _IGNORED.match(base) or (base == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
+        if cfg.num_mtp_layers and (m := _LAYER_INDEX.match(base)) and int(m.group(1)) >= cfg.num_layers:
+            continue          # a multi-token prediction layer: not the decoder's
+
         match = next(((m, path, layout) for pattern, path, layout in rules if (m := pattern.fullmatch(base))), None)
         if match is None:
             unexpected.append(name)

@@ -22,7 +22,9 @@ from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.hf_tensors import QUANTIZABLE
 from jaxengine.models.quantization import PARTS, QuantizedParam
 
-KVCache = tuple[jax.Array, jax.Array]       # (k, v); a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H])
+# (k, v); a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H]). Latent attention's is
+# one array, (pages,) (``models.latent_attention``).
+KVCache = tuple[jax.Array, ...]
 
 
 MODEL_AXIS = "model"        # the mesh axis tensor parallelism splits over
@@ -257,9 +259,10 @@ class DecoderLayer(nnx.Module):
     chooses each layer's MLP itself (``models.llama``, dense layers among sparse ones)."""
 
     def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, mlp: nnx.Module | None, *,
-                 rngs: nnx.Rngs) -> None:
+                 attention: nnx.Module | None = None, rngs: nnx.Rngs) -> None:
+        """``attention``: the layer's attention when it is not ``Attention`` (latent attention)."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, attention_fn, rngs=rngs)
+        self.self_attn = attention if attention is not None else Attention(cfg, dtype, attention_fn, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if mlp is not None:
             self.mlp = mlp
@@ -293,7 +296,7 @@ def run_mlp(mlp: nnx.Module, h: jax.Array, layer: jax.Array | None, md: Attentio
 # index (``dense`` reads the stack in place), where slicing them per layer would copy them.
 # A mixture of experts' router and expert stacks too (its expert weights are [L, E, ...]).
 DENSE_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router",
-                           "shared_expert_gate"})
+                           "shared_expert_gate", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"})
 
 
 def is_dense_weight(path: tuple, value) -> bool:

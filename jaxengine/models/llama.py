@@ -1,6 +1,7 @@
 """One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), Qwen3 (q/k norm), and
-their mixtures of experts: Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE, and gpt-oss
-(attention sinks, sliding and full layers alternating, biases everywhere, a clamped SwiGLU)."""
+their mixtures of experts: Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE, gpt-oss
+(attention sinks, sliding and full layers alternating, biases everywhere, a clamped SwiGLU), and
+DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing, dense first layers)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,17 +16,20 @@ from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import (MLP, MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, is_dense_weight,
                                     rope_inv_freq, run_mlp, weight)
+from jaxengine.models.latent_attention import LatentAttention
 from jaxengine.models.quantization import QuantizedParam, gather_columns
 from jaxengine.models.moe import SparseMoeBlock
 
 
 class LlamaForCausalLM(nnx.Module):
     """Layer weights are stacked ([L, ...]) and the layers run under ``lax.scan``: one layer body
-    to compile, whatever the depth. The KV cache is (k, v), each [L, P, S, K, H]."""
+    to compile, whatever the depth. The KV cache is (k, v), each [L, P, S, K, H] (latent attention:
+    one array, [L, P, S, 1, R + Hr])."""
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_fn: Callable = paged_attention_tiled, *,
-                 expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
-        """``expert_parallel``: a mixture of experts' experts split over the mesh whole, not by width."""
+                 expert_parallel: bool = False, latent_attention_form: str = "absorbed", rngs: nnx.Rngs) -> None:
+        """``expert_parallel``: a mixture of experts' experts split over the mesh whole, not by width.
+        ``latent_attention_form``: how latent attention attends (``models.latent_attention``)."""
         self.config = cfg
         if cfg.quant_spec("embed_tokens"):      # kept [D, V] (models.quantization)
             self.embed_tokens = weight(cfg, "embed_tokens", rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
@@ -40,7 +44,9 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer(rngs: nnx.Rngs) -> DecoderLayer:
             mlp = None if mixed else experts(rngs) if cfg.is_moe else MLP(cfg, dtype, rngs=rngs)
-            return DecoderLayer(cfg, dtype, attention_fn, mlp, rngs=rngs)
+            attention = LatentAttention(cfg, dtype, attention_fn, form=latent_attention_form,
+                                        rngs=rngs) if cfg.is_mla else None
+            return DecoderLayer(cfg, dtype, attention_fn, mlp, attention=attention, rngs=rngs)
 
         self.layers = stacked(layer, cfg.num_layers, rngs)
         if mixed:
@@ -81,7 +87,7 @@ class LlamaForCausalLM(nnx.Module):
         # The caches ride in the scan carry, flattened to [L*P, S, K, H]: layer l's block b is
         # l*P + b. Writes and reads then hit the one donated buffer in place (slicing a layer out
         # as scan input/output would copy the whole cache every step).
-        flat = tuple(c.reshape(num_layers * num_blocks, *shape[2:]) for c in kv_caches)
+        flat = tuple(c.reshape(num_layers * num_blocks, *c.shape[2:]) for c in kv_caches)
         wanted = jnp.asarray(aux_layers, jnp.int32)
         # Carried, not a scan output: [len(aux_layers), T, D], where every layer's would be [L, T, D].
         aux = jnp.zeros((len(aux_layers), *x.shape), x.dtype)
@@ -89,7 +95,7 @@ class LlamaForCausalLM(nnx.Module):
         mlp = self._mlp_of_layer(md)
 
         def layer_step(carry, per_layer):
-            x, k, v, aux = carry
+            x, caches, aux = carry
             rest_of_layer, layer = per_layer
             if aux_layers:
                 aux = jnp.where((wanted == layer)[:, None, None], x[None], aux)
@@ -98,16 +104,17 @@ class LlamaForCausalLM(nnx.Module):
                                            slot_mapping=md.slot_mapping + offset * block_size)
             decoder = nnx.merge(graphdef, dense, rest_of_layer)
             if mlp is None:
-                x, (k, v), counts = decoder(x, (k, v), md_layer, inv_freq, layer)
+                x, caches, counts = decoder(x, caches, md_layer, inv_freq, layer)
             else:
-                x, h, (k, v) = decoder.attend(x, (k, v), md_layer, inv_freq, layer)
+                x, h, caches = decoder.attend(x, caches, md_layer, inv_freq, layer)
                 out, counts = mlp(h, layer)
                 x = x + out
-            return (x, k, v, aux), counts
+            return (x, caches, aux), counts
 
-        (x, k, v, aux), counts = jax.lax.scan(layer_step, (x, *flat, aux), (rest, jnp.arange(num_layers)))
+        (x, flat, aux), counts = jax.lax.scan(layer_step, (x, flat, aux), (rest, jnp.arange(num_layers)))
         aux = aux.transpose(1, 0, 2).reshape(x.shape[0], -1)
-        return self.norm(x), (k.reshape(shape), v.reshape(shape)), counts.sum(axis=0), aux
+        kv_caches = tuple(c.reshape(original.shape) for c, original in zip(flat, kv_caches))
+        return self.norm(x), kv_caches, counts.sum(axis=0), aux
 
     def _mlp_of_layer(self, md: AttentionMetadata) -> Callable | None:
         """With dense layers among sparse ones: ``mlp(h, layer)`` running layer ``layer``'s MLP from
@@ -157,7 +164,8 @@ def stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
                    sharding: jax.sharding.Sharding | None = None) -> KVCache:
-    """(k, v), each [L, P, S, K, H]; with a ``sharding``, created in place on its devices."""
-    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    zeros = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=sharding)
+    """(k, v), each [L, P, S, K, H] (latent attention: one array, ``cfg.kv_cache_parts``); with a
+    ``sharding``, created in place on its devices."""
+    shapes = [(cfg.num_layers, num_blocks, block_size, heads, size) for heads, size in cfg.kv_cache_parts]
+    zeros = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes), out_shardings=sharding)
     return zeros()

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxengine.models.config import ModelConfig
 from jaxengine.kernels.matmul import xla_dense, xla_grouped_dense
 from jaxengine.kernels.matmul.quantized import QuantizedWeight
+from jaxengine.models.latent_attention import LatentAttention
 from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules
 from jaxengine.models.lora_weights import LoRAWeights
 from jaxengine.models.moe import Experts, expert_of_rows, grouped_swiglu, routed_swiglu
@@ -105,12 +106,22 @@ def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
     return mesh_model_config(cfg, tp).num_kv_heads // tp
 
 
+def kv_elements_per_device(cfg: ModelConfig, tp: int) -> int:
+    """Numbers one token's KV costs each device, all layers: its share of the KV heads, or
+    latent attention's whole cache (replicated: every device's heads read every latent)."""
+    if cfg.is_mla:
+        return cfg.kv_elements_per_token
+    return kv_heads_per_device(cfg, tp) * 2 * cfg.head_dim * cfg.num_layers
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, KV_CACHE_SPEC)
+def kv_cache_sharding(mesh: Mesh, cfg: ModelConfig | None = None) -> NamedSharding:
+    """The KV caches' sharding: split by KV heads, or for ``cfg``'s latent attention replicated
+    (one latent per token serves every head: each device reads them all for its own heads)."""
+    return NamedSharding(mesh, P() if cfg is not None and cfg.is_mla else KV_CACHE_SPEC)
 
 
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
@@ -145,10 +156,12 @@ def place_model(model: nnx.Module, mesh: Mesh) -> None:
 
 # ---------------------------------------------------------------- kernels per shard
 class ShardedAttention:
-    """``attention_fn(q, k_cache, v_cache, md, **kw)`` run per device on its heads."""
+    """``attention_fn(q, k_cache, v_cache, md, **kw)`` run per device on its heads, over its KV
+    heads' part of the caches, or (``replicated_cache``: latent attention's) over all of them."""
 
-    def __init__(self, attention_fn: Callable, mesh: Mesh) -> None:
+    def __init__(self, attention_fn: Callable, mesh: Mesh, replicated_cache: bool = False) -> None:
         self.inner, self.mesh = attention_fn, mesh
+        self.cache_spec = P() if replicated_cache else _LAYER_CACHE
         self.__name__ = f"sharded {getattr(attention_fn, '__name__', type(attention_fn).__name__)}"
 
     def __call__(self, q, k_cache, v_cache, md, *, sinks=None, **kw):
@@ -156,7 +169,7 @@ class ShardedAttention:
         def per_device(q, k, v, md, sinks=None):
             return self.inner(q, k, v, md, sinks=sinks, **kw) if sinks is not None else self.inner(q, k, v, md, **kw)
 
-        specs = (_HEADS, _LAYER_CACHE, _LAYER_CACHE, P()) + (() if sinks is None else (P(MODEL_AXIS),))
+        specs = (_HEADS, self.cache_spec, self.cache_spec, P()) + (() if sinks is None else (P(MODEL_AXIS),))
         fn = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs, out_specs=_HEADS,
                            check_vma=False)      # Pallas calls inside shard_map need it off
         return fn(q, k_cache, v_cache, md, *(() if sinks is None else (sinks,)))
@@ -320,3 +333,6 @@ def shard_kernels(model: nnx.Module, mesh: Mesh) -> None:
             attention.attention_fn = ShardedAttention(attention.attention_fn, mesh)
         if not isinstance(attention.kv_write_fn, ShardedKVWrite):
             attention.kv_write_fn = ShardedKVWrite(attention.kv_write_fn, mesh)
+    for latent in [node for _, node in nnx.iter_graph(model) if isinstance(node, LatentAttention)]:
+        if not isinstance(latent.attention_fn, ShardedAttention):      # its cache is written by XLA's scatter
+            latent.attention_fn = ShardedAttention(latent.attention_fn, mesh, replicated_cache=True)

@@ -36,6 +36,37 @@ def route(logits: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Ar
     return weights, experts.astype(jnp.int32)
 
 
+def route_grouped(logits: jax.Array, k: int, normalise: bool, correction: jax.Array, num_groups: int,
+                  top_groups: int, scaling: float) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's router: logits [T, E] -> (weights [T, k] f32, experts [T, k] int32). Sigmoid
+    scores; the choice adds ``correction`` [E] (a load-balancing bias, never in the weights) and
+    keeps to the ``top_groups`` best of ``num_groups`` expert groups, each scored by the sum of its
+    two best; the chosen experts' scores, renormalised when ``normalise``, times ``scaling``."""
+    t, e = logits.shape
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + correction.astype(jnp.float32)
+    if num_groups > 1:
+        grouped = choice.reshape(t, num_groups, e // num_groups)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)                     # [T, groups]
+        kept = jax.lax.top_k(group_scores, top_groups)[1]
+        group_mask = jnp.zeros((t, num_groups), bool).at[jnp.arange(t)[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(group_mask, e // num_groups, axis=1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if normalise:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, experts.astype(jnp.int32)
+
+
+def route_tokens(logits: jax.Array, cfg: ModelConfig, correction: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The routing ``cfg`` says: softmax top-k, or DeepSeek-V3's grouped sigmoid."""
+    if cfg.scoring == "sigmoid":
+        correction = jnp.zeros(cfg.num_experts) if correction is None else correction
+        return route_grouped(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, correction, cfg.n_group,
+                             cfg.topk_group, cfg.routed_scaling_factor)
+    return route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
 def group_by_expert(experts: jax.Array, num_experts: int, num_valid: jax.Array | int) -> tuple[jax.Array, jax.Array]:
     """The token-expert pairs [T, k] in expert order: (order [T*k], the pairs' flat indices sorted
     by expert; group_sizes [E]). Pairs of tokens at or past ``num_valid`` (padding) sort last and
@@ -150,17 +181,20 @@ class Experts(nnx.Module):
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router (gpt-oss: with a bias), routed experts and (Qwen2-MoE) the shared expert with its
-    sigmoid gate."""
+    """Router (gpt-oss: with a bias; DeepSeek-V3: grouped sigmoid with a correction bias), routed
+    experts and the shared expert (Qwen2-MoE: with its sigmoid gate; DeepSeek-V3: ungated)."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
         self.router = _param(rngs, (cfg.hidden_size, cfg.num_experts), dtype, (None, None))
         if cfg.router_bias:
             self.router_bias = _sharded(jnp.zeros((cfg.num_experts,), dtype), (None,))
+        if cfg.score_correction_bias:
+            self.score_correction_bias = _sharded(jnp.zeros((cfg.num_experts,), jnp.float32), (None,))
         self.experts = Experts(cfg, dtype, expert_parallel=expert_parallel, rngs=rngs)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, dtype, intermediate_size=cfg.shared_expert_intermediate_size, rngs=rngs)
-            self.shared_expert_gate = _param(rngs, (cfg.hidden_size, 1), dtype, (None, None))
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = _param(rngs, (cfg.hidden_size, 1), dtype, (None, None))
         self.cfg = cfg
         self.dense_fn = dense
 
@@ -173,12 +207,21 @@ class SparseMoeBlock(nnx.Module):
         logits = self.dense_fn(x, self.router[...], layer)
         if cfg.router_bias:
             logits = logits + self.router_bias[...]
-        weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        weights, experts = route_tokens(logits, cfg, self._correction(layer))
         out, counts = self.experts(x, weights, experts, num_valid, layer)
         if cfg.shared_expert_intermediate_size:
-            gate = jax.nn.sigmoid(self.dense_fn(x, self.shared_expert_gate[...], layer))
-            out = out + gate * self.shared_expert(x, layer)
+            shared = self.shared_expert(x, layer)
+            if cfg.shared_expert_gated:
+                shared = jax.nn.sigmoid(self.dense_fn(x, self.shared_expert_gate[...], layer)) * shared
+            out = out + shared
         return out, counts
+
+    def _correction(self, layer: jax.Array | None) -> jax.Array | None:
+        """The router's correction bias [E] (the layer's row of the stack), or None."""
+        if not self.cfg.score_correction_bias:
+            return None
+        bias = self.score_correction_bias[...]
+        return bias if layer is None or bias.ndim == 1 else bias[layer]
 
 
 def with_quantized_experts(block: SparseMoeBlock, scheme: str, dtype=jnp.float32) -> SparseMoeBlock:
@@ -213,7 +256,7 @@ def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = Non
         value = w[...] if layer is None else jax.tree.map(lambda a: a[layer], w[...])
         return dequantize(value, x.dtype) if isinstance(value, QuantizedWeight) else value
     logits = x @ pick(block.router) + (pick(block.router_bias) if cfg.router_bias else 0)
-    weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    weights, experts = route_tokens(logits, cfg, pick(block.score_correction_bias) if cfg.score_correction_bias else None)
     mix = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)
     mix = mix.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)        # [T, E]
     e = block.experts
@@ -227,5 +270,5 @@ def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = Non
     if cfg.shared_expert_intermediate_size:
         s = block.shared_expert
         shared = (jax.nn.silu(x @ pick(s.gate_proj)) * (x @ pick(s.up_proj))) @ pick(s.down_proj)
-        out = out + jax.nn.sigmoid(x @ pick(block.shared_expert_gate)) * shared
+        out = out + (jax.nn.sigmoid(x @ pick(block.shared_expert_gate)) if cfg.shared_expert_gated else 1) * shared
     return out

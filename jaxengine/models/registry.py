@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "GptOssForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.models.config import ModelConfig
+from jaxengine.models.config import ModelConfig, check_config_fields
 from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.gguf import gguf_dtype, load_gguf
 from jaxengine.models.hf_tensors import ArraySource, Index, TensorSource, check_tensors, locate_tensors, read_param
@@ -136,6 +136,7 @@ def safetensors_files(folder: str | os.PathLike) -> tuple[ModelConfig, list[Path
     folder = Path(folder)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder}: no config.json; --model must be a Hugging Face checkpoint folder or a .gguf file")
+    check_config_fields(json.loads((folder / "config.json").read_text()), str(folder / "config.json"))
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(folder, local_files_only=True))
     index = folder / "model.safetensors.index.json"
     if index.exists():

@@ -60,12 +60,12 @@ class Drafter:
         self.row_buckets, self.mesh = row_buckets, mesh
         self.on_compile = on_compile
         self.kv_caches = init_kv_caches(model_config, num_gpu_blocks, block_size, dtype,
-                                        sharding=None if mesh is None else kv_cache_sharding(mesh))
+                                        sharding=None if mesh is None else kv_cache_sharding(mesh, model_config))
         # Its steps compile against the caches' shapes (a compile must not touch the donated caches).
         self._kv_spec = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding),
                                      self.kv_caches)
-        kv_shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, kv_shape, model_config.num_layers, dtype,
+        block_shapes = [(block_size, *part) for part in model_config.kv_cache_parts]
+        self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, block_shapes, model_config.num_layers, dtype,
                                 max_num_seqs, on_compile=on_compile, mesh=mesh)
         graphdef, self.state = nnx.split(model)
         self._placement = None if mesh is None else replicated(mesh)
@@ -76,7 +76,8 @@ class Drafter:
         self._proposal_rows: dict[int, int] = {}
         shardings = {} if mesh is None else {"out_shardings": self._sync_shardings(mesh)}
         self._sync = jax.jit(self._sync_fn(graphdef), donate_argnums=(1,), **shardings)
-        propose_shardings = {} if mesh is None else {"out_shardings": (kv_cache_sharding(mesh), replicated(mesh))}
+        propose_shardings = {} if mesh is None else {"out_shardings": (kv_cache_sharding(mesh, model_config),
+                                                                     replicated(mesh))}
         self._propose = jax.jit(self._propose_fn(graphdef), donate_argnums=(1, 2), **propose_shardings)
         self._sync_executables: dict[tuple, object] = {}
         self._propose_executables: dict[int, object] = {}

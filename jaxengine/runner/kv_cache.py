@@ -10,15 +10,16 @@ import numpy as np
 from jaxengine.runner.buckets import pick_bucket
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+def bytes_per_block(elements_per_token: int, block_size: int, dtype) -> int:
+    """A block of ``block_size`` tokens holding ``elements_per_token`` numbers each (all layers)."""
+    return elements_per_token * block_size * jnp.dtype(dtype).itemsize
 
 
 def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
     return max(2, budget_bytes // per_block)
 
 
-# The caches are (k, v), each [L, P, S, K, H]: blocks are indexed on axis 1.
+# The caches are (k, v), each [L, P, S, K, H] (latent attention: one array): blocks are indexed on axis 1.
 def _gather(kv_caches, idx):
     return tuple(c[:, idx] for c in kv_caches)
 
@@ -82,12 +83,14 @@ class BlockMover:
     most one step can hold (``max_block_moves``), so their executables are few; ``compile_all``
     compiles them all, and any other length compiles on first use after telling ``on_compile``."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, kv_shape: tuple, num_layers: int, dtype,
-                 max_num_seqs: int, on_compile: Callable[[str], None] = lambda what: None, mesh=None) -> None:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_shapes: tuple[tuple, ...], num_layers: int,
+                 dtype, max_num_seqs: int, on_compile: Callable[[str], None] = lambda what: None, mesh=None) -> None:
+        """``block_shapes``: one block's shape [S, K, H] in each array of the caches."""
         self.max_copies, self.max_swaps = max_block_moves(num_gpu_blocks, num_cpu_blocks, max_num_seqs)
         swaps = move_buckets(self.max_swaps)
         self.buckets = {"swap_out": swaps, "swap_in": swaps, "copy": move_buckets(self.max_copies)}
-        self.host = np.zeros((num_layers, 2, max(num_cpu_blocks, 1), *kv_shape), jnp.dtype(dtype))
+        self.host = tuple(np.zeros((num_layers, max(num_cpu_blocks, 1), *shape), jnp.dtype(dtype))
+                          for shape in block_shapes)
         self.on_compile = on_compile
         self.mesh = mesh               # the caches' mesh (the moves are compiled for their sharding)
         self._executables: dict[tuple[str, int], object] = {}     # (kind, index-list length) -> move
@@ -107,11 +110,11 @@ class BlockMover:
 
     def apply(self, kv_caches, swap_out, swap_in, copies):
         for dev, host, n in self._chunks("swap_out", swap_out):    # every swap out before any swap in
-            k, v = self._move(kv_caches, "swap_out", len(dev))(kv_caches, dev)
-            self.host[:, 0, host[:n]] = np.asarray(k)[:, :n]
-            self.host[:, 1, host[:n]] = np.asarray(v)[:, :n]
+            blocks = self._move(kv_caches, "swap_out", len(dev))(kv_caches, dev)
+            for pool, part in zip(self.host, blocks):
+                pool[:, host[:n]] = np.asarray(part)[:, :n]
         for host, dev, _ in self._chunks("swap_in", swap_in):      # padding pairs write into the null block
-            blocks = (self.host[:, 0, host], self.host[:, 1, host])
+            blocks = tuple(pool[:, host] for pool in self.host)
             kv_caches = self._move(kv_caches, "swap_in", len(dev))(kv_caches, dev, blocks)
         # A copy's destination is a block freshly taken for it, never another copy's source: the
         # chunks' order does not matter.
@@ -127,19 +130,20 @@ class BlockMover:
         return move
 
     def _compile(self, kv_caches, kind: str, size: int):
-        replicated = kv = None
+        replicated = None
+        kv = (None,) * len(kv_caches)
         if self.mesh is not None:
-            from jaxengine.models.mesh import kv_cache_sharding, replicated as replicated_on
+            from jaxengine.models.mesh import replicated as replicated_on
 
-            replicated, kv = replicated_on(self.mesh), kv_cache_sharding(self.mesh)
+            replicated, kv = replicated_on(self.mesh), tuple(c.sharding for c in kv_caches)   # as the caches lie
         idx = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)
-        caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=kv) for c in kv_caches)
-        move = _jitted_move(kind, kv)
+        caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=s) for c, s in zip(kv_caches, kv))
+        move = _jitted_move(kind, None if self.mesh is None else kv)
         if kind == "swap_out":
             return move.lower(caches, idx).compile()
         if kind == "swap_in":
-            blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], size, *c.shape[2:]), c.dtype, sharding=kv)
-                           for c in kv_caches)
+            blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], size, *c.shape[2:]), c.dtype, sharding=s)
+                           for c, s in zip(kv_caches, kv))
             return move.lower(caches, idx, blocks).compile()
         return move.lower(caches, idx, idx).compile()
 

@@ -54,6 +54,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
 
     app = FastAPI(title="jaxengine", version=jaxengine.__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
+    capacity = engine.llm.kv_cache_capacity()
+    metrics.kv_tokens.set(capacity["tokens"])
+    metrics.kv_tokens_per_gib.set(capacity["tokens_per_gib"])
     _add_auth(app, api_key)
     _add_error_handlers(app)
     _add_info_routes(app, engine, serving, metrics)

@@ -56,6 +56,9 @@ class EngineMetrics:
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_swapped = gauge("num_requests_swapped", "Request groups swapped out to host memory.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self.kv_tokens = gauge("kv_cache_tokens", "Tokens the KV cache holds (one replica's pool).")
+        self.kv_tokens_per_gib = gauge("kv_cache_tokens_per_gib", "Tokens one GiB of a device's memory holds in the "
+                                       "KV cache (latent attention's compressed cache holds many more).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.preemptions = counter("num_preemptions", "Request groups preempted (recompute or swap).")

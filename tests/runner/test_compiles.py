@@ -97,7 +97,7 @@ def test_block_moves_beyond_the_compiled_sizes_compile_once_and_are_told():
     from jaxengine.runner.kv_cache import BlockMover
 
     told = []
-    mover = BlockMover(16, 4, (3, 1, 5), 2, jnp.float32, max_num_seqs=2, on_compile=told.append)
+    mover = BlockMover(16, 4, [(3, 1, 5)] * 2, 2, jnp.float32, max_num_seqs=2, on_compile=told.append)
     caches = tuple(jnp.arange(2 * 16 * 15, dtype=jnp.float32).reshape(2, 16, 3, 1, 5) + i for i in range(2))
     assert mover.compile_all(caches) == 2 + 2 + 2           # copies of 1, 2; swaps of 1, 4 blocks each way
     before = len(LOWERINGS)
@@ -121,7 +121,7 @@ def test_without_a_host_pool_no_swap_is_compiled():
 
     assert max_block_moves(num_gpu_blocks=100, num_cpu_blocks=500, max_num_seqs=64) == (64, 99)
     assert max_block_moves(num_gpu_blocks=40, num_cpu_blocks=0, max_num_seqs=64) == (39, 0)
-    mover = BlockMover(16, 0, (3, 1, 5), 2, jnp.float32, max_num_seqs=8)
+    mover = BlockMover(16, 0, [(3, 1, 5)] * 2, 2, jnp.float32, max_num_seqs=8)
     caches = tuple(jnp.zeros((2, 16, 3, 1, 5)) for _ in range(2))
     assert mover.compile_all(caches) == 3 and sorted(mover._executables) == [("copy", n) for n in (1, 4, 8)]
 
@@ -137,7 +137,7 @@ def test_move_lists_longer_than_a_chunk_go_in_several_compiled_moves(monkeypatch
     assert move_buckets(159) == [1, 4, 16, 64, 159] and move_buckets(10_000) == [1, 4, 16, 64, 256]
     monkeypatch.setattr(kv_cache, "MOVE_CHUNK", 4)
     told = []
-    mover = BlockMover(20, 12, (3, 1, 5), 2, jnp.float32, max_num_seqs=8, on_compile=told.append)
+    mover = BlockMover(20, 12, [(3, 1, 5)] * 2, 2, jnp.float32, max_num_seqs=8, on_compile=told.append)
     assert mover.buckets == {"copy": [1, 4], "swap_out": [1, 4], "swap_in": [1, 4]}
     caches = tuple(jnp.arange(2 * 20 * 15, dtype=jnp.float32).reshape(2, 20, 3, 1, 5) + 1000 * i for i in range(2))
     mover.compile_all(caches)

@@ -54,6 +54,8 @@ def test_200_concurrent_streams_with_a_fifth_of_clients_leaving(server):
     assert server.metric("prompt_tokens_total") - prompt_before == length * len("request 000")
     assert server.metric("generation_tokens_total") - generated_before >= 160 * MAX_TOKENS
     assert server.metric("kv_cache_usage_perc") == 0
+    # 400 blocks of 4; a token costs 2 layers x (K + V) x 2 heads x 16 x 4 bytes = 512 bytes
+    assert (server.metric("kv_cache_tokens"), server.metric("kv_cache_tokens_per_gib")) == (1600, (1 << 30) // 512)
     assert server.metric("num_requests_running") == server.metric("num_requests_waiting") == 0
     assert server.engine.engine.scheduler.kv.pool.num_free_blocks == server.engine.engine.scheduler.kv.num_usable_blocks
 
