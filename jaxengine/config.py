@@ -8,8 +8,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
-MODEL_PROPOSERS = ("draft_model", "eagle3")     # the methods that run a model of their own on the device
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+MODEL_PROPOSERS = ("draft_model", "eagle3", "mtp")     # the methods that run a model of their own on the device
+CHECKPOINT_PROPOSERS = ("draft_model", "eagle3")        # those whose model is a checkpoint of its own
 DRAFT_SAMPLING = ("greedy", "sampled")
 OVERLOAD_POLICIES = ("reject", "queue")
 
@@ -95,7 +96,9 @@ class SpeculativeConfig:
     that followed it. ``draft_model``: ``model``, a smaller checkpoint with the model's vocabulary,
     proposes them greedily on the device from its own KV cache (``runner/drafter.py``); ``eagle3``:
     ``model``, an EAGLE-3 head checkpoint trained for the model, proposes them greedily from the
-    model's own hidden states (``runner/eagle_drafter.py``). The target
+    model's own hidden states (``runner/eagle_drafter.py``); ``mtp``: the model's own multi-token
+    prediction layer (DeepSeek-V3's ``num_nextn_predict_layers``, ``models/mtp.py``), from its
+    checkpoint, drafting as an EAGLE-3 head does. The target
     model verifies every proposal in the next step, so outputs are the target's own
     (``spec_decode/verify.py``)."""
 
@@ -125,12 +128,13 @@ class SpeculativeConfig:
         _require(self.draft_sampling == "greedy" or self.method in MODEL_PROPOSERS,
                  "speculative_config.draft_sampling", f"'sampled' is for methods {' and '.join(MODEL_PROPOSERS)} "
                  f"(the n-gram proposer picks its tokens outright)")
-        if self.method in MODEL_PROPOSERS:
+        if self.method in CHECKPOINT_PROPOSERS:
             _require(bool(self.model), "speculative_config.model", f"the draft model's checkpoint is required with "
                      f"method {self.method}")
         else:
             _require(self.model is None, "speculative_config.model",
-                     f"only for methods {' and '.join(MODEL_PROPOSERS)}, not {self.method!r}")
+                     f"only for methods {' and '.join(CHECKPOINT_PROPOSERS)}, not {self.method!r} (mtp reads the "
+                     f"model's own checkpoint)")
 
     @classmethod
     def from_dict(cls, spec: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -156,6 +156,15 @@ class LLM:
                              "(data_parallel_size 1, one process)")
         start = time.perf_counter()
         attention_fn = select_attention(args.attention_backend)
+        if spec.method == "mtp":
+            from jaxengine.models.weights import load_mtp
+
+            if self.model_path.suffix == ".gguf" or not self.model_path.is_dir():
+                raise ValueError("speculative_config.method: 'mtp' reads the model's checkpoint folder's "
+                                 "multi-token prediction layer (a safetensors folder)")
+            self.draft_model, self.draft_config = load_mtp(self.model_path, self.model, self.model_config, self.dtype,
+                                                           mesh=self.mesh, attention_fn=attention_fn, **_layout(args))
+            return
         if spec.method == "eagle3":
             self.draft_model, self.draft_config = load_eagle3(Path(spec.model), self.model, self.dtype, attention_fn)
             if kv_head_repeats(self.draft_config.layer, args.tensor_parallel_size) > 1:

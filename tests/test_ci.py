@@ -60,7 +60,7 @@ def test_the_tests_status_is_the_scripts(tmp_path, body, status):
 
 
 def test_it_runs_the_readmes_test_command():
-    command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -n auto --maxprocesses 4"
+    command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -n auto --maxprocesses 4 --dist worksteal"
     assert command in (ROOT / "README.md").read_text()
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
 

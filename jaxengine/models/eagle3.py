@@ -71,6 +71,11 @@ class Eagle3Head(nnx.Module):
         self.d2t = _sharded(jnp.zeros(cfg.draft_vocab_size, jnp.int32), (None,))
         self.dense_fn = dense
 
+    @property
+    def hidden_dtype(self):
+        """The dtype of the hidden state it feeds back."""
+        return self.fc[...].dtype
+
     def combine(self, aux: jax.Array) -> jax.Array:
         """The model's aux hidden states [T, 3 * D_model] -> the head's input hidden state [T, D]."""
         return self.dense_fn(aux, self.fc[...])

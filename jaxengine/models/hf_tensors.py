@@ -267,6 +267,10 @@ def _latent_attention_rules(cfg: ModelConfig, layer) -> list:
          HeadsIn(cfg.qk_nope_head_dim + cfg.v_head_dim)),
         (re.compile(_LAYER + r"self_attn\.o_proj\.weight"), layer("self_attn", "o_proj"), HeadsOut(cfg.v_head_dim)),
         (re.compile(_LAYER + r"mlp\.gate\.e_score_correction_bias"), layer("mlp", "score_correction_bias"), Same()),
+        # a multi-token prediction layer's own (models.mtp, which shows it as layer 0)
+        (re.compile(_LAYER + r"(enorm|hnorm)\.weight"), lambda m: (m.group(2), "weight"), Same()),
+        (re.compile(_LAYER + r"eh_proj\.weight"), lambda m: ("eh_proj",), Transposed()),
+        (re.compile(_LAYER + r"shared_head\.norm\.weight"), lambda m: ("shared_head_norm", "weight"), Same()),
         (re.compile(_LAYER + r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight"),
          lambda m: ("layers", int(m.group(1)), "mlp", "shared_expert", m.group(2)), Transposed()),
     ]

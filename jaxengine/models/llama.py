@@ -42,13 +42,8 @@ class LlamaForCausalLM(nnx.Module):
         def experts(rngs: nnx.Rngs) -> SparseMoeBlock:
             return SparseMoeBlock(cfg, dtype, expert_parallel=expert_parallel, rngs=rngs)
 
-        def layer(rngs: nnx.Rngs) -> DecoderLayer:
-            mlp = None if mixed else experts(rngs) if cfg.is_moe else MLP(cfg, dtype, rngs=rngs)
-            attention = LatentAttention(cfg, dtype, attention_fn, form=latent_attention_form,
-                                        rngs=rngs) if cfg.is_mla else None
-            return DecoderLayer(cfg, dtype, attention_fn, mlp, attention=attention, rngs=rngs)
-
-        self.layers = stacked(layer, cfg.num_layers, rngs)
+        self.layers = stacked(decoder_layer(cfg, dtype, attention_fn, expert_parallel=expert_parallel,
+                                            latent_attention_form=latent_attention_form), cfg.num_layers, rngs)
         if mixed:
             # Dense layers among sparse ones: each kind's MLPs in a stack of their own, the layer
             # scan choosing one per layer (models.hf_tensors maps them to the checkpoint's layers).
@@ -75,8 +70,9 @@ class LlamaForCausalLM(nnx.Module):
     def forward_with_aux_hidden(self, input_ids: jax.Array, kv_caches: KVCache, md: AttentionMetadata,
                                 aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, jax.Array, jax.Array]:
         """As ``forward_with_expert_counts``, plus the hidden states entering each layer of
-        ``aux_layers`` (the residual stream before it: transformers' ``hidden_states[i]``),
-        concatenated [T, len(aux_layers) * D] ([T, 0] for none): what an EAGLE-3 head reads."""
+        ``aux_layers`` (the residual stream before it: transformers' ``hidden_states[i]``; for L,
+        the final hidden state, normed), concatenated [T, len(aux_layers) * D] ([T, 0] for none):
+        what an EAGLE-3 head or a multi-token prediction layer reads."""
         inv_freq = rope_inv_freq(self.config)
         x = self.embed(input_ids)
         # The projections stay stacked and go in whole with the layer's index; the rest (norms,
@@ -112,9 +108,12 @@ class LlamaForCausalLM(nnx.Module):
             return (x, caches, aux), counts
 
         (x, flat, aux), counts = jax.lax.scan(layer_step, (x, flat, aux), (rest, jnp.arange(num_layers)))
+        x = self.norm(x)
+        if num_layers in aux_layers:        # past the last layer: the final hidden state (models.mtp reads it)
+            aux = jnp.where((wanted == num_layers)[:, None, None], x[None], aux)
         aux = aux.transpose(1, 0, 2).reshape(x.shape[0], -1)
         kv_caches = tuple(c.reshape(original.shape) for c, original in zip(flat, kv_caches))
-        return self.norm(x), kv_caches, counts.sum(axis=0), aux
+        return x, kv_caches, counts.sum(axis=0), aux
 
     def _mlp_of_layer(self, md: AttentionMetadata) -> Callable | None:
         """With dense layers among sparse ones: ``mlp(h, layer)`` running layer ``layer``'s MLP from
@@ -150,6 +149,24 @@ class LlamaForCausalLM(nnx.Module):
         else:
             logits = self.dense_fn(hidden, self.lm_head[...])
         return logits.astype(jnp.float32)
+
+
+def decoder_layer(cfg: ModelConfig, dtype, attention_fn: Callable, *, expert_parallel: bool = False,
+                  latent_attention_form: str = "absorbed") -> Callable[[nnx.Rngs], DecoderLayer]:
+    """Makes one decoder layer of ``cfg``'s kind: its attention (latent attention where
+    configured) and its MLP (dense, experts, or none where dense layers sit among sparse ones and
+    the model picks each layer's from stacks of their own)."""
+    def layer(rngs: nnx.Rngs) -> DecoderLayer:
+        if cfg.dense_layers:
+            mlp = None
+        elif cfg.is_moe:
+            mlp = SparseMoeBlock(cfg, dtype, expert_parallel=expert_parallel, rngs=rngs)
+        else:
+            mlp = MLP(cfg, dtype, rngs=rngs)
+        attention = LatentAttention(cfg, dtype, attention_fn, form=latent_attention_form,
+                                    rngs=rngs) if cfg.is_mla else None
+        return DecoderLayer(cfg, dtype, attention_fn, mlp, attention=attention, rngs=rngs)
+    return layer
 
 
 def stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:

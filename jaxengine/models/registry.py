@@ -5,6 +5,7 @@ from flax import nnx
 
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.llama import LlamaForCausalLM
+from jaxengine.models.mtp import MTP_ARCHITECTURE, MTPHead
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,11 +18,13 @@ ARCHITECTURES = {
     "GptOssForCausalLM": LlamaForCausalLM,
     "DeepseekV3ForCausalLM": LlamaForCausalLM,
 }
+# Parts of a checkpoint built as models of their own, never named by a config's architectures.
+_PARTS = {MTP_ARCHITECTURE: MTPHead}    # its multi-token prediction layer (models.mtp)
 
 
 def get_model_class(architecture: str) -> type:
     try:
-        return ARCHITECTURES[architecture]
+        return ARCHITECTURES[architecture] if architecture in ARCHITECTURES else _PARTS[architecture]
     except KeyError:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}") from None

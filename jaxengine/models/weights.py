@@ -24,6 +24,7 @@ from jaxengine.models.config import ModelConfig, check_config_fields
 from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.gguf import gguf_dtype, load_gguf
 from jaxengine.models.hf_tensors import ArraySource, Index, TensorSource, check_tensors, locate_tensors, read_param
+from jaxengine.models.mtp import MTPTensors, mtp_config
 from jaxengine.models.mesh import (check_expert_parallel, flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
 from jaxengine.models.quantization import SCHEMES, QuantizingSource, online_plan, param_dtype
@@ -223,3 +224,21 @@ def checkpoint_dtype(path: str | os.PathLike) -> str | None:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     counts = collections.Counter(v["dtype"] for k, v in header.items() if k != "__metadata__")
     return _SAFETENSORS_DTYPES.get(counts.most_common(1)[0][0]) if counts else None
+
+
+def load_mtp(path: str | os.PathLike, model, model_config: ModelConfig, dtype, *, mesh=None,
+             quantization: str | None = None, **model_kwargs):
+    """The first multi-token prediction layer of the checkpoint folder ``path`` (the model's own),
+    sharing ``model``'s embedding and LM head -> (the head, its ``MTPConfig``); a checkpoint
+    without its tensors is an error saying so. (The layer stays in ``dtype`` whatever the
+    model's ``quantization``: it is one layer.)"""
+    cfg = mtp_config(model_config)
+    _, files = safetensors_files(path)
+    with SafetensorsSource(files) as source:
+        tensors = MTPTensors(source, model_config.num_layers)
+        if not any(name.endswith(".eh_proj.weight") for name in tensors.names()):
+            raise ValueError(f"speculative_config.method: 'mtp': {path} holds no tensors of a multi-token prediction "
+                             f"layer (model.layers.{model_config.num_layers}.eh_proj.weight and the rest)")
+        head = build_model(cfg.layer, tensors, dtype, mesh=mesh, **model_kwargs)
+    head.share_embeddings(model)
+    return head, cfg

@@ -45,7 +45,7 @@ class EagleDrafter(Drafter):
         self.max_rows = kw["row_buckets"][-1]
         self.hidden_size = model_config.layer.hidden_size
         super().__init__(model, model_config.layer, **kw)
-        dtype = model.fc[...].dtype
+        dtype = model.hidden_dtype
         # The last step's per-sample-row first draft, pre-norm output and (sampled drafts) the
         # first draft's distribution, padded to the most rows.
         self._last = (self._device(np.zeros(self.max_rows, np.int32)),

@@ -20,6 +20,7 @@ from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.core.scheduler_output import BlockMoves, ModelRunnerOutput, SchedulerOutput, StepLimits
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.eagle3 import Eagle3Config
+from jaxengine.models.mtp import MTPConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
@@ -119,7 +120,7 @@ class ModelRunner:
         self.drafter = None
         if draft is not None:
             draft_model, draft_config, k, sampled = draft
-            drafter = EagleDrafter if isinstance(draft_config, Eagle3Config) else Drafter
+            drafter = EagleDrafter if isinstance(draft_config, (Eagle3Config, MTPConfig)) else Drafter
             self.drafter = drafter(draft_model, draft_config, k=k, num_gpu_blocks=cc.num_gpu_blocks,
                                    num_cpu_blocks=cc.num_cpu_blocks, block_size=cc.block_size,
                                    max_blocks_per_seq=cdiv(sc.max_model_len, cc.block_size),

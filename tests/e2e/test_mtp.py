@@ -1,0 +1,100 @@
+"""DeepSeek-V3's multi-token prediction layer: read from the checkpoint's layer L, its logits are
+those of transformers' own decoder layer, norms and projection applied as the layer defines them;
+as the speculative proposer (``method: mtp``) it drafts, and the outputs stay the model's."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxengine.kernels.paged_attention import AttentionMetadata
+from jaxengine.models.llama import init_kv_caches
+from tests.conftest import make_deepseek_checkpoint
+from tests.e2e.test_generate_vs_transformers import PROMPTS, engine, greedy, reference
+
+
+def add_mtp_layer(folder, hf) -> dict:
+    """Write a random MTP layer (layer L of the checkpoint, DeepSeek's names, the embedding and
+    LM head repeated as released checkpoints repeat them) beside the model's tensors; -> its
+    torch modules."""
+    from safetensors.torch import save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    cfg = hf.config
+    L, d = cfg.num_hidden_layers, cfg.hidden_size
+    torch.manual_seed(5)
+    parts = {"block": DeepseekV3DecoderLayer(cfg, L), "enorm": DeepseekV3RMSNorm(d), "hnorm": DeepseekV3RMSNorm(d),
+             "eh_proj": torch.nn.Linear(2 * d, d, bias=False), "shared_norm": DeepseekV3RMSNorm(d)}
+    with torch.no_grad():
+        for module in parts.values():
+            for name, p in module.named_parameters():
+                p.copy_(torch.randn_like(p) * (0.2 if "norm" in name else 0.3) + (1.0 if "norm" in name else 0.0))
+        parts["block"].mlp.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.5)
+    prefix = f"model.layers.{L}."
+    tensors = {prefix + k: v for k, v in parts["block"].state_dict().items()}
+    tensors.update({prefix + "enorm.weight": parts["enorm"].weight, prefix + "hnorm.weight": parts["hnorm"].weight,
+                    prefix + "eh_proj.weight": parts["eh_proj"].weight,
+                    prefix + "shared_head.norm.weight": parts["shared_norm"].weight,
+                    prefix + "shared_head.head.weight": hf.lm_head.weight,
+                    prefix + "embed_tokens.weight": hf.model.embed_tokens.weight})
+    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(folder / "mtp.safetensors"))
+    parts["block"].self_attn.config._attn_implementation = "eager"
+    return parts
+
+
+def mtp_reference(hf, parts, ids: list[int]) -> np.ndarray:
+    """Logits [n - 1, V] of the MTP layer at positions 0 .. n-2 (each with the token after it)."""
+    n = len(ids)
+    with torch.no_grad():
+        hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]       # the normed output
+        assert torch.allclose(hidden, hf.model(torch.tensor([ids])).last_hidden_state)
+        embeds = hf.model.embed_tokens(torch.tensor([ids[1:]]))
+        x = parts["eh_proj"](torch.cat([parts["enorm"](embeds), parts["hnorm"](hidden[:, :-1])], dim=-1))
+        positions = torch.arange(n - 1)[None]
+        mask = torch.full((n - 1, n - 1), float("-inf")).triu(1)[None, None]
+        out = parts["block"](x, attention_mask=mask, position_ids=positions,
+                             position_embeddings=hf.model.rotary_emb(x, positions))
+        return hf.lm_head(parts["shared_norm"](out))[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek-mtp")
+    hf = make_deepseek_checkpoint(folder, "no-q-lora")
+    return folder, hf, add_mtp_layer(folder, hf)
+
+
+def test_the_mtp_layer_predicts_as_transformers_layer_does(mtp_checkpoint):
+    folder, hf, parts = mtp_checkpoint
+    llm = engine(folder, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    model, head = llm.model, llm.draft_model
+    assert head.config.sparse_layers == (0,) and head.embed_tokens is model.embed_tokens      # experts; shared arrays
+    ids = PROMPTS[4]                                             # 30 tokens
+    n, block = len(ids), 4
+    md = AttentionMetadata.build([(0, n, list(range(1, 9)))], block, num_tokens=32, max_blocks=8)
+    md = jax.tree.map(jnp.asarray, md)
+    padded = jnp.asarray(ids + [0] * (32 - n))
+    _, _, _, hidden = model.forward_with_aux_hidden(padded, init_kv_caches(llm.model_config, 10, block), md,
+                                                    aux_layers=(llm.model_config.num_layers,))
+    next_ids = jnp.asarray(ids[1:] + [0] * (33 - n))
+    normed, _, _ = head(next_ids, head.combine(hidden), init_kv_caches(head.config, 10, block), md)
+    ours = np.asarray(head.model_logits(normed))[:n - 1]
+    want = mtp_reference(hf, parts, ids)
+    np.testing.assert_allclose(ours, want, rtol=2e-4, atol=2e-4)
+    assert (ours.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_mtp_drafts_and_the_outputs_stay_the_models(mtp_checkpoint):
+    folder, hf, _ = mtp_checkpoint
+    llm = engine(folder, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    llm.engine.traces = []
+    outs = greedy(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == reference(hf, PROMPTS)
+    assert sum(t.num_draft_tokens for t in llm.engine.traces) > 0
+
+
+def test_mtp_without_its_layer_in_the_checkpoint_is_refused(tmp_path):
+    make_deepseek_checkpoint(tmp_path, "no-q-lora")
+    with pytest.raises(ValueError, match=r"'mtp': .* holds no tensors of a multi-token prediction layer "
+                                         r"\(model\.layers\.3\.eh_proj\.weight"):
+        engine(tmp_path, speculative_config={"method": "mtp"})
