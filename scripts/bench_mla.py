@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -100,7 +101,7 @@ def decode_steps(rows: int, context: int, repeats: int) -> dict:
     return {"rows": rows, "context": context, "absorbed_ms": ms["absorbed"], "decompressed_ms": ms["decompressed"],
             "decompressed_over_absorbed": round(ms["decompressed"] / ms["absorbed"], 2),
             "max_abs_logit_diff": float(jnp.abs(logits["absorbed"] - logits["decompressed"]).max()),
-            "device": str(jax.devices()[0]), "cpus": len(jax.devices("cpu"))}
+            "device": str(jax.devices()[0]), "cpu_cores": os.cpu_count()}
 
 
 def main() -> None:
