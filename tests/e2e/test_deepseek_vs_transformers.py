@@ -2,7 +2,8 @@
 score-correction bias, a dense first layer, ungated shared experts) through the whole engine is
 token-for-token transformers' greedy `generate`: as it comes, with chunked prefill, preemption
 in a tiny pool (recompute and swap) and prefix caching, in both forms of attention, split over
-two devices by heads or by experts; and its beam search is transformers'."""
+two devices by heads or by experts; its beam search is transformers', and structured output
+holds on it."""
 import pytest
 
 from tests.conftest import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
@@ -86,3 +87,21 @@ def test_beam_search_matches_transformers(tmp_path):
     llm.engine.traces = []
     beams.assert_same(beams.beam_search(llm, beams.PROMPTS, 4), expected)
     assert sum(t.num_blocks_swapped_out for t in llm.engine.traces) > 0
+
+
+def test_structured_output_holds_on_deepseek(tmp_path):
+    import re
+
+    from jaxengine import SamplingParams
+    from jaxengine.sampling_params import StructuredOutputsParams
+    from tests.conftest import save_byte_tokenizer
+
+    make_deepseek_checkpoint(tmp_path, "no-q-lora", vocab_size=258, eos_token_id=256, bos_token_id=257)
+    save_byte_tokenizer(tmp_path)
+    llm = engine(tmp_path, skip_tokenizer_init=False)
+    regex = r"[a-z]{3,6}@[a-z]{2,5}\.(com|org)"
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(**kind))
+              for kind in (dict(regex=regex), dict(choice=["alpha", "beta", "gamma"]))]
+    regex_out, choice_out = (o.outputs[0].text for o in llm.generate(["Mail:", "Pick:"], params, use_tqdm=False))
+    assert re.fullmatch(regex, regex_out) and choice_out in ("alpha", "beta", "gamma")
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_usable_blocks
