@@ -89,8 +89,10 @@ class Eagle3Head(nnx.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if cfg.norm_before_residual else hidden
         x = jnp.concatenate([embeds, normed], axis=-1)
-        shape = kv_caches[0].shape                             # [1, P, S, K, H]: the layer's [P, S, K, H]
-        attn, (k, v) = self.self_attn(x, tuple(c[0] for c in kv_caches), md, rope_inv_freq(cfg.layer))
+        shape = kv_caches[0].shape                             # [1, P, S, K*H]: the layer's [P, S, K, H]
+        k_heads, size = cfg.layer.num_kv_heads, cfg.layer.head_dim
+        attn, (k, v) = self.self_attn(x, tuple(c[0].reshape(*shape[1:3], k_heads, size) for c in kv_caches), md,
+                                      rope_inv_freq(cfg.layer))
         residual = residual + attn
         prenorm = residual + self.mlp(self.post_attention_layernorm(residual))
         return self.norm(prenorm), prenorm, (k.reshape(shape), v.reshape(shape))

@@ -22,8 +22,8 @@ from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.hf_tensors import QUANTIZABLE
 from jaxengine.models.quantization import PARTS, QuantizedParam
 
-# (k, v); a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H]). Latent attention's is
-# one array, (pages,) (``models.latent_attention``).
+# (k, v), each [L, P, S, K*H]; a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H]).
+# Latent attention's is one array, (pages,) (``models.latent_attention``).
 KVCache = tuple[jax.Array, ...]
 
 

@@ -23,8 +23,8 @@ from jaxengine.models.moe import SparseMoeBlock
 
 class LlamaForCausalLM(nnx.Module):
     """Layer weights are stacked ([L, ...]) and the layers run under ``lax.scan``: one layer body
-    to compile, whatever the depth. The KV cache is (k, v), each [L, P, S, K, H] (latent attention:
-    one array, [L, P, S, 1, R + Hr])."""
+    to compile, whatever the depth. The KV cache is (k, v), each [L, P, S, K*H] (latent attention:
+    one array, [L, P, S, R + Hr]); a layer sees its part as [P, S, K, H]."""
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_fn: Callable = paged_attention_tiled, *,
                  expert_parallel: bool = False, latent_attention_form: str = "absorbed", rngs: nnx.Rngs) -> None:
@@ -80,10 +80,13 @@ class LlamaForCausalLM(nnx.Module):
         graphdef, dense, rest = nnx.split(self.layers, is_dense_weight, ...)
         shape = kv_caches[0].shape
         num_layers, num_blocks, block_size = shape[:3]
-        # The caches ride in the scan carry, flattened to [L*P, S, K, H]: layer l's block b is
+        # The caches ride in the scan carry, flattened to [L*P, S, K*H]: layer l's block b is
         # l*P + b. Writes and reads then hit the one donated buffer in place (slicing a layer out
-        # as scan input/output would copy the whole cache every step).
-        flat = tuple(c.reshape(num_layers * num_blocks, *c.shape[2:]) for c in kv_caches)
+        # as scan input/output would copy the whole cache every step). A layer sees its heads
+        # apart, [L*P, S, K, H], only inside its body (no size-1 axis crosses a loop: XLA lays such
+        # an array out as it likes there and copies it back and forth, whole, every step).
+        flat = tuple(c.reshape(num_layers * num_blocks, block_size, -1) for c in kv_caches)
+        layer_shapes = tuple((num_layers * num_blocks, block_size, *part) for part in self.config.kv_cache_parts)
         wanted = jnp.asarray(aux_layers, jnp.int32)
         # Carried, not a scan output: [len(aux_layers), T, D], where every layer's would be [L, T, D].
         aux = jnp.zeros((len(aux_layers), *x.shape), x.dtype)
@@ -92,6 +95,7 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer_step(carry, per_layer):
             x, caches, aux = carry
+            caches = tuple(c.reshape(shape) for c, shape in zip(caches, layer_shapes))
             rest_of_layer, layer = per_layer
             if aux_layers:
                 aux = jnp.where((wanted == layer)[:, None, None], x[None], aux)
@@ -105,7 +109,7 @@ class LlamaForCausalLM(nnx.Module):
                 x, h, caches = decoder.attend(x, caches, md_layer, inv_freq, layer)
                 out, counts = mlp(h, layer)
                 x = x + out
-            return (x, caches, aux), counts
+            return (x, tuple(c.reshape(c.shape[0], block_size, -1) for c in caches), aux), counts
 
         (x, flat, aux), counts = jax.lax.scan(layer_step, (x, flat, aux), (rest, jnp.arange(num_layers)))
         x = self.norm(x)
@@ -181,8 +185,8 @@ def stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
                    sharding: jax.sharding.Sharding | None = None) -> KVCache:
-    """(k, v), each [L, P, S, K, H] (latent attention: one array, ``cfg.kv_cache_parts``); with a
-    ``sharding``, created in place on its devices."""
-    shapes = [(cfg.num_layers, num_blocks, block_size, heads, size) for heads, size in cfg.kv_cache_parts]
+    """(k, v), each [L, P, S, K*H], heads one after the other (latent attention: one array,
+    ``cfg.kv_cache_parts``); with a ``sharding``, created in place on its devices."""
+    shapes = [(cfg.num_layers, num_blocks, block_size, heads * size) for heads, size in cfg.kv_cache_parts]
     zeros = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes), out_shardings=sharding)
     return zeros()

@@ -35,8 +35,8 @@ from jaxengine.models.moe import Experts, expert_of_rows, grouped_swiglu, routed
 
 logger = logging.getLogger(__name__)
 
-# KV caches (k, v), each [L, P, S, K, H]: split on K.
-KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)
+# KV caches (k, v), each [L, P, S, K*H] (heads one after another): split by heads.
+KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS)
 _HEADS = P(None, MODEL_AXIS, None)           # q, k, v, attention output: [T, heads, H]
 _LAYER_CACHE = P(None, None, MODEL_AXIS, None)   # one layer's cache as the kernels see it: [P, S, K, H]
 

@@ -96,8 +96,9 @@ class MTPHead(nnx.Module):
         x = self.dense_fn(jnp.concatenate([embeds, self.hnorm(hidden)], axis=-1), self.eh_proj[...])
         graphdef, weights, rest = nnx.split(self.layers, is_dense_weight, ...)
         layer = nnx.merge(graphdef, weights, jax.tree.map(lambda a: a[0], rest))
-        out, caches, _ = layer(x, tuple(c[0] for c in kv_caches), md, rope_inv_freq(self.config), jnp.int32(0))
-        return self.shared_head_norm(out), out, tuple(c[None] for c in caches)
+        caches = tuple(c[0].reshape(*c.shape[1:3], *part) for c, part in zip(kv_caches, self.config.kv_cache_parts))
+        out, caches, _ = layer(x, caches, md, rope_inv_freq(self.config), jnp.int32(0))
+        return self.shared_head_norm(out), out, tuple(c.reshape(old.shape) for c, old in zip(caches, kv_caches))
 
     def _embed(self, ids: jax.Array) -> jax.Array:
         if isinstance(self.embed_tokens, QuantizedParam):

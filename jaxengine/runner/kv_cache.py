@@ -19,7 +19,7 @@ def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
     return max(2, budget_bytes // per_block)
 
 
-# The caches are (k, v), each [L, P, S, K, H] (latent attention: one array): blocks are indexed on axis 1.
+# The caches are (k, v), each [L, P, S, K*H] (latent attention: one array): blocks are indexed on axis 1.
 def _gather(kv_caches, idx):
     return tuple(c[:, idx] for c in kv_caches)
 
@@ -85,7 +85,7 @@ class BlockMover:
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_shapes: tuple[tuple, ...], num_layers: int,
                  dtype, max_num_seqs: int, on_compile: Callable[[str], None] = lambda what: None, mesh=None) -> None:
-        """``block_shapes``: one block's shape [S, K, H] in each array of the caches."""
+        """``block_shapes``: one block's shape [S, K*H] in each array of the caches."""
         self.max_copies, self.max_swaps = max_block_moves(num_gpu_blocks, num_cpu_blocks, max_num_seqs)
         swaps = move_buckets(self.max_swaps)
         self.buckets = {"swap_out": swaps, "swap_in": swaps, "copy": move_buckets(self.max_copies)}

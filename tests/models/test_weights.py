@@ -213,15 +213,19 @@ def test_the_jitted_step_donates_the_kv_cache(llama):
     md = AttentionMetadata.build([(0, 3, [1])], 4, num_tokens=4, max_blocks=2)
     new_caches, _ = forward(state, caches, jnp.asarray([1, 2, 3, 0]), md, jnp.asarray([2]))
     assert all(c.is_deleted() for c in caches)                            # reused in place, not copied
-    k0 = np.asarray(new_caches[0][0])                                     # layer 0 of k: [P, S, K, H]
+    k0 = np.asarray(new_caches[0][0])                                     # layer 0 of k: [P, S, K*H]
     assert k0[1, :3].any() and not k0[1, 3:].any() and not k0[2:].any()   # 3 rows in block 1, nothing else
 
 
-@pytest.mark.parametrize("kernels", ["reference", "pallas"])
-def test_the_compiled_step_never_copies_the_kv_cache(kernels):
+@pytest.mark.parametrize("kernels, layout", [("reference", "gqa"), ("pallas", "gqa"), ("reference", "one KV head"),
+                                             ("reference", "latent")])
+def test_the_compiled_step_never_copies_the_kv_cache(kernels, layout):
     """The caches ride the layer scan's carry and are written in place: XLA's compiled step has no
-    copy of a cache-sized array (with the plain-jnp path, and with the Pallas attention and KV
-    write kernels, as the CPU runs them) and aliases the donated caches to its outputs."""
+    copy of a cache-sized array (with the engine's CPU path, and with the Pallas attention and KV
+    write kernels, as the CPU runs them) and aliases the donated caches to its outputs. Also with
+    one KV head (a head per device under tensor parallelism) and latent attention's one array,
+    whose size-1 head axis XLA once laid out its own way and copied the cache for, whole, in every
+    layer and at the end of every step."""
     from flax import nnx
 
     from jaxengine.kernels.paged_attention import AttentionMetadata
@@ -232,21 +236,29 @@ def test_the_compiled_step_never_copies_the_kv_cache(kernels):
     from jaxengine.models.llama import LlamaForCausalLM, init_kv_caches
 
     cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
+    if layout == "one KV head":
+        cfg = cfg.replace(num_kv_heads=1, head_dim=32)
+    elif layout == "latent":
+        cfg = ModelConfig("DeepseekV3ForCausalLM", 256, 64, 128, 2, 4, 4, 16, kv_lora_rank=16, qk_nope_head_dim=16,
+                          v_head_dim=16)
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), attention_fn=select_attention(kernels))
     if kernels == "pallas":
         model.layers.self_attn.kv_write_fn = write_kv_pallas
     state, forward = make_forward(model)
-    caches = init_kv_caches(cfg, 64, 16)                  # [2 layers, 64 blocks, 16, 2 heads, 16]
+    caches = init_kv_caches(cfg, 64, 16)                  # [2 layers, 64 blocks, 16, 32 = heads x head size]
+    assert [c.shape for c in caches] == [(2, 64, 16, 32)] * len(cfg.kv_cache_parts)
     md = AttentionMetadata.build([(0, 3, [1]), (20, 1, [2, 3])], 16, num_tokens=16, max_blocks=4)
     hlo = forward.lower(state, caches, jnp.zeros(16, jnp.int32), md, jnp.asarray([2, 3])).compile().as_text()
-    cache_shapes = ("[2,64,16,2,16]", "[128,16,2,16]", "[2048,2,16]")       # stacked, flat, as rows
+    heads = ",".join(map(str, cfg.kv_cache_parts[0]))
+    cache_shapes = ("[2,64,16,32]", "[128,16,32]", f"[128,16,{heads}]", f"[2,64,16,{heads}]", f"[2048,{heads}]")
     copies = [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in cache_shapes)]
     assert copies == []
     header = hlo.splitlines()[0]
     aliased = dict(re.findall(r"\{(\d+)\}: \((\d+), \{\}", header))          # output -> parameter
     params = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
     shapes = re.findall(r"(?:\w+\[[\d,]*\])", re.sub(r"/\*index=\d+\*/", "", params))
-    assert [shapes[int(aliased[out])] for out in ("0", "1")] == ["f32[2,64,16,2,16]"] * 2   # k and v in place
+    parts = len(cfg.kv_cache_parts)
+    assert [shapes[int(aliased[str(out)])] for out in range(parts)] == ["f32[2,64,16,32]"] * parts   # in place
 
 
 def test_a_bfloat16_checkpoint_loads_sharded_with_its_exact_values(tmp_path, llama):

@@ -158,8 +158,8 @@ def test_the_kv_pool_follows_each_devices_share_of_a_block(tmp_path):
               max_model_len=64, kv_cache_memory_bytes=budget, token_buckets=[16], request_buckets=[8],
               progress=False, tensor_parallel_size=4)
     k = llm.runner.kv_caches[0]
-    assert llm.config.cache.num_gpu_blocks == 200 and k.shape == (2, 200, 4, 4, 8)
-    assert {s.data.shape for s in k.addressable_shards} == {(2, 200, 4, 1, 8)}
+    assert llm.config.cache.num_gpu_blocks == 200 and k.shape == (2, 200, 4, 4 * 8)     # heads one after another
+    assert {s.data.shape for s in k.addressable_shards} == {(2, 200, 4, 8)}
     assert len(k.addressable_shards) == 4
 
 

@@ -40,6 +40,11 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     num_rows = md.block_tables.shape[0]
     q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, k_cache.shape[2], -1, head_size)
+    serves = cpu_decode.serves(q, k_cache) if decode_kernel is None else decode_kernel
+    # The caches go into the branches and loops below as [P, S, K*H]: with one KV head (latent
+    # attention; a KV head per device) XLA laid a [P, S, 1, H] operand out as it chose and copied
+    # the whole cache to the kernel's layout at every call.
+    k_cache, v_cache = (c.reshape(*c.shape[:2], -1) for c in (k_cache, v_cache))
     out = jnp.zeros((num_tokens + 1, *qg.shape[1:]), jnp.float32)        # row T: a sink for padding
     sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(qg.shape[1:3])     # [K, G]
     attend = dict(k_cache=k_cache, v_cache=v_cache, md=md, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -49,7 +54,7 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     short = (q_lens >= 1) & (q_lens <= SHORT_ROW)
     is_decode = jnp.repeat(short, q_lens, total_repeat_length=num_tokens)
     dec_idx = jnp.nonzero(is_decode, size=min(num_tokens, num_rows * SHORT_ROW), fill_value=num_tokens)[0]
-    if cpu_decode.serves(q, k_cache) if decode_kernel is None else decode_kernel:
+    if serves:
         decode = functools.partial(_decode_in_place, qg, dec_idx, k_cache, v_cache, md,
                                    sliding_window=sliding_window, soft_cap=soft_cap,
                                    sinks=None if sinks is None else sinks.reshape(-1))
@@ -78,6 +83,7 @@ def _decode_in_place(qg: jax.Array, dec_idx: jax.Array, k_cache: jax.Array, v_ca
     safe = jnp.minimum(dec_idx, num_tokens - 1)
     rows = jnp.minimum(md.token_rows[safe], md.block_tables.shape[0] - 1)
     lens = jnp.where(dec_idx < num_tokens, md.positions[safe] + 1, 0)
+    k_cache, v_cache = (c.reshape(*c.shape[:2], qg.shape[1], -1) for c in (k_cache, v_cache))    # [P, S, K, H]
     got = cpu_decode.paged_decode(qg[safe].reshape(safe.shape[0], -1, qg.shape[-1]), k_cache, v_cache,
                                   md.block_tables[rows], lens, **kw)
     return out.at[dec_idx].set(got.reshape(-1, *qg.shape[1:]))
