@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # KV caches (k, v), each [L, P, S, K*H] (heads one after another): split by heads.
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS)
 _HEADS = P(None, MODEL_AXIS, None)           # q, k, v, attention output: [T, heads, H]
-_LAYER_CACHE = P(None, None, MODEL_AXIS, None)   # one layer's cache as the kernels see it: [P, S, K, H]
+_LAYER_CACHE_MERGED = P(None, None, MODEL_AXIS)  # one layer's cache, heads merged: [P, S, K*H]
 
 
 def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
@@ -161,18 +161,21 @@ class ShardedAttention:
 
     def __init__(self, attention_fn: Callable, mesh: Mesh, replicated_cache: bool = False) -> None:
         self.inner, self.mesh = attention_fn, mesh
-        self.cache_spec = P() if replicated_cache else _LAYER_CACHE
+        self.cache_spec = P() if replicated_cache else _LAYER_CACHE_MERGED
         self.__name__ = f"sharded {getattr(attention_fn, '__name__', type(attention_fn).__name__)}"
 
     def __call__(self, q, k_cache, v_cache, md, *, sinks=None, **kw):
         """``sinks`` [N] (per query head) split as the query heads are."""
+        head_size = k_cache.shape[-1]
+
         def per_device(q, k, v, md, sinks=None):
+            k, v = (_heads_apart(c, head_size) for c in (k, v))
             return self.inner(q, k, v, md, sinks=sinks, **kw) if sinks is not None else self.inner(q, k, v, md, **kw)
 
         specs = (_HEADS, self.cache_spec, self.cache_spec, P()) + (() if sinks is None else (P(MODEL_AXIS),))
         fn = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs, out_specs=_HEADS,
                            check_vma=False)      # Pallas calls inside shard_map need it off
-        return fn(q, k_cache, v_cache, md, *(() if sinks is None else (sinks,)))
+        return fn(q, *map(_heads_together, (k_cache, v_cache)), md, *(() if sinks is None else (sinks,)))
 
 
 class ShardedKVWrite:
@@ -183,10 +186,28 @@ class ShardedKVWrite:
         self.__name__ = f"sharded {getattr(kv_write_fn, '__name__', type(kv_write_fn).__name__)}"
 
     def __call__(self, k_cache, v_cache, k, v, slot_mapping):
-        fn = jax.shard_map(self.inner, mesh=self.mesh,
-                           in_specs=(_LAYER_CACHE, _LAYER_CACHE, _HEADS, _HEADS, P()),
-                           out_specs=(_LAYER_CACHE, _LAYER_CACHE), check_vma=False)
-        return fn(k_cache, v_cache, k, v, slot_mapping)
+        head_size = k_cache.shape[-1]
+
+        def per_device(k_cache, v_cache, k, v, slot_mapping):
+            caches = self.inner(*(_heads_apart(c, head_size) for c in (k_cache, v_cache)), k, v, slot_mapping)
+            return tuple(map(_heads_together, caches))
+
+        fn = jax.shard_map(per_device, mesh=self.mesh,
+                           in_specs=(_LAYER_CACHE_MERGED, _LAYER_CACHE_MERGED, _HEADS, _HEADS, P()),
+                           out_specs=(_LAYER_CACHE_MERGED, _LAYER_CACHE_MERGED), check_vma=False)
+        out = fn(*map(_heads_together, (k_cache, v_cache)), k, v, slot_mapping)
+        return tuple(c.reshape(k_cache.shape) for c in out)
+
+
+# A layer's caches cross shard_map with their heads merged ([P, S, K*H], split by heads): a
+# per-device [P, S, 1, H] at the boundary (one KV head per device) was laid out by XLA its own
+# way and copied whole to the kernel's layout at every call.
+def _heads_together(cache: jax.Array) -> jax.Array:
+    return cache.reshape(*cache.shape[:2], -1)
+
+
+def _heads_apart(cache: jax.Array, head_size: int) -> jax.Array:
+    return cache.reshape(*cache.shape[:2], -1, head_size)
 
 
 def stacked_of_one(*weights):
