@@ -261,7 +261,9 @@ class EngineArgs:
         per_block = self.kv_bytes_per_block(mc, kv_dtype, draft_config)
         num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(
             kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices), per_block)
-        num_cpu_blocks = int(self.swap_space * GiB) // (per_block * self.tensor_parallel_size)
+        # The host holds each block once: every device's share of it, or (latent attention's
+        # replicated cache) one device's copy.
+        num_cpu_blocks = int(self.swap_space * GiB) // (per_block * (1 if mc.is_mla else self.tensor_parallel_size))
         return self.engine_config(num_gpu_blocks, num_cpu_blocks, self.max_model_len or min(mc.max_position_embeddings, 2048))
 
     def resolve_kv_dtype(self, dtype):

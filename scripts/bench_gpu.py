@@ -764,10 +764,11 @@ TARGETS = [  # (label, file, key path, target text, passes)
 def mla(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
     """DeepSeek-V3's latent attention in one layer at decode (bf16: 128 heads, latent 512 + rotary
     64, keys 128 + 64 and values 128 a head), 256 rows at 2k tokens of context (smoke: 8 at 64),
-    absorbed through the engine's attention kernel (``select_attention("auto")``; the Pallas ones
-    where they serve a head of 576): ms, the latent cache's GB/s (bytes read / time) and its share
-    of the copy bandwidth; its output against the decompressed form on the first 4 rows."""
-    from jaxengine.kernels.paged_attention.backend import select_attention
+    absorbed through the kernel the engine picks for it (``select_attention("auto")`` where it
+    serves a head of 576, else the plain-jnp path, as the engine does): ms, the latent cache's GB/s
+    (bytes read / time) and its share of the copy bandwidth; its output against the decompressed
+    form on the first 4 rows."""
+    from jaxengine.kernels.paged_attention.backend import select_attention, serving_kernel
     from jaxengine.kernels.paged_attention.latent import absorbed_attention, decompressed_attention
 
     heads, rank, rotary, nope, value, block = 128, 512, 64, 128, 128, 16
@@ -783,7 +784,8 @@ def mla(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda res
                                  block, num_tokens=rows, max_blocks=pages, num_rows=rows)
     md = jax.tree.map(jnp.asarray, md)
     scale = (nope + rotary) ** -0.5
-    kernel = select_attention("auto")
+    kernel = serving_kernel(select_attention("auto"), jnp.zeros((rows, heads, rank + rotary), jnp.bfloat16), cache,
+                            cache, md)
     absorbed = jax.jit(lambda *a: absorbed_attention(*a, scale=scale, attention_fn=kernel))
     t = timed(absorbed, q_nope, q_rope, cache, md, w_uk, w_uv)
     read = rows * context * (rank + rotary) * 2

@@ -23,13 +23,20 @@ def floor_seconds(flops: float, flops_per_s: float, bytes_read: float = 0.0,
 
 
 def kv_bytes_per_token(model, bytes_per_element: float) -> float:
-    """The KV cache one token holds: a K and a V row per layer and KV head."""
+    """The KV cache one token holds: a K and a V row per layer and KV head (latent attention: its
+    latent and rotary key per layer)."""
+    if getattr(model, "is_mla", False):
+        return model.kv_elements_per_token * bytes_per_element
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * bytes_per_element
 
 
 def attention_flops(model, attention_work: float) -> float:
     """Attention's FLOPs: q.k and p.v, a multiply-add (2 FLOPs) each per query head and head
-    element, for each of ``attention_work`` (query token, attended token) pairs."""
+    element, for each of ``attention_work`` (query token, attended token) pairs (latent attention,
+    absorbed: keys of R + Hr and values of R)."""
+    if getattr(model, "is_mla", False):
+        per_head = 2 * (2 * model.kv_lora_rank + model.head_dim)
+        return model.num_layers * model.num_heads * per_head * attention_work
     return 4 * model.num_layers * model.num_heads * model.head_dim * attention_work
 
 
@@ -53,6 +60,8 @@ def flops_per_token(cfg) -> float:
     experts a token runs through; logits are for one row)."""
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     attention = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d
+    if getattr(cfg, "is_mla", False):      # each weight once a token (absorbed: kv_b_proj takes q in, the output out)
+        attention = cfg.latent_attention_params
     sparse = len(cfg.sparse_layers)
     experts = d * cfg.num_experts + 3 * d * (cfg.num_experts_per_tok * cfg.moe_intermediate_size
                                              + cfg.shared_expert_intermediate_size)

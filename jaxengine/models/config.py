@@ -99,6 +99,22 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
                              f"num_experts ({self.num_experts})")
+        if self.scoring == "sigmoid":
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        """DeepSeek-V3's expert groups, in its config's names."""
+        groups, kept = self.n_group, self.topk_group
+        if groups < 1 or self.num_experts % groups:
+            raise ValueError(f"n_group ({groups}) must divide n_routed_experts ({self.num_experts})")
+        size = self.num_experts // groups
+        if not 1 <= kept <= groups:
+            raise ValueError(f"topk_group ({kept}) must be between 1 and n_group ({groups})")
+        if groups > 1 and size < 2:
+            raise ValueError(f"n_group ({groups}): each group needs 2 experts or more (its score is its best two)")
+        if self.num_experts_per_tok > kept * size:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
+                             f"topk_group ({kept}) groups kept ({kept * size})")
 
     @property
     def is_moe(self) -> bool:
@@ -147,7 +163,7 @@ class ModelConfig:
         d, h = self.hidden_size, self.head_dim
         attention = d * (self.num_heads + 2 * self.num_kv_heads) * h + self.num_heads * h * d
         if self.is_mla:
-            attention = self._latent_attention_params()
+            attention = self.latent_attention_params
         attention += (self.num_heads + 2 * self.num_kv_heads) * h if self.attention_bias else 0
         attention += d if self.output_bias else 0
         attention += 2 * h if self.qk_norm else 0
@@ -164,7 +180,9 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return layers + self.vocab_size * d + head + d
 
-    def _latent_attention_params(self) -> int:
+    @property
+    def latent_attention_params(self) -> int:
+        """Latent attention's projection parameters in one layer (norms included)."""
         d, n, r = self.hidden_size, self.num_heads, self.kv_lora_rank
         q = d * n * self.qk_head_dim if self.q_lora_rank is None else (
             d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim)
@@ -215,7 +233,9 @@ class ModelConfig:
         return cls(
             architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            # (latent attention has no KV heads of its own: its one cache serves every head)
+            num_kv_heads=heads if hf.model_type == "deepseek_v3" else getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)),
             rope_scaling=scaling, max_position_embeddings=hf.max_position_embeddings,
@@ -286,16 +306,23 @@ def _experts(hf) -> dict:
 
 
 # What a DeepSeek-V3 config must say: transformers fills a missing one with DeepSeek-V3's own
-# size, which would read the checkpoint's tensors as the wrong shapes.
+# value, which would read the checkpoint's tensors as the wrong shapes or route another way.
 REQUIRED_FIELDS = {"deepseek_v3": ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                   "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")}
+                                   "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "n_group",
+                                   "topk_group", "first_k_dense_replace")}
+# ... and what it must name even as null (null: no such step)
+PRESENT_FIELDS = {"deepseek_v3": ("q_lora_rank",)}
 
 
 def check_config_fields(raw: dict, where: str = "config.json") -> None:
     """ValueError naming the first field a model type needs that ``raw`` (config.json) lacks."""
-    for name in REQUIRED_FIELDS.get(raw.get("model_type"), ()):
+    model_type = raw.get("model_type")
+    for name in REQUIRED_FIELDS.get(model_type, ()):
         if raw.get(name) is None:
-            raise ValueError(f"{where}: {name} is missing; a {raw['model_type']} model needs it")
+            raise ValueError(f"{where}: {name} is missing; a {model_type} model needs it")
+    for name in PRESENT_FIELDS.get(model_type, ()):
+        if name not in raw:
+            raise ValueError(f"{where}: {name} is missing; a {model_type} model needs it (null where it has none)")
 
 
 def _latent_attention(hf, scaling) -> dict:

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.matmul.quantized import QuantizedWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata
+from jaxengine.kernels.paged_attention.backend import where_served
 from jaxengine.kernels.paged_attention.latent import FORMS, absorbed_attention, decompressed_attention, write_latent
 from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.layers import FP8_KV, M, RMSNorm, _param, apply_rope, rope_attention_factor, to_fp8, weight
@@ -61,7 +62,7 @@ class LatentAttention(nnx.Module):
         self.o_proj = weight(cfg, "o_proj", rngs, (n, cfg.v_head_dim, d), dtype, (M, None, None))
         self.cfg = cfg
         self.form = form
-        self.attention_fn = attention_fn
+        self.attention_fn = where_served(attention_fn)     # (the Pallas kernels take no head of R + Hr)
         self.dense_fn = dense
 
     def __call__(self, x: jax.Array, cache: tuple[jax.Array], md: AttentionMetadata, inv_freq: np.ndarray,

@@ -185,7 +185,9 @@ class SparseMoeBlock(nnx.Module):
     experts and the shared expert (Qwen2-MoE: with its sigmoid gate; DeepSeek-V3: ungated)."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
-        self.router = _param(rngs, (cfg.hidden_size, cfg.num_experts), dtype, (None, None))
+        # DeepSeek-V3 scores in float32, as its reference keeps its router (models.quantization)
+        router_dtype = jnp.float32 if cfg.scoring == "sigmoid" else dtype
+        self.router = _param(rngs, (cfg.hidden_size, cfg.num_experts), router_dtype, (None, None))
         if cfg.router_bias:
             self.router_bias = _sharded(jnp.zeros((cfg.num_experts,), dtype), (None,))
         if cfg.score_correction_bias:
@@ -204,7 +206,8 @@ class SparseMoeBlock(nnx.Module):
         or past ``num_valid`` (padding) route nowhere."""
         cfg = self.cfg
         num_valid = x.shape[0] if num_valid is None else num_valid
-        logits = self.dense_fn(x, self.router[...], layer)
+        router = self.router[...]
+        logits = self.dense_fn(x.astype(router.dtype), router, layer)
         if cfg.router_bias:
             logits = logits + self.router_bias[...]
         weights, experts = route_tokens(logits, cfg, self._correction(layer))

@@ -52,9 +52,12 @@ def mtp_config(model: ModelConfig) -> MTPConfig:
     if not model.num_mtp_layers:
         raise ValueError(f"speculative_config.method: 'mtp' needs multi-token prediction layers; "
                          f"{model.architecture}'s config has num_nextn_predict_layers 0")
-    sparse = model.is_moe and model.num_layers not in model.dense_layers and bool(model.sparse_layers)
-    layer = model.replace(architecture=MTP_ARCHITECTURE, num_layers=1, num_mtp_layers=0,
-                          dense_layers=() if sparse or not model.is_moe else (0,))
+    # Its MLP is the kind the layers past first_k_dense_replace have: experts, or dense where all are.
+    sparse = model.is_moe and bool(model.sparse_layers)
+    # Read in the model's dtype whatever the model keeps quantized (models.weights.load_mtp).
+    layer = model.replace(architecture=MTP_ARCHITECTURE, num_layers=1, num_mtp_layers=0, dense_layers=(),
+                          quantization=(), kv_scales=False,
+                          **({} if sparse else {"num_experts": 0, "num_experts_per_tok": 0}))
     return MTPConfig(layer=layer, aux_layers=(model.num_layers,))
 
 

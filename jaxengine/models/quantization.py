@@ -174,8 +174,15 @@ class QuantizingSource:
         return values[..., cols.start - first * group:cols.stop - first * group]
 
 
+# Parameters a model may declare float32 whatever its dtype: DeepSeek-V3's router and its
+# score-correction bias (a bfloat16 bias rounds coarsely enough to change which experts win).
+FLOAT32_PARAMS = ("router", "score_correction_bias")
+
+
 def param_dtype(path: tuple, var, dtype):
     """The dtype a parameter is placed in: the model's, except the parts of a quantized weight
-    (their own, ``FORMATS``)."""
+    (their own, ``FORMATS``) and the ``FLOAT32_PARAMS`` the model made float32."""
+    if path and path[-1] in FLOAT32_PARAMS and var.dtype == jnp.float32:
+        return jnp.float32
     return var.dtype if len(path) > 1 and path[-1] in PARTS and path[-2] in QUANTIZABLE else dtype
 

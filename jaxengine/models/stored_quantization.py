@@ -179,11 +179,14 @@ def _unsupported(field: str, value, supported) -> None:
 _EXPERT = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj")
 
 
-def _linear_modules(names: set[str], suffix: str) -> list[str]:
+def _linear_modules(names: set[str], suffix: str, any_kind: bool = False) -> list[str]:
     """Modules (``model.layers.0.mlp.up_proj``) of the kinds the engine keeps quantized, a mixture's
-    experts one by one among them, that have a tensor ``<module>.<suffix>``."""
+    experts one by one among them, that have a tensor ``<module>.<suffix>``; with ``any_kind``
+    every module with a ``.weight`` beside it (those of other kinds are read dequantised:
+    DeepSeek-V3's latent projections)."""
     modules = (n[:-len(suffix) - 1] for n in names if n.endswith("." + suffix))
-    return sorted(m for m in modules if kind_of(m + ".weight") or _EXPERT.fullmatch(common_name(m + ".")[:-1]))
+    return sorted(m for m in modules if kind_of(m + ".weight") or _EXPERT.fullmatch(common_name(m + ".")[:-1])
+                  or (any_kind and f"{m}.weight" in names))
 
 
 def _fp8(source: TensorSource, names: set[str], quant: Mapping) -> dict[str, StoredWeight]:
@@ -194,7 +197,7 @@ def _fp8(source: TensorSource, names: set[str], quant: Mapping) -> dict[str, Sto
     block = quant.get("weight_block_size")
     weights = {}
     for suffix in ("weight_scale_inv", "weight_scale"):
-        for module in _linear_modules(names, suffix):
+        for module in _linear_modules(names, suffix, any_kind=True):
             x, s = f"{module}.weight", f"{module}.{suffix}"
             shape = tuple(source.shape(x))
             stored = tuple(source.shape(s))

@@ -230,15 +230,18 @@ def load_mtp(path: str | os.PathLike, model, model_config: ModelConfig, dtype, *
              quantization: str | None = None, **model_kwargs):
     """The first multi-token prediction layer of the checkpoint folder ``path`` (the model's own),
     sharing ``model``'s embedding and LM head -> (the head, its ``MTPConfig``); a checkpoint
-    without its tensors is an error saying so. (The layer stays in ``dtype`` whatever the
-    model's ``quantization``: it is one layer.)"""
+    without its tensors is an error saying so. (The layer is read in ``dtype`` whatever the
+    model's ``quantization``, a checkpoint stored quantized dequantised: it is one layer.)"""
     cfg = mtp_config(model_config)
     _, files = safetensors_files(path)
+    stored = quantization_config(path)
     with SafetensorsSource(files) as source:
         tensors = MTPTensors(source, model_config.num_layers)
         if not any(name.endswith(".eh_proj.weight") for name in tensors.names()):
             raise ValueError(f"speculative_config.method: 'mtp': {path} holds no tensors of a multi-token prediction "
                              f"layer (model.layers.{model_config.num_layers}.eh_proj.weight and the rest)")
+        if stored:
+            tensors = StoredQuantizationSource(tensors, stored_weights(tensors, stored), cfg.layer, dequantize=True)
         head = build_model(cfg.layer, tensors, dtype, mesh=mesh, **model_kwargs)
     head.share_embeddings(model)
     return head, cfg

@@ -74,7 +74,7 @@ class Drafter:
         self.draft_probs = None if not sampled else jax.device_put(
             np.zeros((row_buckets[-1], k, model_config.vocab_size), np.float32), self._placement)
         self._proposal_rows: dict[int, int] = {}
-        shardings = {} if mesh is None else {"out_shardings": self._sync_shardings(mesh)}
+        shardings = {} if mesh is None else {"out_shardings": self._sync_shardings(mesh, model_config)}
         self._sync = jax.jit(self._sync_fn(graphdef), donate_argnums=(1,), **shardings)
         propose_shardings = {} if mesh is None else {"out_shardings": (kv_cache_sharding(mesh, model_config),
                                                                      replicated(mesh))}
@@ -92,8 +92,8 @@ class Drafter:
         return _propose_fn(graphdef, self.k, self.block_size, self.sampled)
 
     @staticmethod
-    def _sync_shardings(mesh):
-        return kv_cache_sharding(mesh)
+    def _sync_shardings(mesh, model_config):
+        return kv_cache_sharding(mesh, model_config)
 
     # ---- compilation ----
     def compile_step(self, bucket: tuple[int, int], inputs, ids, step_outputs) -> None:

@@ -64,8 +64,8 @@ class EagleDrafter(Drafter):
         return _propose_fn(graphdef, self.k, self.block_size, self.sampled)
 
     @staticmethod
-    def _sync_shardings(mesh):
-        return kv_cache_sharding(mesh), replicated(mesh), replicated(mesh), replicated(mesh)
+    def _sync_shardings(mesh, model_config):
+        return kv_cache_sharding(mesh, model_config), replicated(mesh), replicated(mesh), replicated(mesh)
 
     # ---- compilation ----
     def compile_step(self, bucket: tuple[int, int], inputs, ids, step_outputs) -> None:

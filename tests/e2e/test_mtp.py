@@ -84,9 +84,12 @@ def test_the_mtp_layer_predicts_as_transformers_layer_does(mtp_checkpoint):
     assert (ours.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_mtp_drafts_and_the_outputs_stay_the_models(mtp_checkpoint):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_mtp_drafts_and_the_outputs_stay_the_models(mtp_checkpoint, devices):
+    """On one device, and over two (heads split, the latent caches replicated, the model's and
+    the MTP layer's alike)."""
     folder, hf, _ = mtp_checkpoint
-    llm = engine(folder, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    llm = engine(folder, tensor_parallel_size=devices, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     llm.engine.traces = []
     outs = greedy(llm, PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == reference(hf, PROMPTS)
@@ -98,3 +101,37 @@ def test_mtp_without_its_layer_in_the_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"'mtp': .* holds no tensors of a multi-token prediction layer "
                                          r"\(model\.layers\.3\.eh_proj\.weight"):
         engine(tmp_path, speculative_config={"method": "mtp"})
+
+
+def test_a_checkpoint_stored_in_fp8_blocks_drafts_with_its_mtp_layer(mtp_checkpoint, tmp_path):
+    """DeepSeek-V3's own release: projections stored float8 in 128 x 128 blocks with
+    ``weight_scale_inv`` (here blocks of 4), the latent ones and the MTP layer's too. The model
+    keeps the kinds it can quantized and reads the latent projections dequantised, the MTP layer
+    is read dequantised, and drafting changes no output."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from tests.models.test_stored_quantization import fp8_blocks
+
+    folder, _, _ = mtp_checkpoint
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(folder / name, tmp_path / name)
+    for file in ("model.safetensors", "mtp.safetensors"):
+        tensors = load_file(str(folder / file))
+        for name in [n for n, w in tensors.items() if n.endswith(("proj.weight", "mqa.weight")) and w.ndim == 2]:
+            q, scale, _ = fp8_blocks(tensors[name].float(), (4, 4))
+            tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = q, scale
+        save_file(tensors, str(tmp_path / file))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [4, 4]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    plain = greedy(engine(tmp_path), PROMPTS)
+    llm = engine(tmp_path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert llm.model_config.quant_spec("o_proj") is not None                  # kept quantized
+    llm.engine.traces = []
+    outs = greedy(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert sum(t.num_draft_tokens for t in llm.engine.traces) > 0

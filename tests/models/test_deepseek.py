@@ -73,12 +73,25 @@ def test_absorbed_attention_equals_decompressed_over_pages(kernel):
     np.testing.assert_array_equal(np.asarray(again)[1:20], np.asarray(got)[1:20])
 
 
-def test_a_token_costs_the_cache_one_latent_and_one_rotary_key(tmp_path):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny DeepSeek-V3 folder, built once; a test edits a copy of it (``copy_of``)."""
+    folder = tmp_path_factory.mktemp("deepseek-unit")
+    make_deepseek_checkpoint(folder, "no-q-lora")
+    return folder
+
+
+def copy_of(checkpoint, tmp_path):
+    import shutil
+
+    return shutil.copytree(checkpoint, tmp_path / "copy")
+
+
+def test_a_token_costs_the_cache_one_latent_and_one_rotary_key(checkpoint):
     from jaxengine import EngineArgs
     from jaxengine.models.weights import safetensors_files
 
-    make_deepseek_checkpoint(tmp_path, "no-q-lora")
-    cfg, _ = safetensors_files(tmp_path)
+    cfg, _ = safetensors_files(checkpoint)
     assert cfg.kv_cache_parts == ((1, 16 + 8),)
     assert cfg.kv_elements_per_token == 3 * 24                               # 3 layers
     args = EngineArgs(block_size=4)
@@ -87,12 +100,47 @@ def test_a_token_costs_the_cache_one_latent_and_one_rotary_key(tmp_path):
     assert cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) == 6 * 24
 
 
-def test_a_config_without_kv_lora_rank_is_refused_naming_it(tmp_path):
+def test_a_config_without_kv_lora_rank_is_refused_naming_it(checkpoint, tmp_path):
     from jaxengine.models.weights import load_model
 
-    make_deepseek_checkpoint(tmp_path, "no-q-lora")
-    config = json.loads((tmp_path / "config.json").read_text())
+    folder = copy_of(checkpoint, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
     del config["kv_lora_rank"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"config\.json: kv_lora_rank is missing; a deepseek_v3 model needs it"):
-        load_model(tmp_path)
+        load_model(folder)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_group=3), r"n_group \(3\) must divide n_routed_experts \(8\)"),
+    (dict(topk_group=5), r"topk_group \(5\) must be between 1 and n_group \(4\)"),
+    (dict(n_group=8, topk_group=2), r"n_group \(8\): each group needs 2 experts or more"),
+    (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) exceeds the experts of the topk_group \(2\) groups "
+                                  r"kept \(4\)"),
+    (dict(drop="q_lora_rank"), r"config\.json: q_lora_rank is missing; .* \(null where it has none\)"),
+    (dict(drop="n_group"), r"config\.json: n_group is missing"),
+])
+def test_expert_groups_and_fields_that_cannot_work_are_refused_by_name(checkpoint, tmp_path, change, message):
+    from jaxengine.models.weights import load_model
+
+    folder = copy_of(checkpoint, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    if "drop" in change:
+        del config[change["drop"]]
+    else:
+        config.update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model(folder)
+
+
+def test_the_router_scores_in_float32_in_a_bfloat16_model(checkpoint):
+    """As DeepSeek-V3's reference keeps it: a bfloat16 correction bias rounds coarsely enough to
+    change which experts win."""
+    from jaxengine.models.weights import load_model
+
+    model, cfg = load_model(checkpoint, jnp.bfloat16)
+    moe = model.sparse_mlp
+    assert moe.router[...].dtype == moe.score_correction_bias[...].dtype == jnp.float32
+    assert moe.experts.gate_proj[...].dtype == model.layers.self_attn.kv_b_proj[...].dtype == jnp.bfloat16
+    assert cfg.num_kv_heads == cfg.num_heads                    # no KV heads of its own to split

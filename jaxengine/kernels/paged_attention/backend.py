@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "pallas", "pallas-triton", "pallas-mosaic", "reference")
 
@@ -49,6 +52,38 @@ def _mosaic_where_supported(q, k_cache, v_cache, md, *, fallback: Callable, **kw
     if supports(q, k_cache):
         return paged_attention_mosaic(q, k_cache, v_cache, md, **kw)
     return fallback(q, k_cache, v_cache, md, **kw)
+
+
+def where_served(attention_fn: Callable) -> Callable:
+    """``attention_fn`` for the inputs it serves, the plain-jnp path for the others (decided when
+    the layer is traced): latent attention's one key head of R + Hr (576 for DeepSeek-V3) is not a
+    head size the Pallas kernels take."""
+    return functools.partial(_where_served, kernel=attention_fn)
+
+
+def _where_served(q, k_cache, v_cache, md, *, kernel: Callable, **kw):
+    return serving_kernel(kernel, q, k_cache, v_cache, md)(q, k_cache, v_cache, md, **kw)
+
+
+def serving_kernel(kernel: Callable, q, k_cache, v_cache, md) -> Callable:
+    """``kernel`` if it serves these inputs, else the plain-jnp path (logged)."""
+    from jaxengine.kernels.paged_attention.kernel import paged_attention_pallas, validate
+    from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic, supports
+    from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
+
+    inner = getattr(kernel, "func", kernel)
+    problem = None
+    if inner is paged_attention_mosaic and not supports(q, k_cache):
+        problem = "the Mosaic GPU kernel does not serve this layout"
+    elif inner is paged_attention_pallas or (inner is _mosaic_where_supported and not supports(q, k_cache)):
+        try:
+            validate(q, k_cache, v_cache, md)
+        except ValueError as e:
+            problem = str(e)
+    if problem is None:
+        return kernel
+    logger.info("attention of q %s over caches %s: %s; the plain-jnp path serves it", q.shape, k_cache.shape, problem)
+    return paged_attention_tiled
 
 
 def _capability(device: jax.Device) -> tuple[int, int]:
