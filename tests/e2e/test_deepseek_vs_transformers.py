@@ -105,3 +105,11 @@ def test_structured_output_holds_on_deepseek(tmp_path):
     regex_out, choice_out = (o.outputs[0].text for o in llm.generate(["Mail:", "Pick:"], params, use_tqdm=False))
     assert re.fullmatch(regex, regex_out) and choice_out in ("alpha", "beta", "gamma")
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.num_usable_blocks
+
+
+def test_where_the_pallas_kernel_takes_no_such_head_the_plain_path_serves(deepseek):
+    """The Pallas kernels take power-of-two heads; latent attention's is R + Hr (24 here, 576 for
+    DeepSeek-V3), so the layer falls back to the plain-jnp path instead of failing."""
+    folder, expected = deepseek("no-q-lora")
+    outs = greedy(engine(folder, attention_backend="pallas"), PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
