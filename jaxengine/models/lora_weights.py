@@ -108,6 +108,8 @@ def attach_lora(model, max_loras: int, max_rank: int, dtype) -> tuple[str, ...]:
     attention projection, and the MLP's where the layers' MLP is dense (a mixture of experts'
     experts take no adapter). -> the target modules served."""
     cfg = model.config
+    if cfg.is_mla:
+        raise ValueError(f"enable_lora: adapters on {cfg.architecture}'s latent attention are not supported")
     shapes = module_shapes(cfg)
     layers = model.layers
     layers.self_attn.lora = LoRAWeights(("qkv", "o"), shapes, cfg.num_layers, max_loras, max_rank, dtype)

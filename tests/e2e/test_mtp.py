@@ -65,20 +65,30 @@ def mtp_checkpoint(tmp_path_factory):
 
 
 def test_the_mtp_layer_predicts_as_transformers_layer_does(mtp_checkpoint):
+    from flax import nnx
+
+    from jaxengine.models.forward import make_forward
+    from jaxengine.models.weights import load_model, load_mtp
+
     folder, hf, parts = mtp_checkpoint
-    llm = engine(folder, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    model, head = llm.model, llm.draft_model
+    model, cfg = load_model(folder)
+    head, _ = load_mtp(folder, model, cfg, jnp.float32)
     assert head.config.sparse_layers == (0,) and head.embed_tokens is model.embed_tokens      # experts; shared arrays
     ids = PROMPTS[4]                                             # 30 tokens
     n, block = len(ids), 4
     md = AttentionMetadata.build([(0, n, list(range(1, 9)))], block, num_tokens=32, max_blocks=8)
     md = jax.tree.map(jnp.asarray, md)
-    padded = jnp.asarray(ids + [0] * (32 - n))
-    _, _, _, hidden = model.forward_with_aux_hidden(padded, init_kv_caches(llm.model_config, 10, block), md,
-                                                    aux_layers=(llm.model_config.num_layers,))
+    state, forward = make_forward(model, head=lambda m, h, rows: (h[rows],), aux_layers=(cfg.num_layers,))
+    _, (_, _, hidden) = forward(state, init_kv_caches(cfg, 10, block), jnp.asarray(ids + [0] * (32 - n)), md,
+                                jnp.arange(1))
     next_ids = jnp.asarray(ids[1:] + [0] * (33 - n))
-    normed, _, _ = head(next_ids, head.combine(hidden), init_kv_caches(head.config, 10, block), md)
-    ours = np.asarray(head.model_logits(normed))[:n - 1]
+
+    @nnx.jit
+    def mtp_logits(head, next_ids, hidden, caches):
+        normed, _, _ = head(next_ids, head.combine(hidden), caches, md)
+        return head.model_logits(normed)
+
+    ours = np.asarray(mtp_logits(head, next_ids, hidden, init_kv_caches(head.config, 10, block)))[:n - 1]
     want = mtp_reference(hf, parts, ids)
     np.testing.assert_allclose(ours, want, rtol=2e-4, atol=2e-4)
     assert (ours.argmax(-1) == want.argmax(-1)).all()

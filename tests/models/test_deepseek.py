@@ -144,3 +144,11 @@ def test_the_router_scores_in_float32_in_a_bfloat16_model(checkpoint):
     assert moe.router[...].dtype == moe.score_correction_bias[...].dtype == jnp.float32
     assert moe.experts.gate_proj[...].dtype == model.layers.self_attn.kv_b_proj[...].dtype == jnp.bfloat16
     assert cfg.num_kv_heads == cfg.num_heads                    # no KV heads of its own to split
+
+
+def test_lora_on_latent_attention_is_refused_rather_than_ignored(checkpoint):
+    from jaxengine import LLM
+
+    with pytest.raises(ValueError, match="enable_lora: adapters on DeepseekV3ForCausalLM's latent attention are not"):
+        LLM(checkpoint, skip_tokenizer_init=True, enable_lora=True, num_kv_blocks=16, max_model_len=32,
+            progress=False)
