@@ -1,5 +1,6 @@
 """End to end: the engine's greedy output with the Pallas kernel (interpret mode on the CPU)
-equals the plain-jnp path's, with chunked prefill, decodes and a sliding window in the batch."""
+equals the plain-jnp path's, with chunked prefill, decodes and a sliding window in the batch.
+One step bucket per engine: an interpreted kernel is slow to compile."""
 import pytest
 
 from jaxengine import SamplingParams
@@ -15,7 +16,7 @@ def test_pallas_backend_generates_what_the_reference_does(tmp_path, variant):
     model_type, overrides = VARIANTS[variant]
     make_checkpoint(tmp_path, model_type, **overrides)
     engine = dict(skip_tokenizer_init=True, block_size=16, max_num_batched_tokens=32, max_num_seqs=4,
-                  max_model_len=128, num_kv_blocks=40, progress=False, compile_mode="eager")
+                  max_model_len=128, num_kv_blocks=40, token_buckets=[32], request_buckets=[4], progress=False, compile_mode="eager")
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outputs = {}
     for backend in ("reference", "pallas"):
@@ -38,7 +39,7 @@ def test_mosaic_kernel_generates_what_the_triton_kernel_does(tmp_path):
         pytest.skip("the Mosaic GPU kernel runs on sm_90 or interpreted")
     make_checkpoint(tmp_path, "llama", head_dim=64)
     engine = dict(skip_tokenizer_init=True, block_size=16, max_num_batched_tokens=32, max_num_seqs=4,
-                  max_model_len=128, num_kv_blocks=40, progress=False, dtype="bfloat16",
+                  max_model_len=128, num_kv_blocks=40, token_buckets=[32], request_buckets=[4], progress=False, dtype="bfloat16",
                   compile_mode="eager")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outputs = {}
@@ -63,7 +64,7 @@ def test_pallas_kv_write_generates_what_the_scatter_does():
     cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16)
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     engine = dict(model_config=cfg, block_size=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128,
-                  num_kv_blocks=40, progress=False, compile_mode="eager")
+                  num_kv_blocks=40, token_buckets=[32], request_buckets=[4], progress=False, compile_mode="eager")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     outputs = {}
     for name, writer in (("scatter", model.layers.self_attn.kv_write_fn), ("pallas", write_kv_pallas)):

@@ -10,8 +10,9 @@ from jaxengine import LLM, SamplingParams
 from tests.helpers import every_draft_goes
 from jaxengine.sampling_params import BeamSearchParams
 
+# Two step buckets, not the defaults' 24: each compiles at start-up.
 OPTIONS = dict(max_num_batched_tokens=32, max_num_seqs=8, block_size=4, max_model_len=128, swap_space=0.002,
-               progress=False, compile_mode="eager")
+               token_buckets=[16, 32], request_buckets=[8], progress=False, compile_mode="eager")
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 # Byte-level prompts that repeat themselves, so prompt lookup finds n-grams; the tiny random model
 # falls into loops of its own, which it then also finds.

@@ -71,10 +71,10 @@ def fp8_blocks(w: torch.Tensor, block: tuple[int, int]):
     """w -> (float8 values, float32 scale per block [ceil(out/b0), ceil(in/b1)], dequantised)."""
     b0, b1 = block
     out, inner = w.shape
-    s = torch.zeros(-(-out // b0), -(-inner // b1))
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            s[i, j] = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].abs().max() / 448
+    rows, cols = -(-out // b0), -(-inner // b1)
+    padded = torch.zeros(rows * b0, cols * b1)
+    padded[:out, :inner] = w.abs()
+    s = padded.reshape(rows, b0, cols, b1).amax(dim=(1, 3)) / 448
     full = s.repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inner]
     q = (w / full).to(torch.float8_e4m3fn)
     return q, s, q.float() * full
