@@ -27,8 +27,8 @@
 # 9. LoRA: the 8B model's step with 8 rank-16 adapter slots on every target, rows spread over 8
 #    adapters and over 1, against no row on an adapter, at decode batch 256 and a 2,048-token
 #    prefill; whether XLA kept ragged_dot (in kernel.json);
-# 10. DeepSeek-V3's latent attention at decode (one layer, 256 rows x 2k, absorbed through the
-#    engine's kernel): ms, the latent cache's bandwidth against the copy bandwidth, its output
+# 10. DeepSeek-V3's latent attention at decode (one layer, 256 rows x 2k, absorbed through what
+#    the engine picks for it): ms, the latent cache's bandwidth against the copy bandwidth, its output
 #    against the decompressed form (in kernel.json).
 # Each part has its own time limit; a part whose limit would take the run past 590 s is skipped (logged),
 # so the whole run ends within the device's 10-minute call with its summary; results land in
