@@ -133,6 +133,10 @@ class ModelConfig:
             return ((1, self.kv_lora_rank + self.head_dim),)
         return ((self.num_kv_heads, self.head_dim),) * 2
 
+    def kv_block_shapes(self, block_size: int) -> list[tuple[int, int]]:
+        """One block's shape [S, K*H] in each array of the KV cache (heads one after another)."""
+        return [(block_size, heads * size) for heads, size in self.kv_cache_parts]
+
     @property
     def kv_elements_per_token(self) -> int:
         """Numbers the KV cache holds per token, all layers."""

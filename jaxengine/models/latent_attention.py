@@ -16,7 +16,6 @@ latent and attends for its own heads.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -28,18 +27,19 @@ from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.matmul.quantized import QuantizedWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.kernels.paged_attention.backend import where_served
-from jaxengine.kernels.paged_attention.latent import FORMS, absorbed_attention, decompressed_attention, write_latent
+from jaxengine.kernels.paged_attention.latent import FORMS, absorbed_attention, decompressed_attention
+from jaxengine.kernels.paged_attention.reference import write_rows
 from jaxengine.models.config import ModelConfig, YarnScaling
-from jaxengine.models.layers import FP8_KV, M, RMSNorm, _param, apply_rope, rope_attention_factor, to_fp8, weight
+from jaxengine.models.layers import (FP8_KV, M, RMSNorm, _param, apply_rope, rope_attention_factor, to_fp8, weight,
+                                    yarn_mscale)
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
     """1/sqrt(query head size), times YaRN's mscale(factor, mscale_all_dim) squared where set."""
     scale = cfg.qk_head_dim ** -0.5
     sc = cfg.rope_scaling
-    if isinstance(sc, YarnScaling) and cfg.mscale_all_dim and sc.factor > 1:
-        mscale = 0.1 * cfg.mscale_all_dim * math.log(sc.factor) + 1.0
-        scale *= mscale * mscale
+    if isinstance(sc, YarnScaling) and cfg.mscale_all_dim:
+        scale *= yarn_mscale(sc.factor, cfg.mscale_all_dim) ** 2
     return scale
 
 
@@ -83,7 +83,7 @@ class LatentAttention(nnx.Module):
         (pages,) = cache
         if pages.dtype == FP8_KV:                # an FP8 cache: unscaled, as a KV cache without scales
             rows = to_fp8(rows, jnp.float32(1.0))
-        pages = write_latent(pages, rows, md.slot_mapping)                      # before this step's reads
+        pages = write_rows(pages, rows, md.slot_mapping)                      # before this step's reads
         kv_b = self.kv_b_proj[...]
         kv_b = kv_b if layer is None else kv_b[layer]
         w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]

@@ -104,12 +104,14 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     if sc.attention_factor is not None:
         return float(sc.attention_factor)
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if sc.mscale and sc.mscale_all_dim:
-        return mscale(sc.factor, sc.mscale) / mscale(sc.factor, sc.mscale_all_dim)
-    return mscale(sc.factor)
+        return yarn_mscale(sc.factor, sc.mscale) / yarn_mscale(sc.factor, sc.mscale_all_dim)
+    return yarn_mscale(sc.factor)
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context ``scale`` times the original."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:

@@ -139,20 +139,31 @@ class LlamaForCausalLM(nnx.Module):
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """input_ids [T] -> their embeddings [T, D]."""
-        if isinstance(self.embed_tokens, QuantizedParam):
-            return gather_columns(self.embed_tokens[...], input_ids)
-        return jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        return embed_with(self.embed_tokens, input_ids)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[R, D] -> [R, V] in f32, only for the rows the sampler needs."""
-        if isinstance(self.embed_tokens, QuantizedParam) and self.config.tie_word_embeddings:
-            logits = self.dense_fn(hidden, self.embed_tokens[...])        # kept [D, V]: the head's layout
-        elif self.config.tie_word_embeddings:
-            # [V, D] used transposed: XLA's dot reads it as it lies at about OpenBLAS's speed
-            logits = jnp.einsum("rd,vd->rv", hidden, self.embed_tokens[...])
-        else:
-            logits = self.dense_fn(hidden, self.lm_head[...])
-        return logits.astype(jnp.float32)
+        return logits_with(self, hidden)
+
+
+def embed_with(embed_tokens, input_ids: jax.Array) -> jax.Array:
+    """The rows of an embedding parameter (kept [V, D], or quantized [D, V]) for input_ids [T]."""
+    if isinstance(embed_tokens, QuantizedParam):
+        return gather_columns(embed_tokens[...], input_ids)
+    return jnp.take(embed_tokens[...], input_ids, axis=0)
+
+
+def logits_with(module, hidden: jax.Array) -> jax.Array:
+    """[R, D] -> [R, V] in f32 through ``module``'s LM head (its ``lm_head``, or its
+    ``embed_tokens`` where ``config.tie_word_embeddings``) and ``dense_fn``."""
+    if isinstance(module.embed_tokens, QuantizedParam) and module.config.tie_word_embeddings:
+        logits = module.dense_fn(hidden, module.embed_tokens[...])        # kept [D, V]: the head's layout
+    elif module.config.tie_word_embeddings:
+        # [V, D] used transposed: XLA's dot reads it as it lies at about OpenBLAS's speed
+        logits = jnp.einsum("rd,vd->rv", hidden, module.embed_tokens[...])
+    else:
+        logits = module.dense_fn(hidden, module.lm_head[...])
+    return logits.astype(jnp.float32)
 
 
 def decoder_layer(cfg: ModelConfig, dtype, attention_fn: Callable, *, expert_parallel: bool = False,
@@ -187,6 +198,6 @@ def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp
                    sharding: jax.sharding.Sharding | None = None) -> KVCache:
     """(k, v), each [L, P, S, K*H], heads one after the other (latent attention: one array,
     ``cfg.kv_cache_parts``); with a ``sharding``, created in place on its devices."""
-    shapes = [(cfg.num_layers, num_blocks, block_size, heads * size) for heads, size in cfg.kv_cache_parts]
+    shapes = [(cfg.num_layers, num_blocks, *block) for block in cfg.kv_block_shapes(block_size)]
     zeros = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes), out_shardings=sharding)
     return zeros()

@@ -29,8 +29,7 @@ from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.hf_tensors import Index, TensorSource
 from jaxengine.models.layers import KVCache, RMSNorm, _param, is_dense_weight, rope_inv_freq
-from jaxengine.models.llama import LlamaForCausalLM, decoder_layer, stacked
-from jaxengine.models.quantization import QuantizedParam, gather_columns
+from jaxengine.models.llama import LlamaForCausalLM, decoder_layer, embed_with, logits_with, stacked
 
 MTP_ARCHITECTURE = "DeepseekV3MTP"
 
@@ -80,8 +79,8 @@ class MTPHead(nnx.Module):
     def share_embeddings(self, model: LlamaForCausalLM) -> None:
         """Read the model's embedding and LM head (the same arrays)."""
         self.embed_tokens = model.embed_tokens
-        self.lm_head = model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
-        self.tied = model.config.tie_word_embeddings
+        if not model.config.tie_word_embeddings:
+            self.lm_head = model.lm_head
 
     @property
     def hidden_dtype(self):
@@ -95,7 +94,7 @@ class MTPHead(nnx.Module):
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array, KVCache]:
         """next_ids [T] (the token after each position), hidden [T, D] -> (the normed output, the
         output fed back when drafting on, both [T, D]; the updated cache, one layer)."""
-        embeds = self.enorm(self._embed(next_ids))
+        embeds = self.enorm(embed_with(self.embed_tokens, next_ids))
         x = self.dense_fn(jnp.concatenate([embeds, self.hnorm(hidden)], axis=-1), self.eh_proj[...])
         graphdef, weights, rest = nnx.split(self.layers, is_dense_weight, ...)
         layer = nnx.merge(graphdef, weights, jax.tree.map(lambda a: a[0], rest))
@@ -103,17 +102,9 @@ class MTPHead(nnx.Module):
         out, caches, _ = layer(x, caches, md, rope_inv_freq(self.config), jnp.int32(0))
         return self.shared_head_norm(out), out, tuple(c.reshape(old.shape) for c, old in zip(caches, kv_caches))
 
-    def _embed(self, ids: jax.Array) -> jax.Array:
-        if isinstance(self.embed_tokens, QuantizedParam):
-            return gather_columns(self.embed_tokens[...], ids)
-        return jnp.take(self.embed_tokens[...], ids, axis=0)
-
     def model_logits(self, normed: jax.Array) -> jax.Array:
         """[R, D] -> the model's logits [R, V] (f32), through its LM head."""
-        head = self.lm_head[...]
-        if self.tied and not isinstance(self.lm_head, QuantizedParam):
-            return jnp.einsum("rd,vd->rv", normed, head).astype(jnp.float32)
-        return self.dense_fn(normed, head).astype(jnp.float32)
+        return logits_with(self, normed)
 
 
 # ---------------------------------------------------------------- loading

@@ -64,8 +64,8 @@ class Drafter:
         # Its steps compile against the caches' shapes (a compile must not touch the donated caches).
         self._kv_spec = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding),
                                      self.kv_caches)
-        block_shapes = [(block_size, heads * size) for heads, size in model_config.kv_cache_parts]
-        self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, block_shapes, model_config.num_layers, dtype,
+        self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, model_config.kv_block_shapes(block_size),
+                                model_config.num_layers, dtype,
                                 max_num_seqs, on_compile=on_compile, mesh=mesh)
         graphdef, self.state = nnx.split(model)
         self._placement = None if mesh is None else replicated(mesh)

@@ -114,8 +114,8 @@ class ModelRunner:
                                 num_lora_slots=0 if config.lora is None else config.lora.max_loras)
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype,
                                         sharding=None if mesh is None else kv_cache_sharding(mesh, model_config))
-        block_shapes = [(cc.block_size, heads * size) for heads, size in model_config.kv_cache_parts]
-        self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, block_shapes, model_config.num_layers, dtype,
+        self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, model_config.kv_block_shapes(cc.block_size),
+                                model_config.num_layers, dtype,
                                 sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
         self.drafter = None
         if draft is not None:

@@ -7,7 +7,7 @@ holds on it."""
 import pytest
 
 from tests.conftest import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
-from tests.e2e.test_generate_vs_transformers import PROMPTS, engine, greedy, reference
+from tests.e2e.test_generate_vs_transformers import PROMPTS, engine, greedy, greedy_under_pressure, reference
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +35,7 @@ def test_deepseek_v3_matches_transformers_generate(deepseek, name):
 @pytest.mark.parametrize("name", sorted(DEEPSEEK_VARIANTS))
 def test_chunks_preemption_and_the_prefix_cache_change_no_token(deepseek, name):
     folder, expected = deepseek(name)
-    # an 8-token budget chunks every prefill; 14 blocks of 4 cannot hold the batch, so requests
-    # are preempted and recomputed; the second pass finds the shared prefix in the cache
-    llm = engine(folder, max_num_batched_tokens=8, num_kv_blocks=14, preemption_mode="recompute",
-                 enable_prefix_caching=True)
-    llm.engine.traces = []
-    outs = greedy(llm, PROMPTS)
-    assert [o.outputs[0].token_ids for o in outs] == expected, name
-    assert sum(t.num_preemptions for t in llm.engine.traces) > 0
-    again = greedy(llm, PROMPTS[-2:])
-    assert [o.outputs[0].token_ids for o in again] == expected[-2:]
-    assert [o.num_cached_tokens for o in again] == [12, 12]
+    greedy_under_pressure(folder, expected, name)
 
 
 def test_swapped_groups_come_back_with_their_latents(deepseek):

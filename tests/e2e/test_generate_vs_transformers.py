@@ -41,6 +41,23 @@ def greedy(llm, prompts, n=1):
     return outs
 
 
+def greedy_under_pressure(folder, expected, name=""):
+    """An 8-token budget chunks every prefill; 14 blocks of 4 cannot hold the batch, so requests are
+    preempted and recomputed; the shared prefix is cached: the greedy tokens are ``expected`` all
+    the same, and a second pass of the prefix's prompts finds 12 of their tokens cached. -> the
+    engine, its traces kept."""
+    llm = engine(folder, max_num_batched_tokens=8, num_kv_blocks=14, preemption_mode="recompute",
+                 enable_prefix_caching=True)
+    llm.engine.traces = []
+    outs = greedy(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected, name
+    assert sum(t.num_preemptions for t in llm.engine.traces) > 0
+    again = greedy(llm, PROMPTS[-2:])
+    assert [o.outputs[0].token_ids for o in again] == expected[-2:]
+    assert [o.num_cached_tokens for o in again] == [12, 12]
+    return llm
+
+
 def test_every_architecture_matches_transformers_generate(checkpoint):
     _, folder, hf_model = checkpoint
     outs = greedy(engine(folder, async_scheduling=True), PROMPTS)       # tokens fed on the device

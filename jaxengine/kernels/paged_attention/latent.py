@@ -25,16 +25,8 @@ import jax.numpy as jnp
 
 from jaxengine.kernels.paged_attention import online_softmax
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
-from jaxengine.kernels.paged_attention.reference import _scatter
 
 FORMS = ("absorbed", "decompressed")
-
-
-def write_latent(cache: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter the new tokens' [latent, rotary key] rows [T, 1, R + Hr] into pages [P, S, 1, R + Hr]."""
-    num_pages, page_size = cache.shape[:2]
-    flat = cache.reshape(num_pages * page_size, *cache.shape[2:])
-    return _scatter(flat, slot_mapping, rows).reshape(cache.shape)
 
 
 def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, md: AttentionMetadata,

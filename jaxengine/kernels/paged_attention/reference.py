@@ -16,10 +16,14 @@ from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V rows [T, K, H] into caches [P, S, K, H] at their slots."""
-    num_pages, page_size = k_cache.shape[:2]
-    flat = (num_pages * page_size, *k_cache.shape[2:])
-    return (_scatter(k_cache.reshape(flat), slot_mapping, k).reshape(k_cache.shape),
-            _scatter(v_cache.reshape(flat), slot_mapping, v).reshape(v_cache.shape))
+    return write_rows(k_cache, k, slot_mapping), write_rows(v_cache, v, slot_mapping)
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter new rows [T, ...] into pages [P, S, ...] at their slots."""
+    num_pages, page_size = cache.shape[:2]
+    flat = cache.reshape(num_pages * page_size, *cache.shape[2:])
+    return _scatter(flat, slot_mapping, rows).reshape(cache.shape)
 
 
 def _scatter(cache: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
