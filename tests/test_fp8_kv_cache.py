@@ -81,7 +81,7 @@ def test_the_engine_serves_with_an_fp8_cache(llama):
     prompts = [{"prompt_token_ids": ids} for ids in PROMPTS[1:]]
     plain = LLM(folder, **options).generate(prompts, params, use_tqdm=False)
     llm = LLM(folder, kv_cache_dtype="fp8", **options)
-    assert llm.runner.kv_caches[0].dtype == jnp.float8_e4m3fn
+    assert llm.runner.kv_caches[0].dtype == jnp.uint8          # float8_e4m3fn bytes: the CPU writes them in place
     fp8 = llm.generate(prompts, params, use_tqdm=False)
     same = [a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2] for a, b in zip(plain, fp8)]
     assert all(len(o.outputs[0].token_ids) == 8 for o in fp8) and sum(same) >= 2

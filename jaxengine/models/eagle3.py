@@ -89,13 +89,12 @@ class Eagle3Head(nnx.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if cfg.norm_before_residual else hidden
         x = jnp.concatenate([embeds, normed], axis=-1)
-        shape = kv_caches[0].shape                             # [1, P, S, K*H]: the layer's [P, S, K, H]
-        k_heads, size = cfg.layer.num_kv_heads, cfg.layer.head_dim
-        attn, (k, v) = self.self_attn(x, tuple(c[0].reshape(*shape[1:3], k_heads, size) for c in kv_caches), md,
+        one_layer = kv_caches[0].ndim == 3                    # [P, S, K*H] (the drafter's), or [1, P, S, K*H]
+        attn, (k, v) = self.self_attn(x, tuple(c if one_layer else c[0] for c in kv_caches), md,
                                       rope_inv_freq(cfg.layer))
         residual = residual + attn
         prenorm = residual + self.mlp(self.post_attention_layernorm(residual))
-        return self.norm(prenorm), prenorm, (k.reshape(shape), v.reshape(shape))
+        return self.norm(prenorm), prenorm, (k, v) if one_layer else (k[None], v[None])
 
     def model_logits(self, normed: jax.Array) -> jax.Array:
         """[R, D] -> logits over the model's vocabulary [R, V] (f32; -inf outside the draft's)."""

@@ -28,9 +28,10 @@ from jaxengine.kernels.matmul.quantized import QuantizedWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.kernels.paged_attention.backend import where_served
 from jaxengine.kernels.paged_attention.latent import FORMS, absorbed_attention, decompressed_attention
+from jaxengine.kernels.paged_attention.layout import is_fp8
 from jaxengine.kernels.paged_attention.reference import write_rows
 from jaxengine.models.config import ModelConfig, YarnScaling
-from jaxengine.models.layers import (FP8_KV, M, RMSNorm, _param, apply_rope, rope_attention_factor, to_fp8, weight,
+from jaxengine.models.layers import (M, RMSNorm, _param, apply_rope, rope_attention_factor, to_fp8, weight,
                                     yarn_mscale)
 
 
@@ -67,7 +68,7 @@ class LatentAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, cache: tuple[jax.Array], md: AttentionMetadata, inv_freq: np.ndarray,
                  layer: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array]]:
-        """x [T, D], the cache (one array, [P, S, 1, R + Hr]) -> ([T, D], the cache)."""
+        """x [T, D], the cache (one array, [P, S, R + Hr]) -> ([T, D], the cache)."""
         cfg = self.cfg
         dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
@@ -81,7 +82,7 @@ class LatentAttention(nnx.Module):
         k_rope = apply_rope(k_rope, md.positions, inv_freq, scale)
         rows = jnp.concatenate([latent[:, None, :], k_rope.astype(latent.dtype)], axis=-1)
         (pages,) = cache
-        if pages.dtype == FP8_KV:                # an FP8 cache: unscaled, as a KV cache without scales
+        if is_fp8(pages.dtype):                # an FP8 cache: unscaled, as a KV cache without scales
             rows = to_fp8(rows, jnp.float32(1.0))
         pages = write_rows(pages, rows, md.slot_mapping)                      # before this step's reads
         kv_b = self.kv_b_proj[...]

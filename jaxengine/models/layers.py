@@ -18,12 +18,14 @@ from flax import nnx
 from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.matmul.quantized import FP8_MAX, QuantizedWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
+from jaxengine.kernels.paged_attention.layout import is_fp8
 from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.hf_tensors import QUANTIZABLE
 from jaxengine.models.quantization import PARTS, QuantizedParam
 
-# (k, v), each [L, P, S, K*H]; a layer sees [P, S, K, H] (all layers flattened: [L*P, S, K, H]).
-# Latent attention's is one array, (pages,) (``models.latent_attention``).
+# (k, v), each [L, P, S, K*H]; a layer sees [P, S, K*H] (all layers flattened: [L*P, S, K*H]) and
+# hands it to the KV write and the kernels as it is (``kernels.paged_attention.layout``). Latent
+# attention's is one array, (pages,) (``models.latent_attention``).
 KVCache = tuple[jax.Array, ...]
 
 
@@ -204,7 +206,7 @@ class Attention(nnx.Module):
 
     def _kv_scales(self, cache_dtype) -> tuple[jax.Array, jax.Array] | None:
         """(k_scale, v_scale) of an FP8 cache (1.0 where the checkpoint has none), else None."""
-        if cache_dtype != FP8_KV:
+        if not is_fp8(cache_dtype):
             return None
         if not self.cfg.kv_scales:
             return jnp.float32(1.0), jnp.float32(1.0)

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled
+from jaxengine.kernels.paged_attention.layout import storage_dtype
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import (MLP, MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, is_dense_weight,
                                     rope_inv_freq, run_mlp, weight)
@@ -24,7 +25,7 @@ from jaxengine.models.moe import SparseMoeBlock
 class LlamaForCausalLM(nnx.Module):
     """Layer weights are stacked ([L, ...]) and the layers run under ``lax.scan``: one layer body
     to compile, whatever the depth. The KV cache is (k, v), each [L, P, S, K*H] (latent attention:
-    one array, [L, P, S, R + Hr]); a layer sees its part as [P, S, K, H]."""
+    one array, [L, P, S, R + Hr]); a layer sees its part as [P, S, K*H], as stored."""
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_fn: Callable = paged_attention_tiled, *,
                  expert_parallel: bool = False, latent_attention_form: str = "absorbed", rngs: nnx.Rngs) -> None:
@@ -82,11 +83,10 @@ class LlamaForCausalLM(nnx.Module):
         num_layers, num_blocks, block_size = shape[:3]
         # The caches ride in the scan carry, flattened to [L*P, S, K*H]: layer l's block b is
         # l*P + b. Writes and reads then hit the one donated buffer in place (slicing a layer out
-        # as scan input/output would copy the whole cache every step). A layer sees its heads
-        # apart, [L*P, S, K, H], only inside its body (no size-1 axis crosses a loop: XLA lays such
-        # an array out as it likes there and copies it back and forth, whole, every step).
+        # as scan input/output would copy the whole cache every step). Inside the body the caches
+        # keep that one shape, through the KV write to the attention kernels (``layout``): a
+        # reshape there has XLA's CPU compiler duplicate the write and copy the whole pool.
         flat = tuple(c.reshape(num_layers * num_blocks, block_size, -1) for c in kv_caches)
-        layer_shapes = tuple((num_layers * num_blocks, block_size, *part) for part in self.config.kv_cache_parts)
         wanted = jnp.asarray(aux_layers, jnp.int32)
         # Carried, not a scan output: [len(aux_layers), T, D], where every layer's would be [L, T, D].
         aux = jnp.zeros((len(aux_layers), *x.shape), x.dtype)
@@ -95,7 +95,6 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer_step(carry, per_layer):
             x, caches, aux = carry
-            caches = tuple(c.reshape(shape) for c, shape in zip(caches, layer_shapes))
             rest_of_layer, layer = per_layer
             if aux_layers:
                 aux = jnp.where((wanted == layer)[:, None, None], x[None], aux)
@@ -109,7 +108,7 @@ class LlamaForCausalLM(nnx.Module):
                 x, h, caches = decoder.attend(x, caches, md_layer, inv_freq, layer)
                 out, counts = mlp(h, layer)
                 x = x + out
-            return (x, tuple(c.reshape(c.shape[0], block_size, -1) for c in caches), aux), counts
+            return (x, caches, aux), counts
 
         (x, flat, aux), counts = jax.lax.scan(layer_step, (x, flat, aux), (rest, jnp.arange(num_layers)))
         x = self.norm(x)
@@ -195,9 +194,17 @@ def stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) 
 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
-                   sharding: jax.sharding.Sharding | None = None) -> KVCache:
+                   sharding: jax.sharding.Sharding | None = None, layer_axis: bool = True) -> KVCache:
     """(k, v), each [L, P, S, K*H], heads one after the other (latent attention: one array,
-    ``cfg.kv_cache_parts``); with a ``sharding``, created in place on its devices."""
-    shapes = [(cfg.num_layers, num_blocks, *block) for block in cfg.kv_block_shapes(block_size)]
+    ``cfg.kv_cache_parts``); with a ``sharding``, created in place on its devices. A float8 cache
+    is stored as its bytes on the CPU (``kernels.paged_attention.layout``). Without ``layer_axis``
+    a one-layer model's (a speculative head's) [P, S, K*H]: the shape its layer reads and writes,
+    so that no step reshapes the cache it wrote (``layout``)."""
+    if not layer_axis and cfg.num_layers != 1:
+        raise ValueError(f"init_kv_caches: only a one-layer cache goes without its layer axis ({cfg.num_layers} layers)")
+    leading = (cfg.num_layers, num_blocks) if layer_axis else (num_blocks,)
+    shapes = [(*leading, *block) for block in cfg.kv_block_shapes(block_size)]
+    platform = next(iter(sharding.device_set)).platform if sharding is not None else jax.devices()[0].platform
+    dtype = storage_dtype(dtype, platform)
     zeros = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes), out_shardings=sharding)
     return zeros()

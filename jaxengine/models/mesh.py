@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxengine.models.config import ModelConfig
 from jaxengine.kernels.matmul import xla_dense, xla_grouped_dense
 from jaxengine.kernels.matmul.quantized import QuantizedWeight
+from jaxengine.kernels.paged_attention.layout import heads_together
 from jaxengine.models.latent_attention import LatentAttention
 from jaxengine.models.layers import MODEL_AXIS, attention_modules, dense_modules
 from jaxengine.models.lora_weights import LoRAWeights
@@ -118,10 +119,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def kv_cache_sharding(mesh: Mesh, cfg: ModelConfig | None = None) -> NamedSharding:
+def kv_cache_sharding(mesh: Mesh, cfg: ModelConfig | None = None, layer_axis: bool = True) -> NamedSharding:
     """The KV caches' sharding: split by KV heads, or for ``cfg``'s latent attention replicated
-    (one latent per token serves every head: each device reads them all for its own heads)."""
-    return NamedSharding(mesh, P() if cfg is not None and cfg.is_mla else KV_CACHE_SPEC)
+    (one latent per token serves every head: each device reads them all for its own heads).
+    ``layer_axis``: [L, P, S, K*H]; else a one-layer head's [P, S, K*H]."""
+    if cfg is not None and cfg.is_mla:
+        return NamedSharding(mesh, P())
+    return NamedSharding(mesh, KV_CACHE_SPEC if layer_axis else _LAYER_CACHE_MERGED)
 
 
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
@@ -166,16 +170,14 @@ class ShardedAttention:
 
     def __call__(self, q, k_cache, v_cache, md, *, sinks=None, **kw):
         """``sinks`` [N] (per query head) split as the query heads are."""
-        head_size = k_cache.shape[-1]
 
         def per_device(q, k, v, md, sinks=None):
-            k, v = (_heads_apart(c, head_size) for c in (k, v))
             return self.inner(q, k, v, md, sinks=sinks, **kw) if sinks is not None else self.inner(q, k, v, md, **kw)
 
         specs = (_HEADS, self.cache_spec, self.cache_spec, P()) + (() if sinks is None else (P(MODEL_AXIS),))
         fn = jax.shard_map(per_device, mesh=self.mesh, in_specs=specs, out_specs=_HEADS,
                            check_vma=False)      # Pallas calls inside shard_map need it off
-        return fn(q, *map(_heads_together, (k_cache, v_cache)), md, *(() if sinks is None else (sinks,)))
+        return fn(q, *map(heads_together, (k_cache, v_cache)), md, *(() if sinks is None else (sinks,)))
 
 
 class ShardedKVWrite:
@@ -186,28 +188,14 @@ class ShardedKVWrite:
         self.__name__ = f"sharded {getattr(kv_write_fn, '__name__', type(kv_write_fn).__name__)}"
 
     def __call__(self, k_cache, v_cache, k, v, slot_mapping):
-        head_size = k_cache.shape[-1]
-
         def per_device(k_cache, v_cache, k, v, slot_mapping):
-            caches = self.inner(*(_heads_apart(c, head_size) for c in (k_cache, v_cache)), k, v, slot_mapping)
-            return tuple(map(_heads_together, caches))
+            return tuple(map(heads_together, self.inner(k_cache, v_cache, k, v, slot_mapping)))
 
         fn = jax.shard_map(per_device, mesh=self.mesh,
                            in_specs=(_LAYER_CACHE_MERGED, _LAYER_CACHE_MERGED, _HEADS, _HEADS, P()),
                            out_specs=(_LAYER_CACHE_MERGED, _LAYER_CACHE_MERGED), check_vma=False)
-        out = fn(*map(_heads_together, (k_cache, v_cache)), k, v, slot_mapping)
+        out = fn(*map(heads_together, (k_cache, v_cache)), k, v, slot_mapping)
         return tuple(c.reshape(k_cache.shape) for c in out)
-
-
-# A layer's caches cross shard_map with their heads merged ([P, S, K*H], split by heads): a
-# per-device [P, S, 1, H] at the boundary (one KV head per device) was laid out by XLA its own
-# way and copied whole to the kernel's layout at every call.
-def _heads_together(cache: jax.Array) -> jax.Array:
-    return cache.reshape(*cache.shape[:2], -1)
-
-
-def _heads_apart(cache: jax.Array, head_size: int) -> jax.Array:
-    return cache.reshape(*cache.shape[:2], -1, head_size)
 
 
 def stacked_of_one(*weights):

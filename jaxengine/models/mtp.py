@@ -98,9 +98,10 @@ class MTPHead(nnx.Module):
         x = self.dense_fn(jnp.concatenate([embeds, self.hnorm(hidden)], axis=-1), self.eh_proj[...])
         graphdef, weights, rest = nnx.split(self.layers, is_dense_weight, ...)
         layer = nnx.merge(graphdef, weights, jax.tree.map(lambda a: a[0], rest))
-        caches = tuple(c[0].reshape(*c.shape[1:3], *part) for c, part in zip(kv_caches, self.config.kv_cache_parts))
-        out, caches, _ = layer(x, caches, md, rope_inv_freq(self.config), jnp.int32(0))
-        return self.shared_head_norm(out), out, tuple(c.reshape(old.shape) for c, old in zip(caches, kv_caches))
+        one_layer = kv_caches[0].ndim == 3                    # [P, S, K*H] (the drafter's), or [1, P, S, K*H]
+        out, caches, _ = layer(x, tuple(c if one_layer else c[0] for c in kv_caches), md, rope_inv_freq(self.config),
+                               jnp.int32(0))
+        return self.shared_head_norm(out), out, caches if one_layer else tuple(c[None] for c in caches)
 
     def model_logits(self, normed: jax.Array) -> jax.Array:
         """[R, D] -> the model's logits [R, V] (f32), through its LM head."""

@@ -47,6 +47,7 @@ class Drafter:
     """The draft model, its cache and its compiled steps (see the module's docstring)."""
 
     needs_slots = True               # the scheduler allocates a draft's KV slots before proposing it
+    layer_axis = True                # its caches [L, P, S, K*H] (a one-layer head's: [P, S, K*H])
 
     def __init__(self, model, model_config, *, k: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  max_blocks_per_seq: int, row_buckets: list[int], max_num_seqs: int, dtype, mesh=None,
@@ -59,13 +60,13 @@ class Drafter:
         self.k, self.block_size, self.max_blocks, self.sampled = k, block_size, max_blocks_per_seq, sampled
         self.row_buckets, self.mesh = row_buckets, mesh
         self.on_compile = on_compile
-        self.kv_caches = init_kv_caches(model_config, num_gpu_blocks, block_size, dtype,
-                                        sharding=None if mesh is None else kv_cache_sharding(mesh, model_config))
+        self.kv_caches = init_kv_caches(model_config, num_gpu_blocks, block_size, dtype, layer_axis=self.layer_axis,
+                                        sharding=None if mesh is None else self._kv_sharding(mesh, model_config))
         # Its steps compile against the caches' shapes (a compile must not touch the donated caches).
         self._kv_spec = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding),
                                      self.kv_caches)
         self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, model_config.kv_block_shapes(block_size),
-                                model_config.num_layers, dtype,
+                                model_config.num_layers, self.kv_caches[0].dtype,
                                 max_num_seqs, on_compile=on_compile, mesh=mesh)
         graphdef, self.state = nnx.split(model)
         self._placement = None if mesh is None else replicated(mesh)
@@ -76,7 +77,7 @@ class Drafter:
         self._proposal_rows: dict[int, int] = {}
         shardings = {} if mesh is None else {"out_shardings": self._sync_shardings(mesh, model_config)}
         self._sync = jax.jit(self._sync_fn(graphdef), donate_argnums=(1,), **shardings)
-        propose_shardings = {} if mesh is None else {"out_shardings": (kv_cache_sharding(mesh, model_config),
+        propose_shardings = {} if mesh is None else {"out_shardings": (self._kv_sharding(mesh, model_config),
                                                                      replicated(mesh))}
         self._propose = jax.jit(self._propose_fn(graphdef), donate_argnums=(1, 2), **propose_shardings)
         self._sync_executables: dict[tuple, object] = {}
@@ -91,9 +92,11 @@ class Drafter:
     def _propose_fn(self, graphdef) -> Callable:
         return _propose_fn(graphdef, self.k, self.block_size, self.sampled)
 
-    @staticmethod
-    def _sync_shardings(mesh, model_config):
-        return kv_cache_sharding(mesh, model_config)
+    def _kv_sharding(self, mesh, model_config):
+        return kv_cache_sharding(mesh, model_config, layer_axis=self.layer_axis)
+
+    def _sync_shardings(self, mesh, model_config):
+        return self._kv_sharding(mesh, model_config)
 
     # ---- compilation ----
     def compile_step(self, bucket: tuple[int, int], inputs, ids, step_outputs) -> None:
@@ -116,6 +119,12 @@ class Drafter:
             executable = self._propose_executables[rows] = self._propose.lower(self.state, self._kv_spec, probs,
                                                                                *args).compile()
         return executable
+
+    def compiled_programs(self) -> dict[str, object]:
+        """Its steps, proposals and block moves compiled so far, by name."""
+        return {**{f"step {bucket}": p for bucket, p in self._sync_executables.items()},
+                **{f"proposal of {rows} rows": p for rows, p in self._propose_executables.items()},
+                **{f"block {name}": p for name, p in self.mover.compiled_programs().items()}}
 
     # ---- each step ----
     def _sync_executable(self, inputs, ids, step_outputs, what: str):

@@ -33,12 +33,14 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.kernels.paged_attention import AttentionMetadata
-from jaxengine.models.mesh import kv_cache_sharding, replicated
+from jaxengine.models.mesh import replicated
 from jaxengine.runner.drafter import Drafter, choose_drafts, draft_slots, keep_probs
 
 
 class EagleDrafter(Drafter):
     """The EAGLE-3 head, its cache and its compiled steps (see the module's docstring)."""
+
+    layer_axis = False               # one layer's caches, [P, S, K*H], the shape the head writes and reads
 
     def __init__(self, model, model_config, **kw) -> None:
         self.aux_layers = model_config.aux_layers
@@ -63,9 +65,8 @@ class EagleDrafter(Drafter):
     def _propose_fn(self, graphdef) -> Callable:
         return _propose_fn(graphdef, self.k, self.block_size, self.sampled)
 
-    @staticmethod
-    def _sync_shardings(mesh, model_config):
-        return kv_cache_sharding(mesh, model_config), replicated(mesh), replicated(mesh), replicated(mesh)
+    def _sync_shardings(self, mesh, model_config):
+        return self._kv_sharding(mesh, model_config), replicated(mesh), replicated(mesh), replicated(mesh)
 
     # ---- compilation ----
     def compile_step(self, bucket: tuple[int, int], inputs, ids, step_outputs) -> None:

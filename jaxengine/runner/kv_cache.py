@@ -1,6 +1,7 @@
 """Sizing the KV cache, and the block moves applied before a step (swap out, swap in, copy)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -19,17 +20,23 @@ def num_blocks_for_budget(budget_bytes: int, per_block: int) -> int:
     return max(2, budget_bytes // per_block)
 
 
-# The caches are (k, v), each [L, P, S, K*H] (latent attention: one array): blocks are indexed on axis 1.
-def _gather(kv_caches, idx):
-    return tuple(c[:, idx] for c in kv_caches)
+# The caches are (k, v), each [L, P, *block] (latent attention: one array), or a one-layer head's
+# [P, *block]; a move sees them as [L, P, *block] (blocks on axis 1) and returns them as they came.
+def _layers(cache, block_ndim: int):
+    return cache if cache.ndim == block_ndim + 2 else cache[None]
 
 
-def _scatter(kv_caches, idx, blocks):
-    return tuple(c.at[:, idx].set(b) for c, b in zip(kv_caches, blocks))
+def _gather(kv_caches, idx, block_ndim: int):
+    return tuple(_layers(c, block_ndim)[:, idx] for c in kv_caches)
 
 
-def _copy(kv_caches, src, dst):
-    return tuple(c.at[:, dst].set(c[:, src]) for c in kv_caches)
+def _scatter(kv_caches, idx, blocks, block_ndim: int):
+    return tuple(_layers(c, block_ndim).at[:, idx].set(b).reshape(c.shape) for c, b in zip(kv_caches, blocks))
+
+
+def _copy(kv_caches, src, dst, block_ndim: int):
+    return tuple(_layers(c, block_ndim).at[:, dst].set(_layers(c, block_ndim)[:, src]).reshape(c.shape)
+                 for c in kv_caches)
 
 
 # The most (from, to) pairs one step's lists can hold, from the scheduler's and the KV cache
@@ -70,11 +77,12 @@ def move_buckets(most: int) -> list[int]:
     return buckets + [top] if top else []
 
 
-def _jitted_move(kind: str, kv_sharding=None):
+def _jitted_move(kind: str, block_ndim: int, kv_sharding=None):
     """The jitted move of one kind; the caches it returns keep ``kv_sharding``."""
     if kind == "swap_out":
-        return jax.jit(_gather)
-    return jax.jit(_scatter if kind == "swap_in" else _copy, donate_argnums=(0,), out_shardings=kv_sharding)
+        return jax.jit(functools.partial(_gather, block_ndim=block_ndim))
+    move = functools.partial(_scatter if kind == "swap_in" else _copy, block_ndim=block_ndim)
+    return jax.jit(move, donate_argnums=(0,), out_shardings=kv_sharding)
 
 
 class BlockMover:
@@ -92,6 +100,8 @@ class BlockMover:
         self.host = tuple(np.zeros((num_layers, max(num_cpu_blocks, 1), *shape), jnp.dtype(dtype))
                           for shape in block_shapes)
         self.on_compile = on_compile
+        self.num_layers = num_layers
+        self.block_ndim = len(block_shapes[0])
         self.mesh = mesh               # the caches' mesh (the moves are compiled for their sharding)
         self._executables: dict[tuple[str, int], object] = {}     # (kind, index-list length) -> move
 
@@ -122,6 +132,10 @@ class BlockMover:
             kv_caches = self._move(kv_caches, "copy", len(src))(kv_caches, src, dst)
         return kv_caches
 
+    def compiled_programs(self) -> dict[str, object]:
+        """The moves compiled so far, by kind and length."""
+        return {f"{kind} of {size}": move for (kind, size), move in self._executables.items()}
+
     def _move(self, kv_caches, kind: str, size: int):
         move = self._executables.get((kind, size))
         if move is None:
@@ -138,11 +152,13 @@ class BlockMover:
             replicated, kv = replicated_on(self.mesh), tuple(c.sharding for c in kv_caches)   # as the caches lie
         idx = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)
         caches = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=s) for c, s in zip(kv_caches, kv))
-        move = _jitted_move(kind, None if self.mesh is None else kv)
+        move = _jitted_move(kind, self.block_ndim, None if self.mesh is None else kv)
         if kind == "swap_out":
             return move.lower(caches, idx).compile()
         if kind == "swap_in":
-            blocks = tuple(jax.ShapeDtypeStruct((c.shape[0], size, *c.shape[2:]), c.dtype, sharding=s)
+            blocks = tuple(jax.ShapeDtypeStruct((self.num_layers, size, *c.shape[-self.block_ndim:]), c.dtype,
+                                                sharding=s if s is None or c.ndim == self.block_ndim + 2 else
+                                                jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec)))
                            for c, s in zip(kv_caches, kv))
             return move.lower(caches, idx, blocks).compile()
         return move.lower(caches, idx, idx).compile()

@@ -115,7 +115,7 @@ class ModelRunner:
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype,
                                         sharding=None if mesh is None else kv_cache_sharding(mesh, model_config))
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, model_config.kv_block_shapes(cc.block_size),
-                                model_config.num_layers, dtype,
+                                model_config.num_layers, self.kv_caches[0].dtype,
                                 sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
         self.drafter = None
         if draft is not None:
@@ -221,6 +221,15 @@ class ModelRunner:
         if self.drafter is not None:        # before the step is published as compiled
             self.drafter.compile_step(pair, inputs, self._draft_ids(inputs), executable.out_info[1])
         self._executables[pair] = executable
+
+    def compiled_programs(self) -> dict[str, jax.stages.Compiled]:
+        """Every program compiled so far, by name: the steps per bucket, the block moves, and a
+        drafter's steps and moves (what a check of the compiled code reads)."""
+        programs = {f"step {pair}": executable for pair, executable in self._executables.items()}
+        programs.update({f"block {name}": move for name, move in self.mover.compiled_programs().items()})
+        if self.drafter is not None:
+            programs.update({f"draft {name}": program for name, program in self.drafter.compiled_programs().items()})
+        return programs
 
     def _publish(self, limits: StepLimits) -> None:
         self._limits = limits

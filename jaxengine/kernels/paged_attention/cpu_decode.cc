@@ -3,10 +3,10 @@
 // Work items are rows (or, for a few rows, their KV heads), longest first, shared over XLA's
 // intra-op thread pool (cpu_pool.h). f32 throughout; a page at a time, an
 // online softmax per query head, as jaxengine/kernels/paged_attention/reference.py defines the result.
-// The caches are f32 or float8_e4m3fn (an FP8 KV cache, its scales applied outside): an fp8 page is
+// The caches are f32 or float8_e4m3fn, or its bytes as uint8 (an FP8 KV cache, its scales applied outside): an fp8 page is
 // converted to f32 once, into a buffer of the thread's, then read as an f32 one.
 //
-// Shapes: q [B, N, H] (already scaled), k_cache and v_cache [NB, S, K, H], tables [B, M],
+// Shapes: q [B, N, H] (already scaled), k_cache and v_cache [NB, S, K*H], tables [B, M],
 // lens [B] (keys each row attends to: its query's position + 1; 0 for a padding row), sinks [N] (each
 // query head's sink logit, a key whose value is zero; -inf: none), out [B, N, H].
 #include <algorithm>
@@ -168,18 +168,19 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                            float soft_cap,
                            ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
-    return ffi::Error::InvalidArgument("paged decode: q [B, N, H], caches [NB, S, K, H], tables [B, M]");
-  const int64_t rows = qd[0], num_heads = qd[1], head_size = qd[2], kv_heads = kd[2];
-  if (kd[3] != head_size || num_heads % kv_heads != 0 || num_heads > kMaxHeads ||
+  if (qd.size() != 3 || kd.size() != 3 || td.size() != 2)
+    return ffi::Error::InvalidArgument("paged decode: q [B, N, H], caches [NB, S, K*H], tables [B, M]");
+  const int64_t rows = qd[0], num_heads = qd[1], head_size = qd[2], kv_heads = kd[2] / head_size;
+  if (kd[2] % head_size != 0 || num_heads % kv_heads != 0 || num_heads > kMaxHeads ||
       kd[1] > kMaxPage || td[0] != rows || sinks.element_count() != static_cast<size_t>(num_heads))
     return ffi::Error::InvalidArgument("paged decode: shapes this kernel does not serve");
   const auto type = k_cache.element_type();
-  if ((type != ffi::DataType::F32 && type != ffi::DataType::F8E4M3FN) || v_cache.element_type() != type)
-    return ffi::Error::InvalidArgument("paged decode: the caches must both be f32 or both float8_e4m3fn");
+  const bool fp8 = type == ffi::DataType::F8E4M3FN || type == ffi::DataType::U8;    // U8: float8_e4m3fn bytes
+  if ((type != ffi::DataType::F32 && !fp8) || v_cache.element_type() != type)
+    return ffi::Error::InvalidArgument("paged decode: the caches must both be f32 or both float8_e4m3fn (or its bytes)");
   const Problem problem{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), tables.typed_data(),
                         lens.typed_data(), sinks.typed_data(), out->typed_data(), num_heads, kv_heads, head_size, kd[1],
-                        td[1], sliding_window, soft_cap, type == ffi::DataType::F8E4M3FN};
+                        td[1], sliding_window, soft_cap, fp8};
   std::vector<int64_t> order(rows);
   std::iota(order.begin(), order.end(), 0);
   const int32_t* len = lens.typed_data();

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
+from jaxengine.kernels.paged_attention.layout import heads_apart
 
 
 # f32 dots at full f32 precision (Triton would use TF32 by default); bf16 dots are unaffected.
@@ -64,10 +65,13 @@ def validate(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: Attention
     """Clear errors for inputs the kernel cannot serve."""
     if q.ndim != 3:
         raise ValueError(f"q: expected [T, N, H], got shape {q.shape}")
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache/v_cache: expected two [P, S, K, H] arrays, got {k_cache.shape} and {v_cache.shape}")
+    if k_cache.ndim not in (3, 4) or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache: expected two [P, S, K*H] or [P, S, K, H] arrays, got {k_cache.shape} and "
+                         f"{v_cache.shape}")
     num_tokens, num_heads, head_size = q.shape
-    _, page_size, num_kv_heads, cache_head_size = k_cache.shape
+    if k_cache.ndim == 3 and k_cache.shape[2] % head_size:
+        raise ValueError(f"k_cache: a row of {k_cache.shape[2]} is not a whole number of q's heads of {head_size}")
+    _, page_size, num_kv_heads, cache_head_size = heads_apart(k_cache, head_size).shape
     if cache_head_size != head_size:
         raise ValueError(f"k_cache: head size {cache_head_size} differs from q's {head_size}")
     if num_heads % num_kv_heads:
@@ -83,10 +87,11 @@ def paged_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            sinks: jax.Array | None = None, interpret: bool | None = None,
                            sizes: BlockSizes | None = None) -> jax.Array:
-    """q [T, N, H], caches [P, S, K, H] -> [T, N, H]; same contract as ``reference.paged_attention``.
-    ``interpret=None`` interprets on the CPU and compiles elsewhere."""
+    """q [T, N, H], caches [P, S, K*H] or [P, S, K, H] -> [T, N, H]; same contract as
+    ``reference.paged_attention``. ``interpret=None`` interprets on the CPU and compiles elsewhere."""
     validate(q, k_cache, v_cache, md)
     num_tokens, num_heads, head_size = q.shape
+    k_cache, v_cache = heads_apart(k_cache, head_size), heads_apart(v_cache, head_size)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_p = pl.next_power_of_2(group)           # Triton blocks are powers of two: pad the heads

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxengine.kernels.paged_attention.layout import heads_apart
+
 # Tokens per program by (head size, page size, dtype name): a program moves block_tokens rows of
 # head_size elements. Starting points (about 4 KB per program); scripts/gpu_check.sh times others.
 TUNED: dict[tuple[int, int, str], int] = {
@@ -25,9 +27,10 @@ DEFAULT_BLOCK_TOKENS = 16
 
 def write_kv_pallas(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
                     *, block_tokens: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V rows [T, K, H] into caches [P, S, K, H] at their slots; same contract as
-    ``reference.write_kv``."""
-    num_pages, page_size, num_kv_heads, head_size = k_cache.shape
+    """Scatter new K/V rows [T, K, H] into caches [P, S, K*H] (or [P, S, K, H]) at their slots; same
+    contract as ``reference.write_kv``. The caches come back in the shape they came in."""
+    stored = k_cache.shape
+    num_pages, page_size, num_kv_heads, head_size = heads_apart(k_cache, k.shape[-1]).shape
     if block_tokens is None:
         block_tokens = TUNED.get((head_size, page_size, k_cache.dtype.name), DEFAULT_BLOCK_TOKENS)
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_size) or slot_mapping.shape != k.shape[:1]:
@@ -50,8 +53,7 @@ def write_kv_pallas(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax
         compiler_params=None if interpret else _triton_params(),
         name="paged_kv_write",
     )(slots, *rows, k_cache.reshape(flat.shape), v_cache.reshape(flat.shape))
-    shape = (num_pages, page_size, num_kv_heads, head_size)
-    return k_cache.reshape(shape), v_cache.reshape(shape)
+    return k_cache.reshape(stored), v_cache.reshape(stored)
 
 
 def _triton_params():

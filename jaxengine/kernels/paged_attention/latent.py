@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over a paged cache that holds, per token, one
 compressed latent c [R] and one rotary key k_r [Hr] shared by every head, side by side: pages
-[P, S, 1, R + Hr].
+[P, S, R + Hr].
 
 Every head's key is (c W_uk[n], k_r) and its value c W_uv[n], so attention can run two ways:
 
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.kernels.paged_attention import online_softmax
+from jaxengine.kernels.paged_attention.layout import heads_together, values
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 FORMS = ("absorbed", "decompressed")
@@ -32,7 +33,7 @@ FORMS = ("absorbed", "decompressed")
 def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, md: AttentionMetadata,
                        w_uk: jax.Array, w_uv: jax.Array, *, scale: float, attention_fn: Callable) -> jax.Array:
     """q_nope [T, N, Dn], q_rope [T, N, Hr], w_uk [R, N, Dn], w_uv [R, N, Dv] -> [T, N, Dv].
-    ``attention_fn``: a paged-attention kernel (q [T, N, H], k and v caches [P, S, K, H])."""
+    ``attention_fn``: a paged-attention kernel (q [T, N, H], k and v caches [P, S, K*H]: here K = 1)."""
     rank = w_uk.shape[0]
     q_latent = jnp.einsum("tnd,rnd->tnr", q_nope, w_uk)                 # the query in the latent space
     q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
@@ -45,6 +46,7 @@ def decompressed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Arra
     """As ``absorbed_attention``, each page's latents expanded into every head's keys and values
     as they are read: per query token and page, [S, N, Dn] keys and [S, N, Dv] values."""
     num_tokens, num_heads, _ = q_nope.shape
+    cache = heads_together(cache)
     rank, page_size = w_uk.shape[0], cache.shape[1]
     rows = jnp.minimum(md.token_rows, md.block_tables.shape[0] - 1)
     valid = md.token_rows < md.block_tables.shape[0]
@@ -54,7 +56,7 @@ def decompressed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Arra
     w_uk, w_uv = w_uk.astype(jnp.float32), w_uv.astype(jnp.float32)
 
     def page_step(page, carry):
-        pages = cache[tables[:, page], :, 0].astype(jnp.float32)       # [T, S, R + Hr]
+        pages = values(cache[tables[:, page]]).astype(jnp.float32)     # [T, S, R + Hr]
         latent, k_rope = pages[..., :rank], pages[..., rank:]
         k_nope = jnp.einsum("tsr,rnd->tnsd", latent, w_uk)
         v = jnp.einsum("tsr,rne->tnse", latent, w_uv)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, prepare_tiles, gather_tile_outputs, validate
+from jaxengine.kernels.paged_attention.layout import heads_apart
+from jaxengine.kernels.paged_attention.layout import num_kv_heads as num_kv_heads_of
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 ROWS = 64                     # WGMMA's M for one warpgroup
@@ -44,7 +46,7 @@ TUNED: dict[tuple[int, int, str], BlockSizes] = {
 def supports(q: jax.Array, k_cache: jax.Array) -> bool:
     """Whether this kernel serves the layout (else use the Triton kernel): 16-bit q, caches of its
     dtype or FP8, head size a multiple of 64, pages of 8+ tokens, at most 64 query heads per KV head."""
-    head_size, page_size, num_kv_heads = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
+    head_size, page_size, num_kv_heads = q.shape[-1], k_cache.shape[1], num_kv_heads_of(k_cache, q.shape[-1])
     return (jnp.dtype(q.dtype).name in DTYPES and k_cache.dtype in (q.dtype, FP8) and head_size % 64 == 0
             and page_size % 8 == 0 and q.shape[1] // num_kv_heads <= ROWS)
 
@@ -53,13 +55,14 @@ def paged_attention_mosaic(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            sinks: jax.Array | None = None, interpret: bool | None = None,
                            sizes: BlockSizes | None = None) -> jax.Array:
-    """q [T, N, H], caches [P, S, K, H] -> [T, N, H]; same contract as ``reference.paged_attention``.
-    ``interpret=None`` interprets on the CPU (Mosaic GPU's interpreter) and compiles elsewhere.
+    """q [T, N, H], caches [P, S, K*H] or [P, S, K, H] -> [T, N, H]; same contract as
+    ``reference.paged_attention``. ``interpret=None`` interprets on the CPU (Mosaic GPU's interpreter) and compiles elsewhere.
     ``sizes``: pages_per_block (keys per iteration / page size) and num_stages (the ring's depth)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     validate(q, k_cache, v_cache, md)
     num_tokens, num_heads, head_size = q.shape
+    k_cache, v_cache = heads_apart(k_cache, head_size), heads_apart(v_cache, head_size)
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     sizes = sizes or TUNED.get((head_size, page_size, q.dtype.name), BlockSizes(ROWS, max(1, 64 // page_size)))
     _validate_layout(q, k_cache, sizes)
@@ -93,7 +96,7 @@ def _validate_layout(q: jax.Array, k_cache: jax.Array, sizes: BlockSizes) -> Non
         raise ValueError(f"mosaic kernel: needs a 16-bit q and caches of its dtype or FP8, a head size that is a multiple "
                          f"of 64, a page size of 8 or more and at most {ROWS} query heads per KV head; got "
                          f"{q.dtype}/{k_cache.dtype}, head size {q.shape[-1]}, page size {k_cache.shape[1]}, "
-                         f"{q.shape[1] // k_cache.shape[2]} heads per KV head")
+                         f"{q.shape[1] // num_kv_heads_of(k_cache, q.shape[-1])} heads per KV head")
     span = sizes.pages_per_block * k_cache.shape[1]
     if span % 64 or span > 256 or sizes.num_stages < 2:
         # 64: a 128-byte swizzle of 16-bit keys (WGMMA's K for P @ V); 256: WGMMA's largest N.

@@ -10,27 +10,29 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.kernels.paged_attention import online_softmax
+from jaxengine.kernels.paged_attention.layout import FP8, as_stored, heads_apart, values
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V rows [T, K, H] into caches [P, S, K, H] at their slots."""
+    """Scatter new K/V rows [T, K, H] into caches [P, S, K*H] (or [P, S, K, H]) at their slots."""
     return write_rows(k_cache, k, slot_mapping), write_rows(v_cache, v, slot_mapping)
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter new rows [T, ...] into pages [P, S, ...] at their slots."""
-    num_pages, page_size = cache.shape[:2]
-    flat = cache.reshape(num_pages * page_size, *cache.shape[2:])
-    return _scatter(flat, slot_mapping, rows).reshape(cache.shape)
+    """Scatter new rows [T, ...] into pages [P, S, ...] at their slots (a row is reshaped to the
+    pages' row shape). The pages are indexed as they are, never reshaped: see ``layout``."""
+    page_size = cache.shape[1]
+    rows = rows.reshape(rows.shape[0], *cache.shape[2:])
+    return _scatter(cache, (slot_mapping // page_size, slot_mapping % page_size), rows)
 
 
-def _scatter(cache: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
-    """cache.at[slots].set(rows). An FP8 cache is scattered as its bytes: XLA's CPU backend has no
-    float8 scatter and would otherwise convert the whole cache to float16 and back on every write."""
-    if cache.dtype != jnp.float8_e4m3fn:
-        return cache.at[slots].set(rows.astype(cache.dtype))
+def _scatter(cache: jax.Array, slots: tuple[jax.Array, jax.Array], rows: jax.Array) -> jax.Array:
+    """cache.at[slots].set(rows) (``slots``: (pages, offsets)); an FP8 cache of bytes (``layout``)
+    gets the rows' float8 bytes. A float8 cache (not on the CPU) is scattered as its bytes too."""
+    if cache.dtype != FP8:
+        return cache.at[slots].set(as_stored(rows, cache.dtype))
     as_bytes = jax.lax.bitcast_convert_type(cache, jnp.uint8)
     new = jax.lax.bitcast_convert_type(rows.astype(cache.dtype), jnp.uint8)
     return jax.lax.bitcast_convert_type(as_bytes.at[slots].set(new), cache.dtype)
@@ -39,9 +41,10 @@ def _scatter(cache: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata, *,
                     scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                     sinks: jax.Array | None = None) -> jax.Array:
-    """q [T, N, H], caches [P, S, K, H] -> [T, N, H] in q's dtype. ``sinks`` [N]: a learned
-    logit per query head that joins every softmax as a key with a zero value (gpt-oss)."""
+    """q [T, N, H], caches [P, S, K*H] or [P, S, K, H] -> [T, N, H] in q's dtype. ``sinks`` [N]: a
+    learned logit per query head that joins every softmax as a key with a zero value (gpt-oss)."""
     num_tokens, num_heads, head_size = q.shape
+    k_cache, v_cache = heads_apart(k_cache, head_size), heads_apart(v_cache, head_size)
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     rows = jnp.minimum(md.token_rows, md.block_tables.shape[0] - 1)
@@ -52,8 +55,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: At
 
     def page_step(page, carry):
         blocks = tables[:, page]                                     # [T]
-        k = k_cache[blocks].astype(jnp.float32)                      # [T, S, K, H]
-        v = v_cache[blocks].astype(jnp.float32)
+        k = values(k_cache[blocks]).astype(jnp.float32)              # [T, S, K, H]
+        v = values(v_cache[blocks]).astype(jnp.float32)
         s = jnp.einsum("tkgh,tskh->tkgs", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

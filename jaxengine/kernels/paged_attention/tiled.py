@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.kernels.paged_attention import cpu_decode, online_softmax
+from jaxengine.kernels.paged_attention.layout import heads_together, num_kv_heads, values
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 SHORT_ROW = 8       # rows of at most this many queries attend token by token (the decode kernel)
@@ -34,17 +35,17 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
                           scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                           sinks: jax.Array | None = None, q_tile: int = 16, pages_per_step: int = 4, group_size: int = 8,
                           decode_kernel: bool | None = None) -> jax.Array:
-    """``decode_kernel``: decode tokens through ``cpu_decode`` (None: wherever it serves the
-    layer; False: the jnp loop below)."""
+    """q [T, N, H], caches [P, S, K*H] (or [P, S, K, H]) -> [T, N, H]; same contract as
+    ``reference.paged_attention``. ``decode_kernel``: decode tokens through ``cpu_decode`` (None:
+    wherever it serves the layer; False: the jnp loop below)."""
     num_tokens, num_heads, head_size = q.shape
     num_rows = md.block_tables.shape[0]
     q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, k_cache.shape[2], -1, head_size)
+    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads(k_cache, head_size), -1, head_size)
     serves = cpu_decode.serves(q, k_cache) if decode_kernel is None else decode_kernel
-    # The caches go into the branches and loops below as [P, S, K*H]: with one KV head (latent
-    # attention; a KV head per device) XLA laid a [P, S, 1, H] operand out as it chose and copied
-    # the whole cache to the kernel's layout at every call.
-    k_cache, v_cache = (c.reshape(*c.shape[:2], -1) for c in (k_cache, v_cache))
+    # The caches go into the branches, loops and the decode kernel as they are stored, [P, S, K*H]
+    # (``layout``): a reshape of the cache on the way would have XLA copy the whole pool.
+    k_cache, v_cache = heads_together(k_cache), heads_together(v_cache)
     out = jnp.zeros((num_tokens + 1, *qg.shape[1:]), jnp.float32)        # row T: a sink for padding
     sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(qg.shape[1:3])     # [K, G]
     attend = dict(k_cache=k_cache, v_cache=v_cache, md=md, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -83,7 +84,6 @@ def _decode_in_place(qg: jax.Array, dec_idx: jax.Array, k_cache: jax.Array, v_ca
     safe = jnp.minimum(dec_idx, num_tokens - 1)
     rows = jnp.minimum(md.token_rows[safe], md.block_tables.shape[0] - 1)
     lens = jnp.where(dec_idx < num_tokens, md.positions[safe] + 1, 0)
-    k_cache, v_cache = (c.reshape(*c.shape[:2], qg.shape[1], -1) for c in (k_cache, v_cache))    # [P, S, K, H]
     got = cpu_decode.paged_decode(qg[safe].reshape(safe.shape[0], -1, qg.shape[-1]), k_cache, v_cache,
                                   md.block_tables[rows], lens, **kw)
     return out.at[dec_idx].set(got.reshape(-1, *qg.shape[1:]))
@@ -131,8 +131,8 @@ def _attend_group(qg: jax.Array, idx: jax.Array, *, k_cache, v_cache, md: Attent
 
     def step(i, carry):
         blocks = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_step, pages_per_step, axis=1)
-        k = k_cache[blocks].astype(jnp.float32).reshape(n, span, kh, h).transpose(0, 2, 1, 3)   # [n, K, s, H]
-        v = v_cache[blocks].astype(jnp.float32).reshape(n, span, kh, h).transpose(0, 2, 1, 3)
+        k = values(k_cache[blocks]).astype(jnp.float32).reshape(n, span, kh, h).transpose(0, 2, 1, 3)   # [n, K, s, H]
+        v = values(v_cache[blocks]).astype(jnp.float32).reshape(n, span, kh, h).transpose(0, 2, 1, 3)
         s = jnp.einsum("nkmh,nksh->nkms", qt, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
