@@ -2,8 +2,8 @@
 
     python scripts/bench_pool_size.py --model PATH [--tp 1] [--blocks 128 60000] [--tokens 30]
 
-For each pool size, one engine (blocks of 4, one token bucket of 64 and one row bucket of 8), a
-warm-up request, then one greedy request of 3 prompt tokens and ``--tokens`` output tokens:
+For each pool size, one engine (blocks of 4, token buckets of 1 and 64 and row buckets of 1 and 8:
+a lone request decodes in one-token steps, as with the engine's default buckets), a warm-up request, then one greedy request of 3 prompt tokens and ``--tokens`` output tokens:
 milliseconds per output token. The smallest pool is the baseline. With ``--tp N`` on a CPU, run
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
 """
@@ -18,7 +18,7 @@ from jaxengine import LLM, SamplingParams
 
 def ms_per_token(model: str, blocks: int, tp: int, tokens: int) -> float:
     llm = LLM(model, skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=8, block_size=4,
-              max_model_len=64, num_kv_blocks=blocks, token_buckets=[64], request_buckets=[8], progress=False,
+              max_model_len=64, num_kv_blocks=blocks, token_buckets=[1, 64], request_buckets=[1, 8], progress=False,
               compile_mode="eager", tensor_parallel_size=tp)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([[1, 2, 3]], params, use_tqdm=False)                  # compiles
