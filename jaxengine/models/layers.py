@@ -18,7 +18,7 @@ from flax import nnx
 from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.matmul.quantized import FP8_MAX, QuantizedWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
-from jaxengine.kernels.paged_attention.layout import is_fp8
+from jaxengine.kernels.paged_attention.layout import FP8, is_fp8
 from jaxengine.models.config import ModelConfig, YarnScaling
 from jaxengine.models.hf_tensors import QUANTIZABLE
 from jaxengine.models.quantization import PARTS, QuantizedParam
@@ -128,7 +128,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
     return out.astype(x.dtype)
 
 
-FP8_KV = jnp.dtype(jnp.float8_e4m3fn)       # the FP8 KV cache's dtype (--kv-cache-dtype fp8)
+FP8_KV = FP8                                 # the FP8 KV cache's values (--kv-cache-dtype fp8)
 
 
 def to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:

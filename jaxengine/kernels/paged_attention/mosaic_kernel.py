@@ -24,8 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, prepare_tiles, gather_tile_outputs, validate
-from jaxengine.kernels.paged_attention.layout import heads_apart
-from jaxengine.kernels.paged_attention.layout import num_kv_heads as num_kv_heads_of
+from jaxengine.kernels.paged_attention.layout import heads_apart, num_kv_heads as num_kv_heads_of
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
 
 ROWS = 64                     # WGMMA's M for one warpgroup
