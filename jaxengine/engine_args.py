@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 from jaxengine.kernels.paged_attention.latent import FORMS as LATENT_ATTENTION_FORMS
 from jaxengine.runner.compile import COMPILE_MODES
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
@@ -56,7 +59,13 @@ class EngineArgs:
               "dequantised); fp8 or int8 (per output channel) or int4 (groups of up to 128, with offsets): "
               "quantize an unquantized checkpoint while it loads; none: dequantise a GGUF to --dtype",
         choices=QUANTIZATION_CHOICES)
-    max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's, at most 2048)")
+    max_model_len: int | None = _option(
+        None, "longest prompt + output in tokens (default: the model's, at most 2048); more than the model's context "
+              "length is refused unless --allow-long-max-model-len")
+    allow_long_max_model_len: bool = _option(
+        False, "accept a --max-model-len longer than the model's context length (max_position_embeddings, or YaRN's "
+               "original_max_position_embeddings x factor where longer): positions past it were never trained, so "
+               "outputs may be wrong (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)")
     max_num_batched_tokens: int = _option(512, "token budget of one engine step (prefills are chunked to fit)")
     max_num_seqs: int = _option(64, "most sequences in one step")
     block_size: int = _option(16, "tokens per KV cache block")
@@ -264,7 +273,22 @@ class EngineArgs:
         # The host holds each block once: every device's share of it, or (latent attention's
         # replicated cache) one device's copy.
         num_cpu_blocks = int(self.swap_space * GiB) // (per_block * (1 if mc.is_mla else self.tensor_parallel_size))
-        return self.engine_config(num_gpu_blocks, num_cpu_blocks, self.max_model_len or min(mc.max_position_embeddings, 2048))
+        return self.engine_config(num_gpu_blocks, num_cpu_blocks, self.resolve_max_model_len(mc))
+
+    def resolve_max_model_len(self, model_config) -> int:
+        """``max_model_len`` for this model: as given, refused when longer than the model's context
+        length (``ModelConfig.context_length``) unless ``allow_long_max_model_len``; by default the
+        model's max_position_embeddings, at most 2048."""
+        if self.max_model_len is None:
+            return min(model_config.max_position_embeddings, 2048)
+        limit, source = model_config.context_length()
+        if self.max_model_len > limit:
+            message = (f"max_model_len: {self.max_model_len} is more than the model's context length, {limit} "
+                       f"({source}); positions past it were never trained and may give wrong outputs")
+            if not self.allow_long_max_model_len:
+                raise ValueError(f"{message}. Set allow_long_max_model_len (--allow-long-max-model-len) to allow it")
+            logger.warning("%s (allowed by allow_long_max_model_len)", message)
+        return self.max_model_len
 
     def resolve_kv_dtype(self, dtype):
         """The KV cache's dtype for a model run in ``dtype``."""

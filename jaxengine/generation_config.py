@@ -2,9 +2,9 @@
 used where a request leaves them unset (vLLM's ``--generation-config auto``, the default)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from jaxengine.models.paths import read_json_object
 from jaxengine.sampling_params import SamplingParams
 
 # generation_config.json's name -> SamplingParams' field
@@ -16,7 +16,7 @@ def generation_defaults(setting: str, model_path: str | Path) -> dict:
     """``setting``: "vllm" (none: the engine's own defaults), "auto" (the model folder's
     generation_config.json, if it has one) or a folder holding one. -> {SamplingParams field:
     value} for the fields the file sets; a value SamplingParams refuses is an error naming
-    the field and the file."""
+    the field and the file, a file that is not a JSON object a CheckpointFileError naming it."""
     if setting == "vllm":
         return {}
     folder = Path(model_path) if setting == "auto" else Path(setting)
@@ -26,7 +26,7 @@ def generation_defaults(setting: str, model_path: str | Path) -> dict:
             return {}                       # a GGUF file, a model module, a folder without one
         raise ValueError(f"generation_config: {folder} has no generation_config.json (give auto, vllm or a "
                          f"folder that has one)")
-    raw = json.loads(path.read_text())
+    raw = read_json_object(path)
     defaults = {ours: raw[theirs] for theirs, ours in GENERATION_FIELDS.items() if raw.get(theirs) is not None}
     try:
         SamplingParams(**defaults)

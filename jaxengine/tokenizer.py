@@ -8,15 +8,57 @@ import tempfile
 import threading
 from pathlib import Path
 
+from jaxengine.models.paths import CheckpointFileError, converted_cache_path, read_json_object
+
+# The JSON files transformers reads for a tokenizer, in the order it reads them.
+TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "chat_template.json", "tokenizer.json")
+NO_TOKENIZER_HINT = "; give skip_tokenizer_init to run without one (prompts as token ids)"
+
 
 def load_tokenizer(path: str | os.PathLike):
-    """``AutoTokenizer`` from a checkpoint folder, or built from a GGUF file's metadata."""
-    from transformers import AutoTokenizer
-
+    """``AutoTokenizer`` from a checkpoint folder, or built from a GGUF file's metadata. A
+    tokenizer that does not load is a CheckpointFileError naming the broken file (or, where no
+    one file is to blame, the folder) and what is wrong, transformers' error chained."""
     path = Path(path)
     if path.suffix == ".gguf":
         return _gguf_tokenizer(path)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return _folder_tokenizer(path)
+
+
+def _folder_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as error:              # a broken file fails anywhere in transformers, as any type
+        raise _broken_tokenizer(folder, error) from error
+
+
+def _broken_tokenizer(folder: Path, error: Exception) -> CheckpointFileError:
+    """Which of ``folder``'s tokenizer files made transformers fail with ``error``, and how;
+    looked for only after a failure, so a good tokenizer is not read twice."""
+    from tokenizers import Tokenizer
+
+    for name in TOKENIZER_JSON_FILES:
+        if (folder / name).is_file():
+            try:
+                read_json_object(folder / name)
+            except CheckpointFileError as broken:
+                return broken
+    for template in folder.glob("*.jinja"):
+        try:
+            template.read_text(encoding="utf-8")
+        except UnicodeDecodeError as broken:
+            return CheckpointFileError(template, f"not UTF-8 text ({broken})")
+    if (folder / "tokenizer.json").is_file():
+        try:
+            Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as broken:         # the Rust library raises a bare Exception
+            return CheckpointFileError(folder / "tokenizer.json", f"not a tokenizer file the tokenizers library "
+                                                                  f"reads ({broken})")
+    return CheckpointFileError(folder, f"its tokenizer does not load ({type(error).__name__}: {error})"
+                                       f"{NO_TOKENIZER_HINT}")
 
 
 def _gguf_tokenizer(path: Path):
@@ -25,12 +67,18 @@ def _gguf_tokenizer(path: Path):
     later starts load that folder."""
     from transformers import AutoTokenizer
 
-    from jaxengine.models.paths import converted_cache_path
-
     cached = converted_cache_path(path) / "tokenizer"
     if cached.is_dir():
-        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        try:
+            return _folder_tokenizer(cached)
+        except CheckpointFileError as error:
+            raise CheckpointFileError(error.path, f"{error.problem}; it is the cached copy of {path}'s tokenizer: "
+                                                  f"delete {cached} to build it again") from error.__cause__
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as error:              # transformers' GGUF reader fails as any type
+        raise CheckpointFileError(path, f"no tokenizer transformers can build from its metadata "
+                                        f"({type(error).__name__}: {error}){NO_TOKENIZER_HINT}") from error
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
         tokenizer.save_pretrained(tmp)
@@ -41,12 +89,35 @@ def _gguf_tokenizer(path: Path):
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
-    """``template_kwargs``: extra variables for the template (``{"enable_thinking": false}``)."""
+    """``template_kwargs``: extra variables for the template (``{"enable_thinking": false}``); not
+    the call's own arguments (``tokenize``, ``chat_template``, ...). A conversation the template
+    cannot render (its own refusal, or a message field of the wrong type) is a ValueError."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **({"tools": tools} if tools else {}), **(template_kwargs or {}))
+    template_kwargs = template_kwargs or {}
+    if taken := sorted(set(template_kwargs) & _chat_template_arguments(tokenizer)):
+        raise ValueError(f"chat_template_kwargs: {taken} are arguments of the template call itself, not "
+                         f"template variables")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **({"tools": tools} if tools else {}), **template_kwargs)
+    except TemplateSyntaxError:
+        raise                           # the model's own template is broken: not the request's fault
+    except (TemplateError, TypeError) as error:
+        raise ValueError(f"messages: the chat template cannot render this conversation "
+                         f"({type(error).__name__}: {error})") from error
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _chat_template_arguments(tokenizer) -> set[str]:
+    """The names ``apply_chat_template`` takes itself, and ``messages`` (the conversation's name
+    in the template): a template variable of one of these names would clash with it."""
+    import inspect
+
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {"messages", *(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)}
 
 
 class PerThreadTokenizer:

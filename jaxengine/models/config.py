@@ -116,6 +116,18 @@ class ModelConfig:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the "
                              f"topk_group ({kept}) groups kept ({kept * size})")
 
+    def context_length(self) -> tuple[int, str]:
+        """(the longest context the model's positions were made for, where that number comes
+        from), as vLLM derives it: ``max_position_embeddings``, or with YaRN
+        ``original_max_position_embeddings`` x ``factor`` where that is longer (Llama 3's
+        max_position_embeddings already counts its scaling)."""
+        sc = self.rope_scaling
+        if isinstance(sc, YarnScaling) and (scaled := int(sc.original_max_position_embeddings * sc.factor)) > \
+                self.max_position_embeddings:
+            return scaled, (f"original_max_position_embeddings {sc.original_max_position_embeddings} x YaRN factor "
+                            f"{sc.factor:g}")
+        return self.max_position_embeddings, f"max_position_embeddings {self.max_position_embeddings}"
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from jaxengine.kernels.matmul.quantized import FORMATS
 from jaxengine.models.config import ModelConfig, YarnScaling
-from jaxengine.models.paths import converted_cache_path
+from jaxengine.models.paths import CheckpointFileError, converted_cache_path
 from jaxengine.models.quantization import kind_of
 from jaxengine.models.weight_cache import cached_config, restore_converted, save_converted
 
@@ -72,17 +72,21 @@ def read_gguf(path: str | os.PathLike, keep_quantized: bool = False) -> tuple[Mo
     """A GGUF file -> (config, HF-named tensors): float32, dequantised with the ``gguf`` package,
     or with ``keep_quantized`` the projections and embedding whose blocks the engine's layout
     holds exactly (``_KEPT``) as their values, scales and offsets (``models.quantization``)."""
-    import gguf
     from gguf import quants
     from transformers import AutoConfig
 
     path = Path(path)
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
+    if "general.architecture" not in reader.fields:
+        raise CheckpointFileError(path, "GGUF metadata has no general.architecture")
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    if arch == "gpt-oss":
-        cfg = ModelConfig.from_hf(_gpt_oss_config(reader))
-    else:
-        cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    try:
+        hf_config = _gpt_oss_config(reader) if arch == "gpt-oss" else \
+            AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as error:      # transformers raises ValueError, KeyError, TypeError, its own validation errors
+        raise CheckpointFileError(path, f"transformers cannot read its metadata as a {arch} model config ({error})") \
+            from error
+    cfg = ModelConfig.from_hf(hf_config)
     if arch in MOE_ARCHITECTURES or f"{arch}.expert_count" in reader.fields:
         cfg = _with_experts(cfg, reader, arch)
     if keep_quantized:
@@ -296,11 +300,41 @@ def _gpt_oss_config(reader):
         rope_parameters=rope, architectures=["GptOssForCausalLM"])
 
 
-def gguf_dtype(path: str | os.PathLike) -> str:
-    """``float32`` / ``float16`` if all of the file's tensors are, else ``quantized``."""
+def open_gguf(path: str | os.PathLike):
+    """The ``gguf`` package's reader of the file: FileNotFoundError naming a missing one,
+    CheckpointFileError naming one the reader cannot parse (truncated, corrupt, not a GGUF)."""
     import gguf
 
-    kinds = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    path = require_gguf(path)
+    try:
+        return gguf.GGUFReader(path)
+    # what the reader raises on bad bytes (a cut-off array, an unknown type code, bad UTF-8, an
+    # index past the end)
+    except (ValueError, IndexError, KeyError, OverflowError) as error:
+        raise CheckpointFileError(path, _gguf_problem(path, error)) from error
+
+
+def require_gguf(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file" + (" (it is a folder)" if path.is_dir() else ""))
+    return path
+
+
+def _gguf_problem(path: Path, error: Exception) -> str:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if size == 0:
+        return "empty file, not a GGUF file"
+    if not b"GGUF".startswith(magic):
+        return f"not a GGUF file (it starts with {magic!r}, not b'GGUF')"
+    return f"truncated or corrupt GGUF file ({size} bytes; reading it failed: {error})"
+
+
+def gguf_dtype(path: str | os.PathLike) -> str:
+    """``float32`` / ``float16`` if all of the file's tensors are, else ``quantized``."""
+    kinds = {t.tensor_type.name for t in open_gguf(path).tensors}
     return "float32" if kinds <= {"F32"} else "float16" if kinds <= {"F32", "F16"} else "quantized"
 
 
@@ -310,7 +344,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, keep_qua
     file is converted once (its Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K projections kept quantized with
     ``keep_quantized``, the rest dequantised) and saved to the cache; the model always comes
     from the cache, so the converted tensors are freed before anything is placed."""
-    path = Path(path)
+    path = require_gguf(path)
     cached = converted_cache_path(path, "" if keep_quantized else "dequantized")
     hit = (cfg := cached_config(cached)) is not None
     if not hit:

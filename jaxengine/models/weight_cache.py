@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,21 +22,27 @@ from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.hf_tensors import KV_HEAD_AXIS, ArraySource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
+from jaxengine.models.paths import publish
 from jaxengine.models.quantization import param_dtype
 from jaxengine.models.registry import abstract_model
 
 
-# In the cache folder: the parameters as an orbax checkpoint, in our stacked layout, float32 (the
-# parts of weights kept quantized in their own dtypes), KV heads as the checkpoint has them; config.json, written last, marks it complete. (A folder of
-# the earlier format, model.safetensors, has no params: it is rebuilt.)
-_PARAMS = "params"
+# In the cache folder, the folder ``weights``: the parameters as an orbax checkpoint (``params``), in
+# our stacked layout, float32 (the parts of weights kept quantized in their own dtypes), KV heads as
+# the checkpoint has them, and config.json. It is written elsewhere and moved into place whole, so a
+# process restoring from it never sees a copy another process is still writing; of processes
+# converting at once, the first to finish is kept. (The earlier formats' files, config.json with
+# params or model.safetensors beside ``weights``, are removed; a ``weights`` whose config this
+# version cannot use is replaced.)
+_WEIGHTS, _PARAMS = "weights", "params"
+_EARLIER = ("config.json", "model.safetensors", _PARAMS)
 
 
 def cached_config(cached: Path) -> ModelConfig | None:
-    """The config of a complete converted-weights cache folder, else None."""
-    if not ((cached / "config.json").exists() and (cached / _PARAMS).is_dir()):
+    """The config of the converted-weights cache folder's copy, else None."""
+    if not (cached / _WEIGHTS / "config.json").exists():
         return None
-    raw = json.loads((cached / "config.json").read_text())
+    raw = json.loads((cached / _WEIGHTS / "config.json").read_text())
     # Written before weights could be kept quantized, or with bits where a format is named: rebuilt
     if "quantization" not in raw or any(isinstance(entry[1], int) for entry in raw["quantization"]):
         return None
@@ -62,11 +71,35 @@ def save_converted(cached: Path, cfg: ModelConfig, tensors: Mapping[str, np.ndar
                                param_dtype(path, var, np.float32), cfg)
               for path, var in flat}
     cached.mkdir(parents=True, exist_ok=True)
-    (cached / "config.json").unlink(missing_ok=True)
-    (cached / "model.safetensors").unlink(missing_ok=True)       # the earlier format's
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save((cached / _PARAMS).absolute(), traverse_util.unflatten_dict(params), force=True)
-    (cached / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    tmp = Path(tempfile.mkdtemp(dir=cached, prefix=f".{_WEIGHTS}-"))
+    try:
+        # this process alone writes its copy: no barrier with the other processes of a multi-host job
+        only_me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                                     active_processes={jax.process_index()})
+        with ocp.StandardCheckpointer(multiprocessing_options=only_me) as checkpointer:
+            checkpointer.save((tmp / _PARAMS).absolute(), traverse_util.unflatten_dict(params))
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        while not publish(tmp, cached / _WEIGHTS) and cached_config(cached) is None:
+            _set_aside(cached / _WEIGHTS)        # not another process's copy: one of an earlier format
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for name in _EARLIER:
+        if (cached / name).is_dir():
+            shutil.rmtree(cached / name, ignore_errors=True)
+        else:
+            (cached / name).unlink(missing_ok=True)
+
+
+def _set_aside(folder: Path) -> None:
+    """Remove ``folder`` after moving it out of the way in one rename (another process may have
+    done so first)."""
+    aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".stale-"))
+    try:
+        os.rename(folder, aside / folder.name)
+    except FileNotFoundError:
+        pass
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def restore_converted(cached: Path, cfg: ModelConfig, dtype=jnp.float32, *, mesh=None, **model_kwargs):
@@ -81,7 +114,7 @@ def restore_converted(cached: Path, cfg: ModelConfig, dtype=jnp.float32, *, mesh
               for (path, var), sharding in zip(nnx.to_flat_state(saved), flat_param_shardings(saved, mesh))}
     with ocp.StandardCheckpointer() as checkpointer:
         restored = traverse_util.flatten_dict(
-            checkpointer.restore((cached / _PARAMS).absolute(), traverse_util.unflatten_dict(target)))
+            checkpointer.restore((cached / _WEIGHTS / _PARAMS).absolute(), traverse_util.unflatten_dict(target)))
     repeats = kv_head_repeats(cfg, mesh_size(mesh))
     graphdef, state = abstract_model(mesh_model_config(cfg, mesh_size(mesh)), dtype, model_kwargs)
     flat = nnx.to_flat_state(state)

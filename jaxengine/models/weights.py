@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.gguf import gguf_dtype, load_gguf
 from jaxengine.models.hf_tensors import ArraySource, Index, TensorSource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mtp import MTPTensors, mtp_config
+from jaxengine.models.paths import CheckpointFileError, read_json_object
 from jaxengine.models.mesh import (check_expert_parallel, flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
 from jaxengine.models.quantization import SCHEMES, QuantizingSource, online_plan, param_dtype
@@ -96,10 +98,11 @@ class SafetensorsSource(contextlib.AbstractContextManager):
         self._files = contextlib.ExitStack()
         self._handles, self._float8 = {}, {}
         for file in files:
-            handle = self._files.enter_context(safe_open(file, framework="numpy"))
-            dtypes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
-            if "BF16" in dtypes.values():
-                handle = self._files.enter_context(safe_open(file, framework="flax"))
+            with _reading_safetensors(file):
+                handle = self._files.enter_context(safe_open(file, framework="numpy"))
+                dtypes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
+                if "BF16" in dtypes.values():
+                    handle = self._files.enter_context(safe_open(file, framework="flax"))
             self._handles.update(dict.fromkeys(handle.keys(), handle))
             if any(d in _FLOAT8 for d in dtypes.values()):
                 self._float8.update(_float8_tensors(file, dtypes))
@@ -121,37 +124,115 @@ class SafetensorsSource(contextlib.AbstractContextManager):
 
 def _float8_tensors(file, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
     """The float8 tensors of a safetensors file as read-only memory maps."""
-    with open(file, "rb") as f:                  # 8-byte header length, then the JSON header
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
+    length, header = safetensors_header(file)
     data = np.memmap(file, np.uint8, mode="r", offset=8 + length)
     return {name: data[slice(*header[name]["data_offsets"])].view(_FLOAT8[d]).reshape(header[name]["shape"])
             for name, d in dtypes.items() if d in _FLOAT8}
 
 
+@contextlib.contextmanager
+def _reading_safetensors(file):
+    """What the safetensors library raises about ``file``, as an error naming it and what is
+    wrong with it (the library's error chained)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as error:
+        raise CheckpointFileError(file, _framing_problem(file) or f"corrupt safetensors file ({error})") from error
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{file}: no such safetensors file") from error
+
+
+def _framing_problem(file) -> str | None:
+    """What is wrong with a safetensors file's framing (an 8-byte little-endian header length, the
+    JSON header, then the tensor data up to the largest end offset the header gives, the file's
+    end), None if it holds together."""
+    size = os.path.getsize(file)
+    corrupt = "truncated or corrupt safetensors file"
+    if size < 8:
+        return f"{corrupt} (file has {size} bytes, fewer than the 8 of the header's length)"
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if 8 + length > size:
+            return f"{corrupt} (header length says at least {8 + length} bytes, file has {size})"
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+        end = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
+                  default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        return f"corrupt safetensors file (its {length}-byte header is not a safetensors header: {error})"
+    if 8 + length + end != size:
+        return f"{corrupt} (header says {8 + length + end} bytes, file has {size})"
+    return None
+
+
+def safetensors_header(file) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file, read directly; CheckpointFileError naming the
+    file when its framing does not hold together."""
+    if (problem := _framing_problem(file)) is not None:
+        raise CheckpointFileError(file, problem)
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return length, json.loads(f.read(length))
+
+
+# transformers' shard names: model-00001-of-00004.safetensors
+_SHARD = re.compile(r"(.+)-(\d+)-of-(\d+)\.safetensors")
+
+
 def safetensors_files(folder: str | os.PathLike) -> tuple[ModelConfig, list[Path]]:
     """``config.json`` + one or many ``*.safetensors`` shards (``model.safetensors.index.json``).
-    (A ``quantization_config`` there: ``quantization_config``.)"""
+    (A ``quantization_config`` there: ``quantization_config``.) A missing folder, config or shard
+    is a FileNotFoundError naming it; an unreadable config or index a CheckpointFileError."""
     from transformers import AutoConfig
 
     folder = Path(folder)
-    if not (folder / "config.json").exists():
+    if not folder.exists():
+        raise FileNotFoundError(f"{folder}: no such file or folder; --model must be a Hugging Face checkpoint folder "
+                                f"or a .gguf file")
+    config = folder / "config.json"
+    if not config.exists():
         raise FileNotFoundError(f"{folder}: no config.json; --model must be a Hugging Face checkpoint folder or a .gguf file")
-    check_config_fields(json.loads((folder / "config.json").read_text()), str(folder / "config.json"))
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(folder, local_files_only=True))
+    check_config_fields(read_json_object(config), str(config))
+    try:
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as error:      # transformers raises ValueError, KeyError, TypeError, its own validation errors
+        raise CheckpointFileError(config, f"not a model config transformers reads ({error})") from error
+    cfg = ModelConfig.from_hf(hf_config)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointFileError(index, "no weight_map (tensor name -> shard file) in it")
+        files = sorted(set(map(str, weight_map.values())))
+        if missing := [name for name in files if not (folder / name).is_file()]:
+            raise FileNotFoundError(f"{folder / missing[0]}: no such file; {index.name} names it "
+                                    f"({len(missing)} of its {len(files)} shards missing: {missing})")
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
+        _check_shard_numbers(folder, files)
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
     return cfg, [folder / name for name in files]
 
 
+def _check_shard_numbers(folder: Path, files: list[str]) -> None:
+    """With no index, the shards named 1 to N of N must all be there."""
+    for name in files:
+        if m := _SHARD.fullmatch(name):
+            prefix, width, total = m.group(1), len(m.group(2)), m.group(3)
+            expected = [f"{prefix}-{i:0{width}d}-of-{total}.safetensors" for i in range(1, int(total) + 1)]
+            if missing := [e for e in expected if e not in files]:
+                raise FileNotFoundError(f"{folder / missing[0]}: no such file; {name} is one of {int(total)} shards "
+                                        f"and there is no model.safetensors.index.json ({len(missing)} missing: "
+                                        f"{missing})")
+
+
 def quantization_config(folder: str | os.PathLike) -> dict | None:
     """config.json's ``quantization_config``: how a checkpoint stored quantized is stored."""
-    return json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or None
+    return read_json_object(Path(folder) / "config.json").get("quantization_config") or None
 
 
 def read_safetensors_folder(folder: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -159,7 +240,11 @@ def read_safetensors_folder(folder: str | os.PathLike) -> tuple[ModelConfig, dic
     from safetensors.numpy import load_file
 
     cfg, files = safetensors_files(folder)
-    return cfg, {name: w for file in files for name, w in load_file(file).items()}
+    tensors = {}
+    for file in files:
+        with _reading_safetensors(file):
+            tensors.update(load_file(file))
+    return cfg, tensors
 
 
 def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, quantization: str | None = None,
@@ -214,14 +299,13 @@ def checkpoint_dtype(path: str | os.PathLike) -> str | None:
     path = Path(path)
     if path.suffix == ".gguf":
         return gguf_dtype(path)
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    config = read_json_object(path / "config.json") if (path / "config.json").exists() else {}
     if isinstance(named := config.get("torch_dtype") or config.get("dtype"), str):
         return named
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         return None
-    with open(shards[0], "rb") as f:              # 8-byte header length, then the JSON header
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    _, header = safetensors_header(shards[0])
     counts = collections.Counter(v["dtype"] for k, v in header.items() if k != "__metadata__")
     return _SAFETENSORS_DTYPES.get(counts.most_common(1)[0][0]) if counts else None
 

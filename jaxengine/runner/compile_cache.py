@@ -1,7 +1,11 @@
 """JAX's persistent compilation cache under ``$JAXENGINE_CACHE/xla`` (default
 ~/.cache/jaxengine/xla): a second start of the same model and buckets loads its step programs
 instead of compiling them (the default model on the CPU: 43 s -> 13 s to start).
-``JAXENGINE_XLA_CACHE=0`` turns it off; a cache directory the user set for JAX is left alone."""
+``JAXENGINE_XLA_CACHE=0`` turns it off; a cache directory the user set for JAX is left alone.
+
+Processes share the folder and may start together; JAX writes an entry in place, so the cache is
+given a size bound (least recently used entries go past it): with one, JAX takes a file lock
+around each read and write, and no process reads an entry another is still writing."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +16,7 @@ import jax
 from jaxengine.models.paths import cache_dir
 
 logger = logging.getLogger(__name__)
+MAX_BYTES = 16 << 30          # far above the step programs of the models one machine serves
 
 
 def enable_persistent_cache() -> str | None:
@@ -24,5 +29,7 @@ def enable_persistent_cache() -> str | None:
     path = str(cache_dir() / "xla")
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)   # the step buckets, not tiny ops
+    if jax.config.jax_compilation_cache_max_size == -1:                       # unbounded: no lock
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     logger.info("persistent compilation cache: %s", path)
     return path

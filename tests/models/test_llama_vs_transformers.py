@@ -76,7 +76,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 def test_yarn_rope_matches_transformers_past_the_original_context(tmp_path):
     # prompts to 45 positions, past the 16 YaRN stretches; with and without an explicit attention factor
     from jaxengine.models.layers import rope_attention_factor
-    from jaxengine.models.weight_cache import _PARAMS, cached_config
+    from jaxengine.models.weight_cache import _WEIGHTS, cached_config
     from tests.conftest import make_checkpoint
 
     for name, rope in (("yarn", YARN), ("yarn-factor", {**YARN, "attention_factor": 1.3, "beta_fast": 16.0})):
@@ -87,8 +87,8 @@ def test_yarn_rope_matches_transformers_past_the_original_context(tmp_path):
             np.testing.assert_allclose(run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(hf, ids), atol=1e-4,
                                        rtol=0, err_msg=f"{name}, prompt of {len(ids)}")
     cached = tmp_path / "converted"                  # the converted-weights cache keeps the scaling's kind
-    (cached / _PARAMS).mkdir(parents=True)
-    (cached / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    (cached / _WEIGHTS).mkdir(parents=True)
+    (cached / _WEIGHTS / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     assert cached_config(cached) == cfg
 
 

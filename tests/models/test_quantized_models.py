@@ -156,7 +156,7 @@ def test_gguf_blocks_are_kept_quantized_and_compute_as_the_file_dequantised(tmp_
     assert hit and again.config == cfg
     assert again.layers.self_attn.q_proj.q.dtype == np.uint8 and again.embed_tokens.q.dtype == np.int8
     jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(kept))
-    assert (converted_cache_path(tmp_path / "tiny.gguf", "dequantized") / "params").is_dir()
+    assert (converted_cache_path(tmp_path / "tiny.gguf", "dequantized") / "weights" / "params").is_dir()
 
 
 K_TYPES = {"q_proj": Q.Q4_K, "k_proj": Q.Q5_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "up_proj": Q.Q5_K,

@@ -172,7 +172,8 @@ def test_converted_weights_cache_skips_dequantisation_on_the_second_load(tmp_pat
     cfg, tensors = read_gguf(tmp_path / "tiny.gguf")
     model1, hit1 = load_gguf(tmp_path / "tiny.gguf", keep_quantized=False)
     cached = converted_cache_path(tmp_path / "tiny.gguf", "dequantized")
-    assert (cached / "config.json").exists() and (cached / "params").is_dir()
+    assert sorted(p.name for p in cached.iterdir()) == ["weights"]
+    assert sorted(p.name for p in (cached / "weights").iterdir()) == ["config.json", "params"]
     monkeypatch.setattr("jaxengine.models.gguf.read_gguf", lambda *a: pytest.fail("dequantised again"))
     model2, hit2 = load_gguf(tmp_path / "tiny.gguf", keep_quantized=False)
     assert (hit1, hit2) == (False, True) and model1.config == model2.config == cfg
@@ -185,11 +186,17 @@ def test_a_cache_folder_of_the_earlier_format_is_rebuilt(tmp_path, llama, monkey
     monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path / "cache"))
     write_gguf(tmp_path / "tiny.gguf", llama[1])
     cached = converted_cache_path(tmp_path / "tiny.gguf")
-    cached.mkdir(parents=True)
+    (cached / "params").mkdir(parents=True)                  # the earlier layout's files
+    (cached / "params" / "x").write_bytes(b"")
     (cached / "config.json").write_text("{}")
     (cached / "model.safetensors").write_bytes(b"")
+    (cached / "weights").mkdir()                             # a copy of an earlier format
+    (cached / "weights" / "config.json").write_text("{}")
     _, hit = load_gguf(tmp_path / "tiny.gguf")
-    assert not hit and not (cached / "model.safetensors").exists() and (cached / "params").is_dir()
+    assert not hit and sorted(p.name for p in cached.iterdir()) == ["weights"]
+    assert sorted(p.name for p in (cached / "weights").iterdir()) == ["config.json", "params"]
+    _, hit = load_gguf(tmp_path / "tiny.gguf")
+    assert hit
 
 
 def test_bf16_params(llama):

@@ -1,17 +1,20 @@
 """The persistent compilation cache: on by default under $JAXENGINE_CACHE/xla, off with
-JAXENGINE_XLA_CACHE=0, and a directory the user chose for JAX is kept."""
+JAXENGINE_XLA_CACHE=0, and a directory the user chose for JAX is kept. It has a size bound, so
+JAX locks each read and write of an entry (processes starting together share it)."""
 import jax
 import pytest
 
-from jaxengine.runner.compile_cache import enable_persistent_cache
+from jaxengine.runner.compile_cache import MAX_BYTES, enable_persistent_cache
 
 
 @pytest.fixture
 def no_cache_dir():
-    saved = jax.config.jax_compilation_cache_dir
+    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size
     jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_compilation_cache_max_size", -1)
     yield
-    jax.config.update("jax_compilation_cache_dir", saved)
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_compilation_cache_max_size", saved[1])
 
 
 def test_default_location_and_switch_off(no_cache_dir, monkeypatch, tmp_path):
@@ -20,8 +23,17 @@ def test_default_location_and_switch_off(no_cache_dir, monkeypatch, tmp_path):
     monkeypatch.delenv("JAXENGINE_XLA_CACHE")
     monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path))
     assert enable_persistent_cache() == str(tmp_path / "xla") == jax.config.jax_compilation_cache_dir
+    assert jax.config.jax_compilation_cache_max_size == MAX_BYTES == 16 << 30
+
+
+def test_a_size_bound_the_user_set_is_kept(no_cache_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path))
+    jax.config.update("jax_compilation_cache_max_size", 1 << 20)
+    assert enable_persistent_cache() == str(tmp_path / "xla")
+    assert jax.config.jax_compilation_cache_max_size == 1 << 20
 
 
 def test_a_directory_the_user_set_is_kept(no_cache_dir, tmp_path):
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
     assert enable_persistent_cache() == str(tmp_path / "mine")
+    assert jax.config.jax_compilation_cache_max_size == -1
