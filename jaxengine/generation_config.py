@@ -10,6 +10,12 @@ from jaxengine.sampling_params import SamplingParams
 # generation_config.json's name -> SamplingParams' field
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+INTEGER_FIELDS = ("top_k", "max_tokens")
+
+
+def _whole(value):
+    """Some files write integers as floats (``"top_k": 50.0``): a whole float is read as its integer."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def generation_defaults(setting: str, model_path: str | Path) -> dict:
@@ -27,7 +33,8 @@ def generation_defaults(setting: str, model_path: str | Path) -> dict:
         raise ValueError(f"generation_config: {folder} has no generation_config.json (give auto, vllm or a "
                          f"folder that has one)")
     raw = read_json_object(path)
-    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_FIELDS.items() if raw.get(theirs) is not None}
+    defaults = {ours: _whole(raw[theirs]) if ours in INTEGER_FIELDS else raw[theirs]
+                for theirs, ours in GENERATION_FIELDS.items() if raw.get(theirs) is not None}
     try:
         SamplingParams(**defaults)
     except ValueError as error:

@@ -7,7 +7,9 @@ import logging
 import numbers
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 from tqdm.auto import tqdm
@@ -120,13 +122,15 @@ class LLM:
             logger.info("request defaults from the checkpoint's generation_config.json: %s", self.generation_defaults)
         self._load_draft(args, progress)
         self._module_copies = _copies(module, len(self._meshes) - 1)    # before the first runner shards it
-        check_model_kernels(self.model, self.model_config, args.block_size, self.dtype,
-                            enabled=False if args.skip_kernel_check else None)
+        self.kv_dtype = args.resolve_kv_dtype(self.dtype)
+        # What the check found (the server's /health and /metrics show it).
+        self.kernel_check = check_model_kernels(self.model, self.model_config, args.block_size, self.dtype,
+                                                kv_dtype=self.kv_dtype,
+                                                enabled=False if args.skip_kernel_check else None)
         if self.distributed is not None:
             multihost.check_same_kernels(self.model)
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_id())
-        self.kv_dtype = args.resolve_kv_dtype(self.dtype)
         self.config = args.create_engine_config(self.model_config, self.kv_dtype, list(self.mesh.devices.flat),
                                                 self.draft_config)
         if self.config.lora is not None and self.distributed is not None:
@@ -222,7 +226,7 @@ class LLM:
         """Data-parallel replica ``replica``'s model: a copy of the given module, or the
         checkpoint read again straight into its shardings on ``mesh``."""
         if modules:
-            return modules[replica - 1]
+            return self.kernel_check.apply(modules[replica - 1])      # copied before the check
         from jaxengine.models.weights import load_model
 
         start = time.perf_counter()
@@ -231,7 +235,7 @@ class LLM:
                               **_layout(self.engine_args))
         if progress:
             print(f"jaxengine: loaded replica {replica} in {time.perf_counter() - start:.1f} s", flush=True)
-        return model
+        return self.kernel_check.apply(model)
 
     def _load(self, args: EngineArgs, module, model_config: ModelConfig | None, progress: bool) -> None:
         from jaxengine.default_model import default_model_path
@@ -295,6 +299,7 @@ class LLM:
         parsed = [self._parse_prompt(p) for p in _prompt_list(prompts)]
         params = self._params_for(parsed, sampling_params)
         loras = self._loras_for(parsed, lora_request)
+        priorities = _priorities(priority, len(parsed))
         for prompt, p in zip(parsed, params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params: expected SamplingParams, got {type(p).__name__}"
@@ -303,10 +308,10 @@ class LLM:
             self.check_constraint(p)
         for lora in dict.fromkeys(r for r in loras if r is not None):   # each read once, before any is queued
             self.engine.read_adapter(lora)
-        requests = [self.add_request(f"offline-{next(self._ids)}", prompt.token_ids, p,
-                                     priority=priority[i] if priority else 0, cache_salt=prompt.cache_salt,
-                                     lora_request=lora)
-                    for i, (prompt, p, lora) in enumerate(zip(parsed, params, loras))]
+        requests = self._queue_all(
+            partial(self.add_request, f"offline-{next(self._ids)}", prompt.token_ids, p, priority=rank,
+                    cache_salt=prompt.cache_salt, lora_request=lora)
+            for prompt, p, lora, rank in zip(parsed, params, loras, priorities))
         texts = self._run(requests, use_tqdm)
         return [make_request_output(r, prompt.text, t) for r, prompt, t in zip(requests, parsed, texts)]
 
@@ -323,8 +328,8 @@ class LLM:
                 raise TypeError(f"params: expected BeamSearchParams, got {type(p).__name__}")
             self.check_request(prompt.token_ids, p)
             self.check_constraint(p)
-        requests = [self.add_request(f"beam-{next(self._ids)}", prompt.token_ids, p, cache_salt=prompt.cache_salt)
-                    for prompt, p in zip(parsed, params_list)]
+        requests = self._queue_all(partial(self.add_request, f"beam-{next(self._ids)}", prompt.token_ids, p,
+                                           cache_salt=prompt.cache_salt) for prompt, p in zip(parsed, params_list))
         texts = self._run(requests, use_tqdm)
         return [make_beam_search_output(r, t) for r, t in zip(requests, texts)]
 
@@ -394,6 +399,9 @@ class LLM:
             return [self.get_default_sampling_params()] * len(prompts)
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             return [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params: expected one for all prompts or a list, one per prompt, got "
+                            f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         return list(sampling_params)
@@ -467,6 +475,10 @@ class LLM:
             raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{len(ids) + params.max_tokens} exceeds the maximum context length of {limit} "
                              f"tokens")
+        if len(ids) + params.min_tokens > limit:        # without max_tokens: the context length ends it first
+            raise ValueError(f"min_tokens: prompt ({len(ids)} tokens) + min_tokens ({params.min_tokens}) = "
+                             f"{len(ids) + params.min_tokens} exceeds the maximum context length of {limit} "
+                             f"tokens")
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[list[str]]:
         """Step until ``requests`` finish; their texts come from the output processor the server
@@ -481,12 +493,47 @@ class LLM:
                     proc.process()
 
         step_work = process_running if self.tokenizer is not None else None
-        with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                bar.update(len(engine.step(step_work)))
-            bar.update(len(requests) - bar.n)     # finished by a stop string
+        try:
+            with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    bar.update(len(engine.step(step_work)))
+                bar.update(len(requests) - bar.n)     # finished by a stop string
+        except BaseException as error:                # Ctrl-C too: the engine must stay usable
+            self._end_after_failed_step(requests, error)
         engine.flush()   # the runner forgets the last finished sequences
         return [processors[r.request_id].final_texts() for r in requests]
+
+    def _queue_all(self, adds) -> list[Request]:
+        """Queue every request (``adds``: one call each) or none: one that fails unqueues the
+        ones before it."""
+        requests: list[Request] = []
+        try:
+            for add in adds:
+                requests.append(add())
+        except BaseException:
+            for request in requests:
+                self.engine.abort(request.request_id)
+            raise
+        return requests
+
+    def _end_after_failed_step(self, requests: list[Request], error: BaseException) -> NoReturn:
+        """After a step raised, as the server does: the requests the failed steps touched end and
+        their blocks are freed; the engine goes on. This call's other requests end too (their
+        outputs have no one to go to); then ``error`` reaches the caller (an Exception as a
+        RuntimeError naming the failed requests)."""
+        try:
+            touched = self.engine.abandon_failed_step()
+        except Exception as lost:                      # noqa: BLE001 - reported with the failure
+            raise RuntimeError(f"the engine step failed ({type(error).__name__}: {error}) and the engine cannot "
+                               f"go on ({lost}); create a new LLM") from error
+        ours = [r.request_id for r in requests]
+        for request_id in dict.fromkeys([*touched, *ours]):
+            self.engine.abort(request_id)
+        if not isinstance(error, Exception):
+            raise error
+        failed = [rid for rid in ours if rid in touched] or ours
+        raise RuntimeError(f"requests {failed}: the engine step failed ({type(error).__name__}: {error}); they "
+                           f"were ended and the engine goes on") from error
 
 
 @dataclass(frozen=True)
@@ -508,6 +555,19 @@ def _prompt_list(prompts) -> list:
     if not prompts:
         raise ValueError("prompts: no prompt given (an empty list)")
     return list(prompts)
+
+
+def _priorities(priority, num_prompts: int) -> list[int]:
+    """``generate``'s ``priority``: None (all 0) or one integer per prompt."""
+    if priority is None:
+        return [0] * num_prompts
+    if not isinstance(priority, (list, tuple)):
+        raise ValueError(f"priority: must be a list of integers, one per prompt, got {type(priority).__name__}")
+    if len(priority) != num_prompts:
+        raise ValueError(f"priority: {len(priority)} given for {num_prompts} prompts")
+    if bad := [p for p in priority if not isinstance(p, numbers.Integral) or isinstance(p, bool)]:
+        raise ValueError(f"priority: must be integers, got {bad[:5]!r:.80}")
+    return [int(p) for p in priority]
 
 
 def _token_ids(ids, what: str) -> list[int]:

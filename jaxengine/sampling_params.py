@@ -1,10 +1,16 @@
 """Per-request sampling parameters (vLLM's names). Invalid values raise ValueError naming the field."""
 from __future__ import annotations
 
+import math
+import numbers
+import reprlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20   # top-k logprobs the sampler computes for every row
 MAX_LOGIT_BIAS = 64  # logit_bias entries per request
+MAX_BIAS = 100.0     # |logit_bias value| (OpenAI's documented range)
+MAX_TOP_K = (1 << 31) - 1    # the runner holds top_k as a 32-bit integer
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 THINKING_MODES = (None, "starts", "optional")      # StructuredOutputsParams.thinking
 
@@ -89,10 +95,18 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Types first, each a ValueError naming the field (a bool is no integer here, and a
+        # number must be finite): a wrong one would otherwise fail inside an engine step.
+        for name in ("n", "top_k", "min_tokens"):
+            _integer(self, name)
+        for name in ("best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            _integer(self, name, optional=True)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "logprobs_temperature"):
+            _number(self, name)
+        _flags(self, "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+        _stops(self)
+        self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -105,7 +119,7 @@ class SamplingParams:
         check(self.temperature >= 0.0, "temperature", "must be >= 0")
         check(self.logprobs_temperature > 0.0, "logprobs_temperature", "must be > 0")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 or a positive integer")
+        check(-1 <= self.top_k <= MAX_TOP_K, "top_k", f"must be -1, 0 or a positive integer (at most {MAX_TOP_K})")
         check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
@@ -119,20 +133,14 @@ class SamplingParams:
               f"must be None or in [0, {MAX_LOGPROBS}]")
         check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
               f"must be None or in [0, {MAX_LOGPROBS}]")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "must be non-negative integers")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "must be StructuredOutputsParams")
-        bias = self.logit_bias or {}
-        check(len(bias) <= MAX_LOGIT_BIAS and all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias",
-              f"must map at most {MAX_LOGIT_BIAS} non-negative token ids to biases")
 
     def _check_best_of(self, check) -> None:
         if self.best_of is None:
             return
-        check(isinstance(self.best_of, int) and not isinstance(self.best_of, bool) and self.best_of >= 1, "best_of",
-              "must be None or an integer >= 1")
+        check(self.best_of >= 1, "best_of", "must be None or an integer >= 1")
         check(self.best_of >= self.n, "best_of", f"must be >= n ({self.n})")
         check(self.best_of <= self.n, "best_of", f"above n ({self.n}) is not supported: every sample is returned")
 
@@ -141,7 +149,75 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _integer(params, name: str, optional: bool = False) -> None:
+    """The field as a plain int; a bool, a float or anything else is a ValueError naming it."""
+    value = getattr(params, name)
+    if value is None and optional:
+        return
+    if not _is_integer(value):
+        raise ValueError(f"{name}: must be {'None or ' if optional else ''}an integer, got {reprlib.repr(value)}")
+    setattr(params, name, int(value))
+
+
+def _finite(value) -> float | None:
+    """A real number (no bool) as a finite float, else None."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:            # an int beyond any float
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _number(params, name: str) -> None:
+    value = getattr(params, name)
+    if (number := _finite(value)) is None:
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        raise ValueError(f"{name}: must be a {'finite number' if real else 'number'}, got {reprlib.repr(value)}")
+    setattr(params, name, number)
+
+
+def _flags(params, *names: str) -> None:
+    for name in names:
+        if not isinstance(value := getattr(params, name), bool):
+            raise ValueError(f"{name}: must be True or False, got {reprlib.repr(value)}")
+
+
+def _stops(params) -> None:
+    """``stop`` (a string or a list of them) and ``stop_token_ids`` (None: none) as lists."""
+    stop = [params.stop] if isinstance(params.stop, str) else params.stop
+    if not (stop is None or isinstance(stop, (list, tuple))):
+        raise ValueError(f"stop: must be a string or a list of strings, got {reprlib.repr(stop)}")
+    params.stop = list(stop or [])
+    ids = params.stop_token_ids
+    if not (ids is None or isinstance(ids, (list, tuple))) or not all(_is_integer(t) and t >= 0 for t in ids or []):
+        raise ValueError(f"stop_token_ids: must be non-negative integers, got {reprlib.repr(ids)}")
+    params.stop_token_ids = [int(t) for t in ids or []]
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias in [-MAX_BIAS, MAX_BIAS]} as plain ints and floats."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias: must map token ids to biases, got {reprlib.repr(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: must hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    if bad := [t for t in bias if not (_is_integer(t) and t >= 0)]:
+        raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {reprlib.repr(bad)}")
+    if bad := [v for v in bias.values() if (f := _finite(v)) is None or abs(f) > MAX_BIAS]:
+        raise ValueError(f"logit_bias: biases must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                         f"got {reprlib.repr(bad)}")
+    return {int(t): float(v) for t, v in bias.items()}
+
+
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2      # each beam's 2 x width candidates come from the sampler's top-k
+MAX_LENGTH_PENALTY = 10.0   # |length_penalty|: far past any useful value; a huge one overflows length ** length_penalty
 
 
 @dataclass
@@ -166,35 +242,37 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None     # every beam follows the constraint
+    min_tokens: int = 0            # no beam ends on a stop token before this many tokens
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-
         def check(ok: bool, name: str, message: str) -> None:
             if not ok:
                 raise ValueError(f"{name}: {message}, got {getattr(self, name)!r}")
 
-        check(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool)
-              and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}]")
-        check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
-              "max_tokens", "must be an integer >= 1")
+        check(_is_integer(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width",
+              f"must be an integer in [1, {MAX_BEAM_WIDTH}]")
+        check(_is_integer(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        self.beam_width, self.max_tokens = int(self.beam_width), int(self.max_tokens)
+        check(_is_integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              f"must be an integer in [0, max_tokens ({self.max_tokens})]")
+        _number(self, "temperature")
+        _number(self, "length_penalty")
+        check(abs(self.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
+              f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         check(self.temperature >= 0.0, "temperature", "must be >= 0")
-        check(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool),
-              "length_penalty", "must be a number")
         check(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
               "must be True, False or 'never'")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "must be non-negative integers")
+        _flags(self, "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+        _stops(self)
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be StructuredOutputsParams")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
 
     def sampling_params(self) -> SamplingParams:
         """What each beam's row asks of the sampler: its top 2 x beam_width candidates with their
         log-probabilities (the sampled token itself is not used), and the stop conditions."""
         return SamplingParams(n=self.beam_width, temperature=0.0, max_tokens=self.max_tokens,
-                              logprobs_temperature=self.temperature if self.temperature > 0 else 1.0,
+                              min_tokens=self.min_tokens, logprobs_temperature=self.temperature if self.temperature > 0 else 1.0,
                               ignore_eos=self.ignore_eos, logprobs=2 * self.beam_width, stop=self.stop,
                               stop_token_ids=self.stop_token_ids,
                               include_stop_str_in_output=self.include_stop_str_in_output,

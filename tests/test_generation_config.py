@@ -55,3 +55,12 @@ def test_a_bad_generation_config_is_refused_by_name(checkpoint, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match="generation_config: .*generation_config.json: temperature"):
         generation_defaults(str(tmp_path), checkpoint)
+
+
+def test_whole_floats_are_read_as_the_integers_they_are(checkpoint, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 50.0, "max_new_tokens": 8.0, "top_p": 1.0}))
+    defaults = generation_defaults(str(tmp_path), checkpoint)
+    assert defaults == {"top_k": 50, "max_tokens": 8, "top_p": 1.0} and type(defaults["top_k"]) is int
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 50.5}))
+    with pytest.raises(ValueError, match=r"generation_config: .*generation_config.json: top_k"):
+        generation_defaults(str(tmp_path), checkpoint)

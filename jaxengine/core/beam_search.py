@@ -110,7 +110,7 @@ class BeamSearch:
             top = dict(cands)
             for rank, (token, logprob) in enumerate(cands):
                 if logprob == -math.inf:
-                    continue                    # masked out (structured output): never a continuation
+                    continue                    # masked out (a grammar, min_tokens): never a continuation
                 scored.append((-_f32(cumulative + np.float32(logprob)), b, rank, token, logprob, top))
         scored.sort(key=lambda s: s[:3])
         return [Continuation(b, token, logprob, -neg, top) for neg, b, _, token, logprob, top in scored[:2 * self.width]]

@@ -739,7 +739,8 @@ class Scheduler:
                 req = seq.request
                 out.new_seqs.append(NewSequenceData(
                     seq.seq_id, req.request_id, list(seq.token_ids), list(seq.block_table),
-                    req.sampling_params, seq.sample_index, req.seed, seq.num_prompt_tokens))
+                    req.sampling_params, seq.sample_index, req.seed, seq.num_prompt_tokens,
+                    tuple(sorted(req.stop_token_set)) if req.sampling_params.min_tokens else (), req.beam is not None))
         for seq in step.changed_seqs:
             if seq.status is RUNNING and not seq.is_new:
                 out.block_tables[seq.seq_id] = list(seq.block_table)

@@ -26,6 +26,10 @@ class NewSequenceData:
     sample_index: int              # which of the group's n samples (per-sample seed streams)
     seed: int                      # the request's sampling seed (fixed at creation)
     num_prompt_tokens: int
+    # The tokens that end it (EOS unless ignore_eos, stop_token_ids): the sampler masks them
+    # until it has ``min_tokens`` output tokens.
+    stop_token_ids: tuple[int, ...] = ()
+    beam: bool = False             # a beam of a beam search (whose min_tokens keeps the model's scores)
 
 
 @dataclass

@@ -84,6 +84,12 @@ class InputBatch:
         self.bias_ids = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.int32)
         self.bias_values = np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.float32)
         self.has_bias = np.zeros(max_num_seqs, bool)
+        # min_tokens (0 also where the sequence has no stop tokens), each slot's stop tokens as a
+        # packed bitmask row (slots with min_tokens only), and whether it is a beam's
+        self.vocab_size = vocab_size
+        self.min_tokens = np.zeros(max_num_seqs, np.int32)
+        self.stop_rows: dict[int, np.ndarray] = {}
+        self.beam = np.zeros(max_num_seqs, bool)
         self.slot_of: dict[int, int] = {}
         self._zeros: dict[tuple, jax.Array] = {}
         self.placement = placement          # where device-resident inputs live (replicated over the mesh)
@@ -116,8 +122,19 @@ class InputBatch:
             if bias:
                 self.bias_ids[slot, :len(bias)], self.bias_values[slot, :len(bias)] = zip(*bias)
             self.seed[slot], self.sample_index[slot] = seed_words(new.seed), new.sample_index
+            self._set_stop_tokens(slot, p.min_tokens, new.stop_token_ids, new.beam)
         for seq_id, table in out.block_tables.items():
             self._set_table(self.slot_of[seq_id], table)
+
+    def _set_stop_tokens(self, slot: int, min_tokens: int, stop_token_ids, beam: bool) -> None:
+        ids = np.asarray([t for t in stop_token_ids if t < self.vocab_size], np.int64)
+        self.min_tokens[slot] = min_tokens if len(ids) else 0
+        self.beam[slot] = beam
+        self.stop_rows.pop(slot, None)
+        if self.min_tokens[slot]:
+            row = np.zeros(self.bitmask_words, np.uint32)
+            np.bitwise_or.at(row, ids >> 5, np.left_shift(1, ids & 31).astype(np.uint32))
+            self.stop_rows[slot] = row.view(np.int32)
 
     def _set_table(self, slot: int, table: list[int]) -> None:
         self.block_tables[slot, :len(table)] = table
@@ -234,8 +251,22 @@ class InputBatch:
             step=ints[3], want_logprobs=want, presence_penalty=floats[3], frequency_penalty=floats[4],
             repetition_penalty=floats[5], history=history, num_prompt=num_prompt, num_history=num_history,
             bias_ids=bias_ids, bias_values=bias_values, logprobs_temperature=floats[6],
-            **self._token_bitmask(token_bitmask, sample_row, b_pad))
+            **self._token_bitmask(token_bitmask, sample_row, b_pad), **self._stop_mask(s, ints[3, :r], b_pad))
         return md, ints[0]
+
+    def _stop_mask(self, s, steps, b_pad: int) -> dict:
+        """min_tokens: the stop tokens of the sample rows with fewer output tokens (``steps``:
+        each one's output position); in steps without any, the device's zeros."""
+        flags = np.zeros((2, b_pad), bool)                 # stop tokens masked, a beam's row
+        masked = steps < self.min_tokens[s]
+        if not masked.any():
+            return {"stop_bitmask": self._device_zeros((b_pad, self.bitmask_words), np.int32),
+                    "masks_stops": flags[0], "beam_scores": flags[1]}
+        rows = np.flatnonzero(masked)
+        bitmask = np.zeros((b_pad, self.bitmask_words), np.int32)
+        bitmask[rows] = [self.stop_rows[slot] for slot in s[rows].tolist()]
+        flags[0, :len(s)], flags[1, :len(s)] = masked, masked & self.beam[s]
+        return {"stop_bitmask": bitmask, "masks_stops": flags[0], "beam_scores": flags[1]}
 
     def _token_bitmask(self, samples_bitmask: np.ndarray | None, sample_row, b_pad: int) -> dict:
         """Structured output's allowed tokens per sample row (``StructuredOutputManager.fill_bitmask``);

@@ -31,3 +31,9 @@ class SamplingMetadata:
     # Structured output: token t is allowed when bit t & 31 of word t >> 5 is set (-1: every token).
     token_bitmask: jax.Array       # [R, ceil(V / 32)] i32
     constrained: jax.Array         # [R] bool: some row of the step has a grammar (the mask is applied)
+    # min_tokens: until a row has that many output tokens its stop tokens (EOS unless ignore_eos,
+    # stop_token_ids) may not come: bit t of ``stop_bitmask`` set masks token t.
+    stop_bitmask: jax.Array        # [R, ceil(V / 32)] i32
+    masks_stops: jax.Array         # [R] bool: the row's stop_bitmask applies
+    beam_scores: jax.Array         # [R] bool: a beam's row: its logprobs keep the model's normalisation
+                                   # (the masked stop tokens at -inf), as transformers scores beams

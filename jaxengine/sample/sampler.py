@@ -33,15 +33,31 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int,
     logits = jax.lax.cond(needs_penalties, lambda x: apply_penalties(x, md), lambda x: x, logits)
     logits = jax.lax.cond(jnp.any(md.constrained), lambda x: apply_token_bitmask(x, md.token_bitmask),
                           lambda x: x, logits)
+    unmasked = logits
+    logits = jax.lax.cond(jnp.any(md.masks_stops), lambda x: mask_stop_tokens(x, md), lambda x: x, logits)
     greedy = first_argmax(logits)
     tokens = jax.lax.cond(jnp.any(md.temperature > 0), lambda: _draw(logits, md, greedy, drafts), lambda: greedy)
     num_rows = logits.shape[0]
     no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, num_top_logprobs), jnp.int32),
                    jnp.zeros((num_rows, num_top_logprobs), jnp.float32))
     picked, top_ids, top_logprobs = jax.lax.cond(
-        jnp.any(md.want_logprobs),
-        lambda: logprobs_of(logits / md.logprobs_temperature[:, None], tokens, num_top_logprobs), lambda: no_logprobs)
+        jnp.any(md.want_logprobs), lambda: _logprobs(unmasked, logits, tokens, md, num_top_logprobs),
+        lambda: no_logprobs)
     return SamplerOutput(tokens, picked, top_ids, top_logprobs)
+
+
+def _logprobs(unmasked: jax.Array, logits: jax.Array, tokens: jax.Array, md: SamplingMetadata, k: int):
+    """Logprobs of the processed distribution (``logits``); a beam row under min_tokens has those
+    of the logits before the stop mask with the stop tokens then at -inf, as transformers' beam
+    search scores them (the other candidates' scores are not raised by the mask)."""
+    temp = md.logprobs_temperature[:, None]
+    beams = md.masks_stops & md.beam_scores
+    return jax.lax.cond(
+        jnp.any(beams),
+        lambda: logprobs_of(jnp.where(beams[:, None], unmasked, logits) / temp, tokens, k,
+                            # what the stop mask took away
+                            lambda lp: jnp.where((logits == -jnp.inf) & (unmasked > -jnp.inf), -jnp.inf, lp)),
+        lambda: logprobs_of(logits / temp, tokens, k))
 
 
 def first_argmax(logits: jax.Array, num_blocks: int = 64) -> jax.Array:
@@ -76,13 +92,31 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return logits.at[bias_rows, md.bias_ids].add(md.bias_values)
 
 
+def _bits(bitmask: jax.Array, vocab: int) -> jax.Array:
+    """A packed bitmask [R, ceil(V / 32)] i32 as [R, V] bool (token t: bit t & 31 of word t >> 5)."""
+    token = jnp.arange(vocab, dtype=jnp.int32)
+    words = jnp.take(bitmask, token >> 5, axis=1)
+    return (jnp.right_shift(words, token & 31) & 1).astype(bool)
+
+
+def _where_bits(bitmask: jax.Array, value, x: jax.Array) -> jax.Array:
+    return jnp.where(_bits(bitmask, x.shape[-1]), value, x)
+
+
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """Disallowed tokens (their bit clear) to -inf: structured output's grammar, after penalties
     and before temperature, top-k and top-p."""
-    token = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-    words = jnp.take(bitmask, token >> 5, axis=1)
-    allowed = (jnp.right_shift(words, token & 31) & 1).astype(bool)
-    return jnp.where(allowed, logits, -jnp.inf)
+    return jnp.where(_bits(bitmask, logits.shape[-1]), logits, -jnp.inf)
+
+
+def mask_stop_tokens(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """min_tokens: the stop tokens of the rows that have fewer output tokens to -inf (with the
+    grammar's mask and before temperature, top-k and top-p, so every path samples without them).
+    A row the mask would leave without any token keeps its logits: its grammar allows nothing
+    but a stop token (the constraint is complete), which ends it."""
+    masked = _where_bits(md.stop_bitmask, -jnp.inf, logits)
+    keep = jnp.any(masked > -jnp.inf, axis=-1)
+    return jnp.where(keep[:, None], masked, logits)
 
 
 def _draw(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array,
@@ -119,9 +153,12 @@ def verify_sampled_draft(x: jax.Array, draft_tokens: jax.Array, draft_probs: jax
     return jnp.where(u * q_d < p_d, draft_tokens, redrawn.astype(jnp.int32))
 
 
-def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int):
-    """(logprob of ``tokens``, top-k ids, top-k logprobs) under the model's distribution."""
+def logprobs_of(logits: jax.Array, tokens: jax.Array, k: int, after=None):
+    """(logprob of ``tokens``, top-k ids, top-k logprobs) under the model's distribution
+    (``after``: applied to the log-probabilities before the top-k)."""
     raw = jax.nn.log_softmax(logits, axis=-1)       # the model's distribution, before any processing
+    if after is not None:
+        raw = after(raw)
     top_logprobs, top_ids = jax.lax.top_k(raw, k)
     picked = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     return picked, top_ids.astype(jnp.int32), top_logprobs

@@ -178,7 +178,8 @@ def test_verification_of_sampled_rows_keeps_the_target_distribution():
             num_prompt=jnp.zeros(rows, jnp.int32), num_history=jnp.zeros(rows, jnp.int32),
             bias_ids=jnp.zeros((rows, 1), jnp.int32), bias_values=jnp.zeros((rows, 1)),
             logprobs_temperature=jnp.ones(rows), token_bitmask=jnp.full((rows, 1), -1, jnp.int32),
-            constrained=jnp.zeros(rows, bool))
+            constrained=jnp.zeros(rows, bool), stop_bitmask=jnp.zeros((rows, 1), jnp.int32),
+            masks_stops=jnp.zeros(rows, bool), beam_scores=jnp.zeros(rows, bool))
         logits = jnp.log(jnp.broadcast_to(jnp.asarray(p[position], jnp.float32), (rows, 4)))
         return np.asarray(jax.jit(sample, static_argnums=2)(logits, md, 1).token_ids)
 
