@@ -1,82 +1,129 @@
-"""Start-up of the server with no flags: seconds from launching `python -m jaxengine.serve` to its
-first completed /v1/completions answer (5 tokens, greedy) and to every step bucket compiled,
-with the persistent XLA cache off (JAXENGINE_XLA_CACHE=0: every bucket compiles, as on a fresh
-machine), for the default background compilation and, as the baseline in the same run,
-`--compile-mode eager` (everything compiled before serving). The default model must already
-be in the cache (a first start downloads it). Modes alternate, --repeats times each.
+"""Start-up of the server with no flags: how soon a fresh server answers, and how fast it streams
+while its step buckets still compile in the background.
 
-    python scripts/bench_startup.py [--repeats 2] [--port 8190] [-- extra server flags]
+Each launch runs `python -m jaxengine.serve` with the persistent XLA cache off
+(JAXENGINE_XLA_CACHE=0: every bucket compiles, as on a fresh machine) and streams a 64-token
+greedy completion (`ignore_eos`) as soon as the server accepts one. It records the first token,
+the whole answer, the gaps between tokens and whether `/health` still reported buckets
+compiling when each token arrived; once every bucket is compiled it streams the same request
+again: the warm rate of the same launch, the baseline of the rate while compiling. The eager
+mode (`--compile-mode eager`: everything compiled before serving) is timed too, as the
+baseline for the first answer. The default model must already be in the cache (a first start
+downloads it). Modes alternate, --repeats times each.
+
+    python scripts/bench_startup.py [--repeats 1] [--tokens 64] [--port 8190] [-- extra server flags]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}
+PROMPT = "The capital of France is"
 
 
-def _get_json(url: str, body: dict | None = None, timeout: float = 600) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+def _get_json(url: str, timeout: float = 60) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.load(response)
 
 
-def _wait_for_answer(proc: subprocess.Popen, base: str) -> dict:
+def _stream(base: str, tokens: int, start: float):
+    """Open a streamed completion (retrying until the server accepts it); yields the seconds
+    since ``start`` at which each token arrived."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
     while True:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited with status {proc.returncode}")
         try:
-            return _get_json(f"{base}/v1/completions", PROMPT)
+            response = urllib.request.urlopen(request, timeout=900)
+            break
         except OSError:
             time.sleep(0.2)
+    with response:
+        for line in response:
+            line = line.decode().strip()
+            if line.startswith("data:") and "[DONE]" not in line and json.loads(line[5:])["choices"][0]["text"]:
+                yield time.perf_counter() - start
 
 
-def _wait_for_all_buckets(base: str, limit_s: float = 900) -> None:
-    deadline = time.monotonic() + limit_s
-    while not _get_json(f"{base}/health").get("all_buckets_compiled"):
-        if time.monotonic() > deadline:
-            sys.exit("the step buckets were not all compiled in time")
-        time.sleep(0.5)
+class _CompileWatch(threading.Thread):
+    """Polls /health: the seconds since ``start`` at which every bucket was compiled."""
+
+    def __init__(self, base: str, start: float):
+        super().__init__(daemon=True)
+        self.base, self.start_time, self.done_at = base, start, None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if _get_json(f"{self.base}/health").get("all_buckets_compiled"):
+                    self.done_at = time.perf_counter() - self.start_time
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
 
 
-def start_once(flags: list[str], port: int) -> dict:
-    """One launch: seconds to the first answer and to every bucket compiled."""
+def _rate(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+
+
+def start_once(flags: list[str], port: int, tokens: int) -> dict:
+    """One launch: the first streamed answer (while compiling, in background mode), every bucket
+    compiled, then the warm answer."""
     env = {**os.environ, "JAXENGINE_XLA_CACHE": "0"}
     base = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "jaxengine.serve", "--port", str(port), *flags], cwd=ROOT,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    watch = _CompileWatch(base, start)
     try:
-        answer = _wait_for_answer(proc, base)
-        first_s = time.perf_counter() - start
-        _wait_for_all_buckets(base)
-        return {"first_answer_s": round(first_s, 1), "all_buckets_s": round(time.perf_counter() - start, 1),
-                "text": answer["choices"][0]["text"]}
+        watch.start()
+        first = list(_stream(base, tokens, start))
+        watch.join(900)
+        if watch.done_at is None:
+            sys.exit("the step buckets were not all compiled in time")
+        warm = list(_stream(base, tokens, start))
+        while_compiling = [t for t in first if t < watch.done_at]
+        gaps = [b - a for a, b in zip(while_compiling, while_compiling[1:])]
+        return {"first_token_s": round(first[0], 1), "answer_s": round(first[-1], 1), "tokens": len(first),
+                "all_buckets_s": round(watch.done_at, 1), "tokens_while_compiling": len(while_compiling),
+                "tok_s_while_compiling": round(_rate(while_compiling), 1),
+                "median_gap_ms": round(1000 * statistics.median(gaps)) if gaps else None,
+                "max_gap_ms": round(1000 * max(gaps)) if gaps else None,
+                "warm_tok_s": round(_rate(warm), 1)}
     finally:
+        watch.stop.set()
         proc.terminate()
         proc.wait(60)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens in each streamed answer")
     parser.add_argument("--port", type=int, default=8190)
     parser.add_argument("flags", nargs="*", help="extra server flags (after --)")
     args = parser.parse_args()
     modes = {"background (default)": [], "eager": ["--compile-mode", "eager"]}
     for i in range(args.repeats):
         for name, flags in modes.items():
-            row = {"mode": name, "run": i, **start_once([*flags, *args.flags], args.port)}
-            print(f"{name:22s} run {i}: first answer {row['first_answer_s']:6.1f} s, every bucket compiled "
-                  f"{row['all_buckets_s']:6.1f} s ({row['text']!r})", flush=True)
+            row = {"mode": name, "run": i, **start_once([*flags, *args.flags], args.port, args.tokens)}
+            ratio = row["tok_s_while_compiling"] / row["warm_tok_s"] if row["tokens_while_compiling"] > 1 else None
+            print(f"{name:22s} run {i}: first token {row['first_token_s']:5.1f} s, {row['tokens']}-token answer "
+                  f"{row['answer_s']:5.1f} s, every bucket compiled {row['all_buckets_s']:6.1f} s; while "
+                  f"compiling {row['tokens_while_compiling']} tokens at {row['tok_s_while_compiling']} tok/s "
+                  f"(gaps median {row['median_gap_ms']} ms, max {row['max_gap_ms']} ms), warm "
+                  f"{row['warm_tok_s']} tok/s" + (f" ({ratio:.2f}x)" if ratio is not None else ""), flush=True)
             print(json.dumps(row), flush=True)
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.runner.buckets import reachable_pairs, step_bucket
-from jaxengine.runner.compile import compile_stages, limits_of, step_pairs
+from jaxengine.runner.compile import BackgroundCompiler, CompileStage, compile_stages, limits_of, step_pairs
 
 ENGINE = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=16, token_buckets=[16, 64],
               request_buckets=[8, 16], block_size=4, max_model_len=64, num_kv_blocks=200, swap_space=0,
@@ -104,8 +104,10 @@ def test_a_background_compiling_engine_serves_within_the_compiled_buckets(gated,
     assert list(runner._executables) == [(16, 8)] and runner.is_compiling
     assert runner.step_limits() == (16, 8) and llm.compile_progress() == (1, 4)
     reply = health()
-    assert reply.status_code == 200 and reply.json() == {"status": "ok", "all_buckets_compiled": False,
-                                                         "step_buckets_compiled": 1, "step_buckets": 4}
+    assert reply.status_code == 200 and reply.json() == {
+        "status": "ok", "all_buckets_compiled": False, "step_buckets_compiled": 1, "step_buckets": 4,
+        "kernel_check": {"status": "not run", "detail": "on the CPU only when forced: the plain-jnp path serves",
+                         "kernels": []}}
     llm.engine.traces = []
     long_prompt = list(range(1, 41))
     with runner.forbid_compiles():
@@ -175,3 +177,20 @@ def test_the_interpreter_exits_cleanly_while_buckets_compile():
     # (Without the exit hook a compile still running as the interpreter goes down can abort it:
     # "terminate called after throwing ...", "FATAL: exception not rethrown".)
     assert not any(word in done.stderr.lower() for word in ("traceback", "fatal", "terminate")), done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_compiling_thread_yields_the_cores_to_the_steps_served():
+    """XLA compiles on the calling thread: at nice 10 a runnable step gets about nine times its
+    share of a core; the serving thread keeps its priority."""
+    seen = []
+
+    def compile_pair(pair):
+        seen.append((pair, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+
+    main_priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    compiler = BackgroundCompiler([CompileStage([(2, 2), (4, 2)], (4, 2))], compile_pair, lambda limits: None)
+    compiler.start()
+    assert compiler.wait(timeout=30)
+    assert seen == [((2, 2), max(10, main_priority)), ((4, 2), max(10, main_priority))]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_priority
