@@ -85,3 +85,30 @@ def test_the_engine_serves_with_an_fp8_cache(llama):
     fp8 = llm.generate(prompts, params, use_tqdm=False)
     same = [a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2] for a, b in zip(plain, fp8)]
     assert all(len(o.outputs[0].token_ids) == 8 for o in fp8) and sum(same) >= 2
+
+
+def test_the_pallas_kernels_serve_the_cpus_fp8_bytes_as_the_plain_jnp_path_does(llama):
+    """The CPU stores an FP8 cache as its bytes: the Pallas attention kernel and KV write
+    (interpreted) read and write them as float8, so greedy decoding gives the plain-jnp path's tokens."""
+    from jaxengine.kernels.paged_attention.kernel import paged_attention_pallas
+    from jaxengine.kernels.paged_attention.kv_write import write_kv_pallas
+
+    folder, _ = llama
+    options = dict(skip_tokenizer_init=True, max_num_batched_tokens=32, max_model_len=64, num_kv_blocks=32,
+                   max_num_seqs=4, token_buckets=[32], request_buckets=[4], progress=False, compile_mode="eager",
+                   kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS[1:]]
+    tokens = {}
+    for backend in ("auto", "pallas"):
+        llm = LLM(folder, attention_backend=backend, **options)
+        assert llm.runner.kv_caches[0].dtype == jnp.uint8
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.model.layers.self_attn.attention_fn.inner is paged_attention_pallas
+    # The Pallas KV write too, in place of the XLA scatter (the engine picks it on a GPU that measures it faster).
+    model, cfg = load_model(folder, attention_fn=paged_attention_pallas)
+    model.layers.self_attn.kv_write_fn = write_kv_pallas
+    llm = LLM(model, model_config=cfg, **{k: v for k, v in options.items() if k != "skip_tokenizer_init"})
+    tokens["pallas write"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["pallas"] == tokens["auto"] and tokens["pallas write"] == tokens["auto"]
+    assert [len(t) for t in tokens["auto"]] == [6] * len(prompts)

@@ -10,8 +10,9 @@ online softmax in f32. Padding tiles run no iteration; padding tokens' outputs a
 
 Shapes: T tokens, B rows, N query heads, K KV heads, G = N / K, H head size, S page size, P pages.
 The KV writes stay an XLA scatter (``reference.write_kv``), done before this kernel in the layer.
-An FP8 (float8_e4m3fn) cache is read as stored and converted to the queries' dtype in the kernel;
-its per-tensor scales are applied outside it (``models.layers.Attention``).
+An FP8 (float8_e4m3fn) cache is read as stored and converted to the queries' dtype in the kernel
+(the CPU's cache of FP8 bytes, ``layout``, is viewed as float8 as each block is loaded); its
+per-tensor scales are applied outside it (``models.layers.Attention``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxengine.kernels.paged_attention.metadata import AttentionMetadata
-from jaxengine.kernels.paged_attention.layout import heads_apart
+from jaxengine.kernels.paged_attention.layout import heads_apart, values
 
 
 # f32 dots at full f32 precision (Triton would use TF32 by default); bf16 dots are unaffected.
@@ -205,8 +206,9 @@ def _kernel(row_ref, first_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_
     def body(i, carry):
         m, l, acc = carry
         pages = tables_ref[row, pl.ds(i * pages_per_block, pages_per_block)]
-        k = k_ref[pages, :, head, :].reshape(span, -1)                            # [span, H]
-        v = v_ref[pages, :, head, :].reshape(span, -1)
+        # values(): an FP8 cache stored as bytes (the CPU) is viewed as float8, not cast from integers
+        k = values(k_ref[pages, :, head, :]).reshape(span, -1)                    # [span, H]
+        v = values(v_ref[pages, :, head, :]).reshape(span, -1)
         if k.dtype != q.dtype:                  # an FP8 cache: dequantised here, its scales outside
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=EXACT, preferred_element_type=jnp.float32)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxengine.kernels.paged_attention.layout import heads_apart
+from jaxengine.kernels.paged_attention.layout import as_stored, heads_apart
 
 # Tokens per program by (head size, page size, dtype name): a program moves block_tokens rows of
 # head_size elements. Starting points (about 4 KB per program); scripts/gpu_check.sh times others.
@@ -41,7 +41,8 @@ def write_kv_pallas(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
     pad = -k.shape[0] % block_tokens
-    rows = [jnp.pad(x.astype(k_cache.dtype), ((0, pad), (0, 0), (0, 0))) for x in (k, v)]
+    # as_stored: an FP8 cache stored as bytes (the CPU) gets the rows' float8 bytes, not their values
+    rows = [jnp.pad(as_stored(x, k_cache.dtype), ((0, pad), (0, 0), (0, 0))) for x in (k, v)]
     slots = jnp.pad(slot_mapping.astype(jnp.int32), (0, pad))
     flat = jax.ShapeDtypeStruct((num_pages * page_size, num_kv_heads, head_size), k_cache.dtype)
     k_cache, v_cache = pl.pallas_call(
