@@ -40,7 +40,8 @@ class StructuredOutputsParams:
             raise ValueError(f"{self.field}: exactly one of {', '.join(STRUCTURED_KINDS)} must be given, got "
                              f"{given or 'none'}")
         if self.choice is not None:
-            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+            if (not isinstance(self.choice, list | tuple) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
                 raise ValueError(f"{self.field}: choice must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
         for name in ("regex", "grammar"):

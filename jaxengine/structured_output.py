@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 GRAMMAR_WAIT_S = 0.05       # an idle engine waits this long at most for a grammar to compile
 
 ALL_ALLOWED = -1            # a bitmask word with every bit set
+TOO_COMPLEX = ("LexerTooComplex", "ParserTooComplex")      # llguidance's stop reasons at its limits
 # JSON as json.dumps writes it: fixed separators and no free whitespace, so a model cannot wander
 # into whitespace until max_tokens (a schema's "x-guidance" options may say otherwise).
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -202,6 +203,13 @@ class Matcher:
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
 
+    @property
+    def too_complex(self) -> bool:
+        """llguidance gave up on the grammar at one of its limits (a regex too large to lex, say).
+        Its stop_reason() then says only InternalError; the state in its error names the limit."""
+        error = self.error
+        return error is not None and any(f"Stop: {limit}" in error for limit in TOO_COMPLEX)
+
     def copy(self) -> "Matcher":
         return Matcher(self._m.deep_copy())
 
@@ -275,6 +283,10 @@ class StructuredOutputManager:
         """One more token of a running sequence with a grammar: how the grammar ends it (complete:
         stopped; refused, which the mask makes impossible: an error), or None."""
         if not seq.grammar.accept(token):
+            if seq.grammar.too_complex:          # the request's constraint is to blame: a 400
+                field = seq.request.sampling_params.structured_outputs.field
+                return RequestStatus.FINISHED_IGNORED, (f"{field}: too complex to follow "
+                                                        f"({seq.grammar.error.splitlines()[0]})")
             return RequestStatus.FINISHED_ERROR, f"structured output: token {token} is not allowed here"
         if seq.grammar.is_done:
             return RequestStatus.FINISHED_STOPPED, None

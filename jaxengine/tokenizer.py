@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -92,8 +93,6 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     """``template_kwargs``: extra variables for the template (``{"enable_thinking": false}``); not
     the call's own arguments (``tokenize``, ``chat_template``, ...). A conversation the template
     cannot render (its own refusal, or a message field of the wrong type) is a ValueError."""
-    from jinja2 import TemplateError, TemplateSyntaxError
-
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
     template_kwargs = template_kwargs or {}
@@ -103,12 +102,22 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             **({"tools": tools} if tools else {}), **template_kwargs)
-    except TemplateSyntaxError:
-        raise                           # the model's own template is broken: not the request's fault
-    except (TemplateError, TypeError) as error:
+    except Exception as error:
+        if not _refused_by_template(error):
+            raise
         raise ValueError(f"messages: the chat template cannot render this conversation "
                          f"({type(error).__name__}: {error})") from error
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _refused_by_template(error: Exception) -> bool:
+    """The conversation's fault: the template's own refusal (``raise_exception``) or a message
+    field of a type it cannot use; not a broken template (a syntax error), the model's fault."""
+    if isinstance(error, TypeError):
+        return True
+    jinja2 = sys.modules.get("jinja2")       # loaded by transformers if it got as far as rendering
+    return jinja2 is not None and isinstance(error, jinja2.TemplateError) \
+        and not isinstance(error, jinja2.TemplateSyntaxError)
 
 
 def _chat_template_arguments(tokenizer) -> set[str]:

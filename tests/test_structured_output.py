@@ -144,8 +144,9 @@ def test_exactly_one_kind_and_no_tokenizer():
     with pytest.raises(ValueError, match="structured_outputs: exactly one of json, regex, choice, grammar, "
                                          "json_object must be given, got none"):
         StructuredOutputsParams()
-    with pytest.raises(ValueError, match="choice must be a non-empty list"):
-        StructuredOutputsParams(choice=[])
+    for bad in ([], "abc", ["a", 1]):          # a string is not the list of its characters
+        with pytest.raises(ValueError, match="choice must be a non-empty list"):
+            StructuredOutputsParams(choice=bad)
 
 
 def test_an_invalid_constraint_submitted_to_the_engine_fails_its_request_alone(llm):

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 import jaxengine
 from jaxengine.serve import protocol as p
@@ -25,11 +26,19 @@ RETRY_AFTER_S = 1
 # Paths behind the API key. The dashboard's page holds no data and stays open (as /metrics does);
 # its data route also names the model path and every engine setting, so it takes the key.
 GUARDED_PATHS = ("/v1", "/dashboard/state")
+# What the OpenAPI document says a request route answers besides 200: every error in OpenAI's
+# shape (a refused body is a 400 here, not FastAPI's 422).
+ERRORS = {"default": {"model": p.ErrorResponse, "description": "An error, in OpenAI's JSON shape"}}
 
 
 def get_route(app: FastAPI, path: str, **kw):
-    """A GET route that answers HEAD too (load generators probe with HEAD before they GET)."""
-    return app.api_route(path, methods=["GET", "HEAD"], **kw)
+    """A GET route that answers HEAD too (load generators probe with HEAD before they GET). The
+    HEAD route stays out of the OpenAPI document: one route with both methods gives both one
+    operation id."""
+    def register(endpoint):
+        app.head(path, include_in_schema=False, **kw)(endpoint)
+        return app.get(path, **kw)(endpoint)
+    return register
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -57,6 +66,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
     capacity = engine.llm.kv_cache_capacity()
     metrics.kv_tokens.set(capacity["tokens"])
     metrics.kv_tokens_per_gib.set(capacity["tokens_per_gib"])
+    metrics.set_kernel_check(engine.llm.kernel_check)
     _add_auth(app, api_key)
     _add_error_handlers(app)
     _add_info_routes(app, engine, serving, metrics)
@@ -64,15 +74,15 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
     if allow_runtime_lora_updating:
         _add_lora_routes(app, engine, serving)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: p.CompletionRequest, raw: Request):
         return await _respond(raw, *await serving.completion(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request):
         return await _respond(raw, *await serving.chat(body))
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=ERRORS)
     async def create_response(body: ResponsesRequest, raw: Request):
         return await _respond(raw, *await responses.create(body))
 
@@ -129,7 +139,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON: {first.get('msg')}", None)
         field = ".".join(loc) or None
+        if first.get("type") == "value_error" and field is None:      # a body's own check names its field
+            message = str(first["ctx"]["error"])
+            return error_response(400, message, param_of(ValueError(message)))
         return error_response(400, f"{field or 'body'}: {first.get('msg')}", loc[0] if loc else None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, error: HTTPException):
+        """FastAPI's and Starlette's own errors (a body that does not parse, an unknown route, a
+        wrong method) in OpenAI's shape too."""
+        return error_response(error.status_code, str(error.detail), headers=error.headers)
 
     @app.exception_handler(ValueError)
     async def bad_value(_request: Request, error: ValueError):
@@ -167,12 +186,14 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
     @get_route(app, "/health")
     async def health():
         """200 while the engine serves, saying how many step buckets are compiled (it serves
-        while the larger ones compile); 503 with the reason once it cannot (restart it)."""
+        while the larger ones compile) and what the start-up kernel check found (a kernel that
+        failed it was replaced by the plain-jnp path, which serves); 503 with the reason once it
+        cannot (restart it)."""
         if (problem := engine.health_problem) is not None:
             return error_response(503, f"the server cannot serve requests: {problem}")
         compiled, total = llm.compile_progress()
         return {"status": "ok", "all_buckets_compiled": compiled == total, "step_buckets_compiled": compiled,
-                "step_buckets": total}
+                "step_buckets": total, "kernel_check": llm.kernel_check.as_dict()}
 
     @get_route(app, "/version")
     async def version():
@@ -191,7 +212,7 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
                   for name, lora in list(serving.adapters.items())]
         return p.ModelList(data=cards).model_dump()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERRORS)
     async def tokenize(body: p.TokenizeRequest):
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -204,7 +225,7 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
             ids = await engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.scheduler.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERRORS)
     async def detokenize(body: p.DetokenizeRequest):
         serving.check_model(body.model)
         vocab = llm.model_config.vocab_size
@@ -221,7 +242,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing) 
     unloaded adapter finishes with it)."""
     llm = engine.llm
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", responses=ERRORS)
     async def load_lora_adapter(body: p.LoadLoRAAdapterRequest):
         if llm.config.lora is None:
             raise RequestError(400, "lora_name: this server serves no LoRA adapters (start it with --enable-lora)",
@@ -234,7 +255,7 @@ def _add_lora_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing) 
             raise RequestError(400, str(error), "lora_path") from None
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", responses=ERRORS)
     async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest):
         if not await engine.run_on_engine_thread(lambda: llm.remove_lora(body.lora_name)):
             raise RequestError(404, f"lora_name: no adapter named `{body.lora_name}` is loaded", "lora_name")

@@ -89,9 +89,17 @@ class EngineMetrics:
                                   "predicted to miss their time-to-first-token target by a margin.")
         # The autopilot's choices and cost model (0 without it): the StepTrace fields of the latest step.
         self.autopilot = {field: gauge(name, doc) for name, (field, doc) in AUTOPILOT_GAUGES.items()}
+        self.kernel_check_ok = Gauge("jaxengine:kernel_check_ok", "The start-up kernel check: 1 where a kernel "
+                                     "matched the plain-jnp path, 0 where it failed and the plain-jnp path serves "
+                                     "instead (no series: not run).", ["model_name", "kernel", "name"], registry=r)
         self._seen_queries = self._seen_hits = 0
         self.replicas = ReplicaMetrics(model_name, r)
         self.dashboard = DashboardCollector()
+
+    def set_kernel_check(self, check) -> None:
+        """``check``: the LLM's ``kernel_check`` (``runner.kernel_check.KernelCheck``)."""
+        for result in check.results:
+            self.kernel_check_ok.labels(self.model_name, result.kernel, result.name).set(int(result.ok))
 
     # ---- observer calls (engine thread) ----
     def on_step(self, engine: Engine | DataParallelEngine) -> None:

@@ -89,11 +89,20 @@ class OpenAIServing:
         """Check every prompt before queueing any, then merge their delta streams."""
         slo = LatencyTargets.from_ms(request.slo)
         lora = self.check_model(request.model)
-        for ids in prompts:
-            self.engine.check(ids, params, slo)
-        return _merge([self.engine.generate(f"{request_id}-{i}", ids, params, priority=request.priority, slo=slo,
-                                            lora_request=lora)
-                       for i, ids in enumerate(prompts)])
+        each = [self._fit(params, ids) for ids in prompts]
+        for ids, prompt_params in zip(prompts, each):
+            self.engine.check(ids, prompt_params, slo)
+        return _merge([self.engine.generate(f"{request_id}-{i}", ids, prompt_params, priority=request.priority,
+                                            slo=slo, lora_request=lora)
+                       for i, (ids, prompt_params) in enumerate(zip(prompts, each))])
+
+    def _fit(self, params: SamplingParams | BeamSearchParams, ids: list[int]) -> SamplingParams | BeamSearchParams:
+        """A beam search without max_tokens runs up to the context length (a sampled request
+        leaves it None: the scheduler stops it there)."""
+        if not isinstance(params, BeamSearchParams) or params.max_tokens != p.MAX_BEAM_TOKENS:
+            return params
+        room = self.engine.llm.config.scheduler.max_model_len - len(ids)
+        return dataclasses.replace(params, max_tokens=max(room, 1))      # no room: check() refuses the prompt
 
     async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
         """Token ids of each prompt (text is tokenized off the event loop)."""
@@ -230,8 +239,8 @@ class OpenAIServing:
             raise RequestError(400, "prompt_logprobs: not supported with stream: true on chat completions",
                                "prompt_logprobs")
         try:
-            params = request.sampling_params(request.max_completion_tokens or request.max_tokens, logprobs,
-                                             request.prompt_logprobs, self.defaults)
+            max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
+            params = request.sampling_params(max_tokens, logprobs, request.prompt_logprobs, self.defaults)
         except ValueError as error:          # the chat API calls the logprobs count top_logprobs
             if param_of(error) == "logprobs":
                 raise RequestError(400, "top_logprobs" + str(error)[len("logprobs"):], "top_logprobs") from None

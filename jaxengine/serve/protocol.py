@@ -6,21 +6,54 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from jaxengine.sampling_params import STRUCTURED_KINDS, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1     # a signed 64-bit integer, as in vLLM
-MAX_BEAM_TOKENS = 1 << 30      # no max_tokens: up to the context length (the scheduler caps it)
+MAX_BEAM_TOKENS = 1 << 30      # no max_tokens: up to the context length (OpenAIServing fits it to the prompt)
 # Sampling fields beam search does not use, with their neutral values.
 BEAM_UNSUPPORTED = {"top_p": None, "top_k": None, "min_p": None, "seed": None, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "repetition_penalty": None, "logit_bias": None, "min_tokens": 0,
+                    "frequency_penalty": 0.0, "repetition_penalty": None, "logit_bias": None,
                     "best_of": None}
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def lone_surrogate(value, where: str = "") -> str | None:
+    """Where in a request's JSON a string holds a lone surrogate (``"\\ud800"`` is valid JSON but
+    no text: it cannot be encoded, so neither a tokenizer nor a response could take it); None if
+    nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return where or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{where}.{key}" if where else str(key)
+            if (found := lone_surrogate(key, inner) or lone_surrogate(item, inner)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := lone_surrogate(item, f"{where}[{i}]")) is not None:
+                return found
+    return None
+
+
+class RequestBody(BaseModel):
+    """A request's JSON body: its strings are text (checked once, before any field)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        if (where := lone_surrogate(data)) is not None:        # a key on the path may hold one: escaped
+            where = where.encode("utf-8", "backslashreplace").decode()
+            raise ValueError(f"{where}: not valid Unicode (a lone surrogate such as \\ud800)")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -44,7 +77,7 @@ class ResponseFormat(BaseModel):
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(RequestBody):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
 
     model_config = ConfigDict(extra="ignore")
@@ -156,7 +189,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos, temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
             early_stopping=self.early_stopping, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(), min_tokens=self.min_tokens)
 
     def _check_stream_options_and_seed(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -350,14 +383,14 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestBody):
     """``POST /v1/load_lora_adapter`` (vLLM's)."""
 
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(RequestBody):
     """``POST /v1/unload_lora_adapter`` (vLLM's)."""
 
     lora_name: str
@@ -369,7 +402,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -377,7 +410,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

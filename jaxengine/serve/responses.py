@@ -38,7 +38,7 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(p.RequestBody):
     """The fields this server honours; any other is a 400 naming it (not silently dropped)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -103,15 +103,15 @@ def chat_messages(items: str | list[dict], instructions: str | None) -> list[dic
         if kind == "message":
             messages.append(_message(item, where))
         elif kind == "function_call":
-            call = {"id": _key(item, "call_id", where), "type": "function",
-                    "function": {"name": _key(item, "name", where), "arguments": _key(item, "arguments", where)}}
+            call = {"id": _string(item, "call_id", where), "type": "function", "function": {
+                "name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
             if messages and messages[-1]["role"] == "assistant":     # calls of the same turn
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = _key(item, "output", where)
-            messages.append({"role": "tool", "tool_call_id": _key(item, "call_id", where),
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                              "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
         elif kind != "reasoning":            # earlier thinking: chat templates leave it out too
             raise RequestError(400, f"{where}.type: {kind!r} is not supported (supported: {list(ITEM_TYPES)})",
@@ -120,7 +120,7 @@ def chat_messages(items: str | list[dict], instructions: str | None) -> list[dic
 
 
 def _message(item: dict, where: str) -> dict:
-    role = _key(item, "role", where)
+    role = _string(item, "role", where)
     if role not in ROLES:
         raise RequestError(400, f"{where}.role: must be one of {list(ROLES)}, got {role!r}", "input")
     content = _key(item, "content", where)
@@ -135,9 +135,9 @@ def _text(parts, where: str) -> str:
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS:
-            texts.append(_key(part, "text", f"{where}[{j}]"))
+            texts.append(_string(part, "text", f"{where}[{j}]"))
         elif kind == "refusal":
-            texts.append(_key(part, "refusal", f"{where}[{j}]"))
+            texts.append(_string(part, "refusal", f"{where}[{j}]"))
         else:
             raise RequestError(400, f"{where}[{j}].type: {kind!r} is not supported (this server takes text "
                                     f"only: {list(TEXT_PARTS)})", "input")
@@ -148,6 +148,12 @@ def _key(item: dict, key: str, where: str):
     if key not in item:
         raise RequestError(400, f"{where}.{key}: missing", "input")
     return item[key]
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    if not isinstance(value := _key(item, key, where), str):
+        raise RequestError(400, f"{where}.{key}: must be a string, got {type(value).__name__}", "input")
+    return value
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:

@@ -209,7 +209,9 @@ def test_presence_frequency_and_logit_bias_exact_values():
                           history=jnp.asarray([[1, 2, 2, 4, 0, 0]]), num_prompt=jnp.asarray([2]),
                           num_history=jnp.asarray([4]), bias_ids=jnp.asarray([[3, 0]]),
                           bias_values=jnp.asarray([[5.0, 0.0]]), logprobs_temperature=jnp.ones(1),
-                          token_bitmask=jnp.full((1, 1), -1, jnp.int32), constrained=jnp.zeros(1, bool))
+                          token_bitmask=jnp.full((1, 1), -1, jnp.int32), constrained=jnp.zeros(1, bool),
+                          stop_bitmask=jnp.zeros((1, 1), jnp.int32), masks_stops=jnp.zeros(1, bool),
+                          beam_scores=jnp.zeros(1, bool))
     # prompt [1, 2], outputs [2, 4]; repetition on 1, 2, 4; presence+frequency on 2 (once) and 4 (once)
     expected = [2.0, -1.0 * 2, 0.5 / 2 - 0.25 - 0.5, 0.0 + 5.0, 1.0 / 2 - 0.25 - 0.5]
     assert apply_penalties(logits, md)[0].tolist() == pytest.approx(expected)
@@ -237,8 +239,11 @@ def test_prompt_logprobs_match_transformers_across_prefill_chunks(hf_and_llm):
 
 def test_async_scheduling_gives_the_same_tokens_and_logprobs(hf_and_llm, tmp_path_factory):
     """The module's engine schedules ahead (the default); one without it must agree on every
-    token and logprob of a seeded workload with preemption, n > 1, stop tokens and penalties."""
-    llm = hf_and_llm[1]
+    token, and on every logprob within f32 rounding, of a seeded workload with preemption, n > 1,
+    stop tokens and penalties."""
+    import torch
+
+    hf, llm = hf_and_llm
     sync = LLM(llm.model_path, skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
                max_model_len=64, num_kv_blocks=40, swap_space=0.002, progress=False, async_scheduling=False,
                compile_mode="eager")
@@ -251,12 +256,28 @@ def test_async_scheduling_gives_the_same_tokens_and_logprobs(hf_and_llm, tmp_pat
     fast = llm.generate(prompts, params, use_tqdm=False)
     slow = sync.generate(prompts, params, use_tqdm=False)
     assert llm.engine.num_run_ahead - before > 50 and sync.engine.num_run_ahead == 0
-    for a, b in zip(fast, slow):
+    # The logprobs are not bit-equal: a finished sequence keeps its row one step longer with async
+    # scheduling, so the two engines batch the requests differently and a token's step may pad to
+    # another bucket, whose projections take another OpenBLAS path (gemv for 1 row, a few-rows loop
+    # up to 8, sgemm beyond), and a prompt may be cut into other chunks, attended by the decode
+    # kernel or the tiled path: the same f32 sums in another order. To first order a logprob moves
+    # by dlp_t = sum_j p_j (dz_t - dz_j), so |dlp_t| <= 2 (1 - p_t) max|dz|. A reordered f32 sum of
+    # n terms moves by about n u times their size (u = 2^-24); with n = 128, the model's longest
+    # sum (the MLP's width), max|dz| <= n u max|z|, max|z| the row's largest logit magnitude
+    # (transformers', times the repetition penalty, which can enlarge it). Two ulps of 1 cover the
+    # log-sum's last rounding (a logprob near 0). The differences seen were within 1/7 of this.
+    width, u = hf.config.intermediate_size, 2.0 ** -24
+    for prompt, p, a, b in zip(prompts, params, fast, slow):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         assert [c.finish_reason for c in a.outputs] == [c.finish_reason for c in b.outputs]
         for ca, cb in zip(a.outputs, b.outputs):
-            np.testing.assert_allclose([max(t.values()) for t in ca.logprobs], [max(t.values()) for t in cb.logprobs],
-                                       rtol=1e-5)
+            got, want = (np.array([max(t.values()) for t in c.logprobs]) for c in (ca, cb))
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + list(ca.token_ids)])).logits[0].numpy()
+            scale = np.abs(logits[len(prompt) - 1:len(prompt) - 1 + len(want)]).max(-1) * p.repetition_penalty
+            bound = 2 * -np.expm1(np.minimum(got, want)) * width * u * scale + 2.0 ** -22
+            assert len(got) == len(want) == len(ca.token_ids) and (np.abs(got - want) <= bound).all(), \
+                (got - want, bound)
 
 
 def test_the_autopilots_budgets_compile_nothing_after_start_up(llm):

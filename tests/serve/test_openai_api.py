@@ -125,6 +125,8 @@ def test_models_tokenize_detokenize_health_version(server, client):
     assert tokens == {"tokens": [71, 127, 102, 75, 75, 78], "count": 6, "max_model_len": MAX_MODEL_LEN}
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
     health = httpx.get(f"{server.url}/health")
-    assert health.status_code == 200 and health.json() == {"status": "ok", "all_buckets_compiled": True,
-                                                            "step_buckets_compiled": 8, "step_buckets": 8}
+    assert health.status_code == 200 and health.json() == {
+        "status": "ok", "all_buckets_compiled": True, "step_buckets_compiled": 8, "step_buckets": 8,
+        "kernel_check": {"status": "not run", "detail": "on the CPU only when forced: the plain-jnp path serves",
+                         "kernels": []}}
     assert httpx.get(f"{server.url}/version").json()["version"] == "0.1.0"
