@@ -8,6 +8,7 @@ import pytest
 
 from jaxengine.kernels.paged_attention.kv_write import write_kv_pallas
 from jaxengine.kernels.paged_attention.reference import write_kv
+from tests.kernels.cuda_target import as_on_h100
 
 
 def batch(num_tokens, kv_heads=3, head_size=64, pages=9, page_size=16, dtype=jnp.bfloat16, seed=0):
@@ -61,6 +62,8 @@ def test_lowers_to_triton_for_cuda():
     k_cache, v_cache, k, v, slots = batch(24)
     target = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
     fn = jax.jit(lambda *a: write_kv_pallas(*a, interpret=False), donate_argnums=(0, 1))
-    exported = export.export(fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
-        k_cache, v_cache, k, v, slots)
+    with as_on_h100():
+        exported = export.export(fn, platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+            k_cache, v_cache, k, v, slots)
     assert target in exported.mlir_module()

@@ -13,7 +13,7 @@ from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, paged_attention_pallas
 from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic, supports
 from tests.kernels.mosaic_interpret import transposed_wgmma_operands
-from tests.kernels.test_paged_attention import make_batch, with_sinks
+from tests.kernels.batches import make_batch, with_sinks
 from tests.kernels.test_pallas_kernel import CASES, MIXED, assert_close, random_ragged_batch
 from tests.kernels.test_pallas_kernel import run_both as run_both_kernels
 
@@ -93,7 +93,7 @@ def test_random_ragged_batches(seed):
 @pytest.mark.parametrize("dtype,head_size,page_size", [(jnp.bfloat16, 64, 16), (jnp.float16, 128, 32)])
 def test_an_fp8_cache_reads_as_the_plain_jnp_path_reads_it(dtype, head_size, page_size):
     """FP8 pages by TMA, converted to the queries' dtype in shared memory before each WGMMA."""
-    from tests.kernels.test_paged_attention import fp8_cache
+    from tests.kernels.batches import fp8_cache
 
     rng = np.random.default_rng(3)
     q, kc, vc, md, _ = make_batch(rng, MIXED, page_size, 2, 4, 64, 8, head_size=head_size, num_pages=16,

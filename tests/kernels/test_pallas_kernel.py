@@ -8,7 +8,8 @@ import pytest
 
 from jaxengine.kernels.paged_attention import paged_attention
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, paged_attention_pallas, validate
-from tests.kernels.test_paged_attention import make_batch, with_sinks
+from tests.kernels.cuda_target import as_on_h100
+from tests.kernels.batches import make_batch, with_sinks
 
 DECODE = [(0, 1), (15, 1), (16, 1), (40, 1), (95, 1)]
 PREFILL = [(0, 5), (0, 33), (0, 17)]
@@ -122,8 +123,10 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, kv_heads, group, head_size, pag
     from jax.experimental.pallas import triton as plgpu
 
     target = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")     # named from JAX 0.11
-    exported = export.export(fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
-        q.astype(dtype), kc.astype(dtype), vc.astype(dtype), md)
+    args = q.astype(dtype), kc.astype(dtype), vc.astype(dtype), md      # computed here, not for the GPU
+    with as_on_h100():
+        exported = export.export(fn, platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
     assert target in exported.mlir_module()
 
 
@@ -149,7 +152,7 @@ def test_random_ragged_batches(seed):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_an_fp8_cache_reads_as_the_plain_jnp_path_reads_it(dtype):
-    from tests.kernels.test_paged_attention import fp8_cache
+    from tests.kernels.batches import fp8_cache
 
     rng = np.random.default_rng(3)
     q, kc, vc, md, _ = make_batch(rng, MIXED, 16, 2, 4, 64, 8, head_size=64, num_pages=16, max_blocks=16)
@@ -158,5 +161,27 @@ def test_an_fp8_cache_reads_as_the_plain_jnp_path_reads_it(dtype):
     want = paged_attention(q.astype(dtype), k8, v8, md, scale=scale)
     got = paged_attention_pallas(q.astype(dtype), k8, v8, md, scale=scale)
     assert got.dtype == dtype
+    assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in MIXED),
+                 1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_fp8_cache_stored_as_bytes_reads_as_its_float8_values(dtype):
+    """The CPU stores an FP8 cache as its bytes (``layout``): the kernel views them as float8, so it
+    gives exactly what it gives over the float8 cache, and the plain-jnp path's output over the bytes."""
+    import jax
+
+    from tests.kernels.batches import fp8_cache
+
+    rng = np.random.default_rng(3)
+    q, kc, vc, md, _ = make_batch(rng, MIXED, 16, 2, 4, 64, 8, head_size=64, num_pages=16, max_blocks=16)
+    (k8, _), (v8, _) = fp8_cache(kc, 0.01), fp8_cache(vc, 0.004)
+    k_bytes, v_bytes = (jax.lax.bitcast_convert_type(c, jnp.uint8) for c in (k8, v8))
+    q, scale = q.astype(dtype), 64 ** -0.5 * 0.01
+    got = paged_attention_pallas(q, k_bytes, v_bytes, md, scale=scale)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(paged_attention_pallas(q, k8, v8, md, scale=scale), np.float32))
+    want = paged_attention(q, k_bytes, v_bytes, md, scale=scale)
     assert_close(np.asarray(got, np.float32), np.asarray(want, np.float32), sum(n for _, n in MIXED),
                  1e-5 if dtype == jnp.float32 else 2e-2)

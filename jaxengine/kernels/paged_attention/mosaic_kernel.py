@@ -178,7 +178,7 @@ def _kernel(row_ref, count_ref, pos_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
             k_tile = arrived(k_ring, k_barriers, slot, k_stage)
 
             def scores(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                plgpu.wgmma(acc_ref, qo_smem, k_tile.transpose((1, 0)))   # plgpu.transpose_ref: deprecated in JAX 0.11
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((ROWS, span), jnp.float32))
