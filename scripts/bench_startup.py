@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -37,21 +38,26 @@ def _get_json(url: str, timeout: float = 60) -> dict:
 
 def _stream(base: str, tokens: int, start: float):
     """Open a streamed completion (retrying until the server accepts it); yields the seconds
-    since ``start`` at which each token arrived."""
+    since ``start`` at which each token arrived (a chunk that holds back text for a stop string
+    or an unfinished character brings several at once: its logprobs list them)."""
     body = json.dumps({"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "ignore_eos": True}).encode()
+                       "ignore_eos": True, "logprobs": 0}).encode()
     request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
     while True:
         try:
             response = urllib.request.urlopen(request, timeout=900)
             break
-        except OSError:
+        except urllib.error.HTTPError:      # the server answered: a refusal is no reason to retry
+            raise
+        except OSError:                     # not listening yet
             time.sleep(0.2)
     with response:
         for line in response:
             line = line.decode().strip()
-            if line.startswith("data:") and "[DONE]" not in line and json.loads(line[5:])["choices"][0]["text"]:
-                yield time.perf_counter() - start
+            if line.startswith("data:") and "[DONE]" not in line:
+                now = time.perf_counter() - start
+                for choice in json.loads(line[5:])["choices"]:
+                    yield from [now] * len((choice.get("logprobs") or {}).get("tokens") or [])
 
 
 class _CompileWatch(threading.Thread):
@@ -94,7 +100,8 @@ def start_once(flags: list[str], port: int, tokens: int) -> dict:
             sys.exit("the step buckets were not all compiled in time")
         warm = list(_stream(base, tokens, start))
         while_compiling = [t for t in first if t < watch.done_at]
-        gaps = [b - a for a, b in zip(while_compiling, while_compiling[1:])]
+        arrivals = sorted(set(while_compiling))
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
         return {"first_token_s": round(first[0], 1), "answer_s": round(first[-1], 1), "tokens": len(first),
                 "all_buckets_s": round(watch.done_at, 1), "tokens_while_compiling": len(while_compiling),
                 "tok_s_while_compiling": round(_rate(while_compiling), 1),
@@ -118,12 +125,13 @@ def main() -> None:
     for i in range(args.repeats):
         for name, flags in modes.items():
             row = {"mode": name, "run": i, **start_once([*flags, *args.flags], args.port, args.tokens)}
-            ratio = row["tok_s_while_compiling"] / row["warm_tok_s"] if row["tokens_while_compiling"] > 1 else None
+            ratio = row["tok_s_while_compiling"] / row["warm_tok_s"] if row["tokens_while_compiling"] > 2 else None
+            compiling = (f"while compiling {row['tokens_while_compiling']} tokens at {row['tok_s_while_compiling']} "
+                         f"tok/s (gaps median {row['median_gap_ms']} ms, max {row['max_gap_ms']} ms, "
+                         f"{ratio:.2f}x the warm rate)" if ratio is not None else "no tokens while compiling")
             print(f"{name:22s} run {i}: first token {row['first_token_s']:5.1f} s, {row['tokens']}-token answer "
-                  f"{row['answer_s']:5.1f} s, every bucket compiled {row['all_buckets_s']:6.1f} s; while "
-                  f"compiling {row['tokens_while_compiling']} tokens at {row['tok_s_while_compiling']} tok/s "
-                  f"(gaps median {row['median_gap_ms']} ms, max {row['max_gap_ms']} ms), warm "
-                  f"{row['warm_tok_s']} tok/s" + (f" ({ratio:.2f}x)" if ratio is not None else ""), flush=True)
+                  f"{row['answer_s']:5.1f} s, every bucket compiled {row['all_buckets_s']:6.1f} s; {compiling}; "
+                  f"warm {row['warm_tok_s']} tok/s", flush=True)
             print(json.dumps(row), flush=True)
 
 

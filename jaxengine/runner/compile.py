@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -28,19 +29,93 @@ Pair = tuple[int, int]               # (token bucket, row bucket)
 # One background compile at a time in the process (data-parallel replicas each have a compiler):
 # they share the cores with the steps being served.
 _ONE_AT_A_TIME = threading.Lock()
-# The compiling thread's nice value: XLA compiles on the calling thread, and at equal priority it
-# takes a whole core from the step being served; at 10 the kernel's scheduler gives a runnable
-# step about nine times its share, and the compiler the cores the step leaves idle.
+# While buckets compile in the background, the threads that compile run at this nice value. XLA
+# compiles on threads of its own (a compile executor, a codegen pool, LLVM's workers), not only on
+# the calling one; at equal priority they take most of the cores from the step being served. At 10
+# the kernel's scheduler gives a runnable step about nine times their share, and the compiler the
+# cores the step leaves idle.
 COMPILE_NICENESS = 10
+# While buckets compile, Python's GIL changes hands at least this often. The compiling thread holds
+# it for long stretches (a bucket's tracing and lowering is Python), and a step takes it back many
+# times (each launch, each result): at Python's default of 5 ms a turn, one-token steps measured
+# 7x slower beside a thread running Python, at 0.5 ms 1.5x.
+COMPILE_SWITCH_INTERVAL_S = 0.0005
+# XLA's intra-op pool runs a step's thunks: it keeps its priority, as do the Python threads (the
+# engine loop, the server's event loop, tokenizers).
+STEP_THREAD_PREFIX = "tf_XLAEigen"
 
 
-def _lower_thread_priority() -> None:
-    """Lower the calling thread's priority (Linux: a thread's nice value is its own)."""
+class _YieldingCores:
+    """Counted across the process's background compilers: the first to start lowers the
+    priority of every thread that does not serve steps and shortens the GIL's turns, the last to
+    end restores both (a nice value an unprivileged process cannot lower again stays raised: it
+    matters only where other processes compete for the cores)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._restore: dict[int, int] = {}
+        self._switch_interval = sys.getswitchinterval()
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                self._restore = _lower_priorities(_compiling_threads(threading.get_native_id()))
+                self._switch_interval = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._switch_interval, COMPILE_SWITCH_INTERVAL_S))
+            else:
+                self._restore.update(_lower_priorities([threading.get_native_id()]))
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for thread, niceness in self._restore.items():
+                    _set_priority(thread, niceness)
+                self._restore = {}
+                sys.setswitchinterval(self._switch_interval)
+
+
+def _compiling_threads(compiler: int) -> list[int]:
+    """The calling compiler thread and every native thread of the process that is neither a
+    Python thread nor in XLA's intra-op pool (Linux; elsewhere just the caller)."""
     try:
-        thread = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread, max(COMPILE_NICENESS, os.getpriority(os.PRIO_PROCESS, thread)))
-    except (AttributeError, OSError):      # not Linux, or not permitted: compile at equal priority
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [compiler]
+    python_threads = {t.native_id for t in threading.enumerate()} - {compiler}
+    return [t for t in threads if t not in python_threads and not _name(t).startswith(STEP_THREAD_PREFIX)]
+
+
+def _name(thread: int) -> str:
+    try:
+        with open(f"/proc/self/task/{thread}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _lower_priorities(threads: list[int]) -> dict[int, int]:
+    """Nice each thread to at least COMPILE_NICENESS -> {thread: its nice value before}."""
+    before = {}
+    for thread in threads:
+        try:
+            before[thread] = os.getpriority(os.PRIO_PROCESS, thread)
+        except (AttributeError, OSError):  # gone, or not a platform with per-thread priorities
+            continue
+        _set_priority(thread, max(COMPILE_NICENESS, before[thread]))
+    return before
+
+
+def _set_priority(thread: int, niceness: int) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, niceness)
+    except (AttributeError, OSError):      # gone, or not permitted: it keeps its priority
         pass
+
+
+_YIELDING_CORES = _YieldingCores()
 
 
 class CompileStage(NamedTuple):
@@ -120,25 +195,30 @@ class BackgroundCompiler:
 
     def _run(self) -> None:
         start = time.perf_counter()
-        _lower_thread_priority()
         try:
-            for stage in self.stages:
-                for pair in stage.pairs:
-                    if self.before_compile is not None:
-                        self.before_compile(pair)
-                    if self._stop.is_set():
-                        return
-                    with _ONE_AT_A_TIME:
-                        self.compile_pair(pair)
-                self.publish(limits_of(stage.largest))
-                self._advance()
-            if self.on_done is not None:
+            with _YIELDING_CORES:
+                finished = self._compile_stages()
+            if finished and self.on_done is not None:
                 self.on_done(time.perf_counter() - start)
         except BaseException as error:     # noqa: BLE001 - reported by wait(); the compiled buckets serve on
             self.error = error
             logger.exception("background compilation failed; steps stay within the buckets compiled so far")
         finally:
             self._advance(final=True)
+
+    def _compile_stages(self) -> bool:
+        """True once every stage is compiled, False if closed first."""
+        for stage in self.stages:
+            for pair in stage.pairs:
+                if self.before_compile is not None:
+                    self.before_compile(pair)
+                if self._stop.is_set():
+                    return False
+                with _ONE_AT_A_TIME:
+                    self.compile_pair(pair)
+            self.publish(limits_of(stage.largest))
+            self._advance()
+        return True
 
     def _advance(self, final: bool = False) -> None:
         with self._progress:
