@@ -519,8 +519,8 @@ class LLM:
     def _end_after_failed_step(self, requests: list[Request], error: BaseException) -> NoReturn:
         """After a step raised, as the server does: the requests the failed steps touched end and
         their blocks are freed; the engine goes on. This call's other requests end too (their
-        outputs have no one to go to); then ``error`` reaches the caller (an Exception as a
-        RuntimeError naming the failed requests)."""
+        outputs have no one to go to); then ``error`` itself reaches the caller, its type kept (a
+        CompilationError stays one), with a note naming the requests that failed."""
         try:
             touched = self.engine.abandon_failed_step()
         except Exception as lost:                      # noqa: BLE001 - reported with the failure
@@ -529,11 +529,11 @@ class LLM:
         ours = [r.request_id for r in requests]
         for request_id in dict.fromkeys([*touched, *ours]):
             self.engine.abort(request_id)
-        if not isinstance(error, Exception):
-            raise error
-        failed = [rid for rid in ours if rid in touched] or ours
-        raise RuntimeError(f"requests {failed}: the engine step failed ({type(error).__name__}: {error}); they "
-                           f"were ended and the engine goes on") from error
+        if isinstance(error, Exception):
+            failed = [rid for rid in ours if rid in touched] or ours
+            error.add_note(f"requests {failed}: the engine step failed; this call's requests were ended and the "
+                           f"engine goes on")
+        raise error
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ JAX's own multihost utilities (``multihost_utils.broadcast_one_to_all``: a colle
 device, no sockets of ours), and they launch the same executable on them:
 
 1. a header, ``int32[8]``: command (step, heartbeat, reset, stop), step number, the step's token
-   and row buckets, which of its inputs are sent (the others are the device-resident zeros each
-   process already holds), the number of block-copy pairs, the payload's size in words;
+   and row buckets, which of its inputs are sent (a mask of 62 bits in two words; the others are
+   the device-resident zeros each process already holds), the number of block-copy pairs, the
+   payload's size in words;
 2. for a step: the payload, the sent inputs and the copy pairs packed into one ``int32`` buffer
    whose size is rounded up to a power of two. Header and payload sizes are all broadcast once at
    start-up, so no broadcast compiles afterwards.
@@ -46,6 +47,7 @@ HEARTBEAT, STEP, RESET, STOP = 0, 1, 2, 3
 _HEADER_WORDS = 8
 _MIN_PAYLOAD_WORDS = 256
 _ALIGN = 8                            # bytes: each packed input starts at a multiple of it
+_MASK_BITS = 31                       # bits of the sent-inputs mask in each of its two header words
 
 
 class Watchdog:
@@ -105,7 +107,7 @@ class StepChannel:
         # most block copies a step can emit.
         t, b = runner.token_buckets[-1], runner.request_buckets[-1]
         leaves = jax.tree_util.tree_leaves(self._template(t, b))
-        if len(leaves) > 31:
+        if len(leaves) > 2 * _MASK_BITS:
             raise RuntimeError("a step has more inputs than the header's mask of sent inputs holds")
         largest = sum(_aligned(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape))) for leaf in leaves)
         largest += _aligned(8 * runner.mover.max_copies)
@@ -202,7 +204,8 @@ class StepChannel:
                     if isinstance(leaf, np.ndarray):   # else the device-resident zeros every process holds
                         sent |= 1 << i
                         arrays.append(leaf)
-                header[2:5] = t, b, sent
+                header[2:5] = t, b, sent & (1 << _MASK_BITS) - 1
+                header[7] = sent >> _MASK_BITS
             if copies:
                 arrays.append(np.asarray(copies, np.int32).reshape(-1, 2))
             payload = _pack(arrays, self.payload_buckets)
@@ -217,7 +220,8 @@ class StepChannel:
         """The next command from process 0: (command, moves, inputs or None)."""
         with self.watchdog.guard("waiting for process 0 (its next step or heartbeat)"):
             header = multihost_utils.broadcast_one_to_all(np.zeros(_HEADER_WORDS, np.int32))
-        command, number, t, b, sent, num_copies, words = (int(x) for x in header[:7])
+        command, number, t, b, sent, num_copies, words, sent_high = (int(x) for x in header)
+        sent |= sent_high << _MASK_BITS
         if command != STEP:
             return command, NO_MOVES, None
         self.num_steps = number
