@@ -19,11 +19,15 @@ or a plain JAX loop (see ``hf_baseline`` and ``naive_baseline``) in static batch
 invocation; the result holds their figures, the ratios jaxengine / baseline, and whether their
 greedy tokens equal the engine's. ``--baseline vllm --vllm-python PATH`` runs them through vLLM's
 offline ``LLM`` in its own venv and process, with the engine's limits (``vllm_baseline``).
+``--baseline llamacpp --llamacpp-bin DIR`` runs them through llama.cpp's ``llama-server`` (a
+subprocess: ``max_num_seqs`` slots of ``max_model_len`` tokens, continuous batching) on the
+engine's GGUF or ``--llamacpp-model`` (``llamacpp_baseline``).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 
 from jaxengine.bench.datasets import BenchRequest, add_dataset_arguments, describe, load_requests
@@ -32,7 +36,7 @@ from jaxengine.core.kv_cache_manager import cdiv
 from jaxengine.engine_args import EngineArgs
 from jaxengine.sampling_params import SamplingParams
 
-BASELINES = ("hf", "naive", "vllm")
+BASELINES = ("hf", "naive", "vllm", "llamacpp")
 
 
 def add_arguments(parser) -> None:
@@ -46,7 +50,8 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("baselines")
     group.add_argument("--baseline", action="append", choices=BASELINES, default=[],
                        help="also run the workload through transformers (hf) or a plain JAX dense-cache loop "
-                            "(naive), in static batches; repeatable")
+                            "(naive), in static batches, or through vLLM (vllm) or llama.cpp's server (llamacpp) "
+                            "with the engine's limits; repeatable")
     group.add_argument("--baseline-batch-size", type=int, default=16, help="requests per static batch")
     group.add_argument("--vllm-python", default=None,
                        help="--baseline vllm: the python of a venv with vLLM installed (its CPU build here)")
@@ -54,18 +59,29 @@ def add_arguments(parser) -> None:
                        help="--baseline vllm: a Hugging Face folder of the same model (default: --model)")
     group.add_argument("--vllm-kv-cache-bytes", type=int, default=1 << 30,
                        help="--baseline vllm: its kv_cache_memory_bytes (it otherwise reserves most of the RAM)")
+    group.add_argument("--llamacpp-bin", metavar="DIR", default=None,
+                       help="--baseline llamacpp: the folder of llama.cpp's built binaries (llama-server in it)")
+    group.add_argument("--llamacpp-model", metavar="FILE", default=None,
+                       help="--baseline llamacpp: a GGUF file of the same model (default: the engine's model, when "
+                            "a GGUF file, as the default model is)")
+    group.add_argument("--llamacpp-threads", type=int, metavar="N", default=None,
+                       help="--baseline llamacpp: llama-server's -t (default: the CPUs this process may use)")
     EngineArgs.add_cli_args(parser)
 
 
 def run(args) -> dict:
     if args.n > 1 and args.baseline:
         raise ValueError("--baseline runs one greedy sequence per request: use --n 1")
-    if args.beam_width and (args.n > 1 or {"naive", "vllm"} & set(args.baseline)):
+    if args.beam_width and (args.n > 1 or {"naive", "vllm", "llamacpp"} & set(args.baseline)):
         raise ValueError("--beam-width: with --n 1, against --baseline hf only")
     if "vllm" in args.baseline:
         from jaxengine.bench.vllm_baseline import check_options
 
         check_options(args.vllm_python, args.vllm_model or args.model)     # before the engine starts
+    if "llamacpp" in args.baseline:
+        from jaxengine.bench import llamacpp_baseline
+
+        llamacpp_baseline.check_options(args)
     llm, startup_s = start_engine(EngineArgs.from_cli_args(args), args.progress)
     if "naive" in args.baseline:
         from jaxengine.bench.naive_baseline import check_serves
@@ -260,6 +276,13 @@ def run_baseline(name: str, llm, requests: list[BenchRequest], args, engine_metr
 
         figures, tokens = run_vllm(args.vllm_python, args.vllm_model or str(llm.model_path), requests,
                                    vllm_engine_options(llm, args), args.progress)
+    elif name == "llamacpp":
+        from jaxengine.bench.llamacpp_baseline import run_llamacpp
+
+        sc = llm.config.scheduler
+        figures, tokens = run_llamacpp(args.llamacpp_bin, args.llamacpp_model or str(llm.model_path), requests,
+                                       sc.max_num_seqs, sc.max_model_len,
+                                       args.llamacpp_threads or len(os.sched_getaffinity(0)), args.progress)
     else:
         from jaxengine.bench.naive_baseline import run_naive
 

@@ -168,3 +168,29 @@ def test_the_cpu_kernel_reads_every_fp8_byte_exactly_subnormals_included():
         got = np.concatenate([np.asarray(jax.jit(dense)(jnp.asarray(picks[i:i + rows]), qw))
                               for i in range(0, len(codes) - rows + 1, rows)])
         np.testing.assert_array_equal(got, q[:len(got)].astype(np.float32))
+
+
+@needs_compiler
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-f32"])
+def test_a_decode_rows_bytes_keep_float32s_accuracy_and_its_infs_and_nans(fmt):
+    """Up to 8 rows multiply as bytes on a CPU with AVX-512 VNNI, x written as three int8 terms per
+    group of 32 (each value within 6.2e-8 of its group's largest |x|): the product is within that
+    and float32's rounding of the f64 one however the group's values spread (here over e^16),
+    zero and subnormal groups included, and an inf or a NaN in x reaches the output as in float32
+    arithmetic (the other rows unharmed)."""
+    rng = np.random.default_rng(3)
+    qw, w = quantized(rng, 2, 128, 64, fmt, 32, fmt.startswith("int4"))
+    x = rng.standard_normal((3, 128), np.float32) * np.exp(rng.uniform(-8, 8, (3, 128))).astype(np.float32)
+    x[1, 40:72] = 0.0                                     # a group of zeros
+    x[2, :32] = np.float32(1e-41)                         # a group of subnormals
+    want = x.astype(np.float64) @ w[1].astype(np.float64)
+    spread = np.abs(x).reshape(3, 4, 32).max(-1).repeat(32, -1)        # each value's group's largest |x|
+    bound = (spread * 6.2e-8 + np.abs(x) * 2 ** -22).astype(np.float64) @ np.abs(w[1]).astype(np.float64)
+    got = np.asarray(jax.jit(dense)(x, qw, jnp.int32(1)), np.float64)
+    assert (np.abs(got - want) <= bound + 1e-30).all(), np.abs(got - want).max()
+    for bad in (np.inf, np.nan):
+        y = x.copy()
+        y[1, 5] = bad
+        out = np.asarray(jax.jit(dense)(y, qw, jnp.int32(1)))
+        assert np.isnan(out[1]).any() or np.isinf(out[1]).all()
+        assert (np.abs(out[[0, 2]] - want[[0, 2]]) <= bound[[0, 2]] + 1e-30).all()
