@@ -4,7 +4,8 @@ machine), in its own venv and process (``--vllm-python``), with the engine's lim
 vLLM stays out of jaxengine's dependencies: ``vllm_worker.py`` runs under vLLM's interpreter and
 talks through two JSON files. vLLM loads Hugging Face folders: for the embedded GGUF model give
 ``--vllm-model`` a folder made by ``scripts/export_hf_checkpoint.py``. As vLLM's CPU docs ask,
-tcmalloc and the venv's Intel OpenMP are preloaded when present."""
+tcmalloc and the venv's Intel OpenMP are preloaded when present; the engine core runs in the
+worker's process with an OpenMP thread per CPU (``vllm_env``)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ def run_vllm(python: str, model: str, requests: list[BenchRequest], engine: dict
                                     "output_lens": [r.output_len for r in requests]}))
         if progress:
             print(f"vllm baseline: {len(requests)} requests through {python}", flush=True)
-        done = subprocess.run([python, str(WORKER), str(spec), str(out)], env=vllm_env(python),
+        done = subprocess.run([python, str(WORKER), str(spec), str(out)], env=vllm_env(python, in_process=True),
                               stdout=None if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"vllm baseline failed (exit status {done.returncode}):\n{done.stderr[-3000:]}")
@@ -49,14 +50,21 @@ def check_options(python: str | None, model: str | None) -> None:
                          "default model with scripts/export_hf_checkpoint.py")
 
 
-def vllm_env(python: str) -> dict:
+def vllm_env(python: str, *, in_process: bool = False) -> dict:
     """This environment with vLLM's CPU recommendations added: tcmalloc and the venv's libiomp5 in
-    LD_PRELOAD (its server is started with it too, by scripts/serve_vs_vllm.py)."""
+    LD_PRELOAD (its server is started with it too, by scripts/serve_vs_vllm.py). ``in_process``
+    (the offline baseline): vLLM's engine core in the worker's own process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with an OpenMP thread per CPU, unless already set: in
+    its own process on the CPU it keeps a core for the scheduler, which on a 2-core machine leaves
+    the model one thread (measured: half the output tok/s)."""
     preload = [p for p in (_tcmalloc(), Path(python).resolve().parents[1] / "lib" / "libiomp5.so")
                if p is not None and Path(p).exists()]
     env = dict(os.environ)
     if preload:
         env["LD_PRELOAD"] = ":".join(map(str, preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p]))
+    if in_process:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     return env
 
 
