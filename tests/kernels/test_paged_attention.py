@@ -92,19 +92,24 @@ def test_a_failed_kernel_build_is_an_error_naming_the_compiler(monkeypatch, tmp_
     assert not list((tmp_path / "kernels").iterdir())              # no half-written library left
 
 
+SHORT, LONG = (0, 3, 70, 12, 41, 95, 130), (0, 3, 700, 12, 410, 95, 130)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the CPU decode kernel")
-@pytest.mark.parametrize("kv_heads, group, head_size, page_size, extras", [
-    (3, 3, 64, 16, {}),                                    # the default model's layout
-    (2, 4, 12, 4, {"sliding_window": 7}),                  # a head size off the 8-float lanes
-    (1, 8, 128, 16, {"soft_cap": 3.0}),
-    (4, 1, 32, 64, {}),
-    (2, 4, 64, 16, {"sinks": 2.0}),
-    (3, 3, 64, 16, {"sinks": 1.0, "sliding_window": 9}),
+@pytest.mark.parametrize("kv_heads, group, head_size, page_size, extras, contexts", [
+    (3, 3, 64, 16, {}, SHORT),                             # the default model's layout
+    (3, 3, 64, 16, {}, LONG),                              # over 1 MiB of keys and values: shared by the threads
+    (2, 4, 12, 4, {"sliding_window": 7}, SHORT),           # a head size off the 8-float lanes
+    (1, 8, 128, 16, {"soft_cap": 3.0}, SHORT),
+    (4, 1, 32, 64, {}, SHORT),
+    (2, 4, 64, 16, {"sinks": 2.0}, SHORT),
+    (3, 3, 64, 16, {"sinks": 1.0, "sliding_window": 9}, LONG),
 ])
-def test_the_cpu_decode_kernel_matches_the_jnp_loop(kv_heads, group, head_size, page_size, extras):
+def test_the_cpu_decode_kernel_matches_the_jnp_loop(kv_heads, group, head_size, page_size, extras, contexts):
     """Decodes of many lengths beside a prompt chunk and padding rows: the kernel's decode
-    outputs equal the jnp loop's and the dense result; padding tokens stay zero."""
-    rows = [(c, 1) for c in (0, 3, 70, 12, 41, 95, 130)] + [(5, 20)]
+    outputs equal the jnp loop's and the dense result; padding tokens stay zero. Short rows are
+    read by the calling thread alone, long ones by the pool's threads too."""
+    rows = [(c, 1) for c in contexts] + [(5, 20)]
     q, kc, vc, md, full = make_batch(np.random.default_rng(7), rows, page_size, kv_heads, group, 40, 10,
                                      head_size=head_size)
     scale = head_size ** -0.5

@@ -194,3 +194,24 @@ def test_a_decode_rows_bytes_keep_float32s_accuracy_and_its_infs_and_nans(fmt):
         out = np.asarray(jax.jit(dense)(y, qw, jnp.int32(1)))
         assert np.isnan(out[1]).any() or np.isinf(out[1]).all()
         assert (np.abs(out[[0, 2]] - want[[0, 2]]) <= bound[[0, 2]] + 1e-30).all()
+
+
+@needs_compiler
+@pytest.mark.parametrize("n", [192, 4160])
+def test_decode_rows_multiplied_from_several_threads_at_once_each_get_their_own_product(n):
+    """A few rows' product shares its work with helper threads that one call at a time may use: calls
+    from several threads at once (computations on several devices) each get exactly the product
+    they get alone, narrow weights (a layer's) and wide ones (an LM head's) alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(5)
+    qw, _ = quantized(rng, 2, 256, n, "int4", 32, True)
+    xs = [rng.standard_normal((1 + i % 3, 256), np.float32) for i in range(6)]
+    step = jax.jit(dense)
+    alone = [np.asarray(step(x, qw, jnp.int32(i % 2))) for i, x in enumerate(xs)]
+
+    def repeat(i: int) -> bool:
+        return all(np.array_equal(np.asarray(step(xs[i], qw, jnp.int32(i % 2))), alone[i]) for _ in range(40))
+
+    with ThreadPoolExecutor(len(xs)) as pool:
+        assert all(pool.map(repeat, range(len(xs))))

@@ -15,8 +15,10 @@
 // for all but values far below the group's largest), and VPDPBUSD multiplies 64 weight bytes by 4
 // of x's at a time into 16 columns' int32 sums; each 4 rows of q are turned into [column][4 rows]
 // bytes with one VPERMB. The weights are read as bytes once and never converted to float. The
-// product of a layer's weight runs on the calling thread; a larger one (an LM head) in blocks of 64
-// columns, to whichever thread takes the next.
+// threads share a product by its groups (rows of q), so each streams its own contiguous part of the
+// weight, and their sums are added at the end; they are HotPool's (cpu_pool.h), awake through a
+// decode step's products of 5-40 us each. An LM head's rows (tens of thousands of columns) are
+// fetched ahead along the columns rather than down the rows.
 // More rows (a prefill): each thread dequantises its column block to f32 once and hands it to
 // OpenBLAS's sgemm, whose blocking serves many rows better than the loop above.
 //
@@ -49,7 +51,8 @@ namespace {
 
 constexpr int64_t kFusedRows = 8;        // up to this many rows: the fused loop, else dequantise + sgemm
 constexpr int64_t kFewRowBlocks = 32;    // column blocks of a few rows' product, at most
-constexpr int64_t kSoloBytes = 4 << 20;  // a few rows' product with fewer weight bytes: on the calling thread
+constexpr int64_t kFewRowColumns = 1536; // ... and at least this many columns each where there are enough
+constexpr int64_t kFewRowChunks = 8;     // chunks of groups of a few rows' product as bytes, at most
 
 template <typename S>                    // S: the scales' and offsets' type, _Float16 or float
 struct Weights {
@@ -213,6 +216,8 @@ void FusedColumnsOf(const float* x, const Weights<S>& w, const float* sums, floa
 constexpr int kTerms = 3;                // int8 terms per activation: a + b / 254 + c / 254^2
 constexpr float kTermScale = 1.0f / 254.0f;
 constexpr int64_t kPrefetchRows = 16;   // q rows read ahead of the loop
+constexpr int64_t kWideColumns = 4096;  // from this many columns, the same rows' next columns instead
+constexpr int64_t kPrefetchColumns = 512;
 
 // Rows of q consumed per step (4), and the k values they hold: 8 for int4, 4 for int8.
 template <int V>
@@ -326,8 +331,12 @@ void VnniGroup(const Activations<V>& a, const Weights<S>& w, const float* sums, 
       for (int j = 0; j < W; ++j) acc[r][t][j] = _mm512_setzero_si512();
   for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
     for (int j = 0; j < W; ++j) {
-      if (j == 0)                     // the rows 16 ahead, these columns (measured: 1.5x on K = 1536 at N = 576)
-        for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(w.q + (4 * s + kPrefetchRows + i) * n + c), _MM_HINT_T0);
+      if (j == 0) {
+        if (n < kWideColumns)         // the rows 16 ahead, these columns (measured: 1.5x on K = 1536 at N = 576)
+          for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(w.q + (4 * s + kPrefetchRows + i) * n + c), _MM_HINT_T0);
+        else                          // a wide weight (an LM head): these rows, kPrefetchColumns ahead
+          for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(w.q + (4 * s + i) * n + c + kPrefetchColumns), _MM_HINT_T0);
+      }
       const __m512i bytes = ColumnWords(w.q, n, 4 * s, c + 16 * j);
       if constexpr (V == kInt4) {
         const __m512i low = _mm512_and_si512(bytes, nibble);
@@ -366,19 +375,26 @@ void VnniGroup(const Activations<V>& a, const Weights<S>& w, const float* sums, 
   }
 }
 
-// Group by group, every 16-column tile of [first, last): the q rows of a group are read across
-// the block's columns before the next group's, and each row's sums build up in out.
+// Groups [g_first, g_last) of every 16-column tile of [first, last), group by group: the q rows of
+// a group are read across the block's columns before the next group's, and each row's sums build
+// up in out (set to 0 first). Returns the end of the tiles (the columns past it are left alone).
 template <int V, int M, typename S>
-int64_t VnniColumnsOf(const Activations<V>& a, const Weights<S>& w, const float* sums, float* out, int64_t first, int64_t last) {
+int64_t VnniGroupsOf(const Activations<V>& a, const Weights<S>& w, const float* sums, float* out, int64_t first,
+                     int64_t last, int64_t g_first, int64_t g_last) {
   constexpr int W = M >= 4 ? 1 : 4 / M;                 // 16-column tiles per pass: M x kTerms x W sums
   const int64_t end = first + (last - first) / 16 * 16;
   for (int r = 0; r < M; ++r) std::fill(out + r * w.n + first, out + r * w.n + end, 0.0f);
-  for (int64_t g = 0; g < a.groups; ++g) {
+  for (int64_t g = g_first; g < g_last; ++g) {
     int64_t c = first;
     for (; c + 16 * W <= end; c += 16 * W) VnniGroup<V, M, W, S>(a, w, sums, out, c, g);
     for (; c < end; c += 16) VnniGroup<V, M, 1, S>(a, w, sums, out, c, g);
   }
   return end;
+}
+
+template <int V, int M, typename S>
+int64_t VnniColumnsOf(const Activations<V>& a, const Weights<S>& w, const float* sums, float* out, int64_t first, int64_t last) {
+  return VnniGroupsOf<V, M, S>(a, w, sums, out, first, last, 0, a.groups);
 }
 
 #endif  // JAXENGINE_VNNI
@@ -432,6 +448,19 @@ void FusedColumns(const float* x, const Weights<S>& w, const FewRows<V>& rows, f
 #endif
   kByRows[m - 1](x, w, rows.sums.data(), out, first, last);
 }
+
+#ifdef JAXENGINE_VNNI
+// Groups [g_first, g_last)'s part of out[0..m) x [0, n) (n a multiple of 16), multiplied as bytes.
+template <int V, typename S>
+void BytesGroups(const FewRows<V>& rows, const Weights<S>& w, float* out, int64_t m, int64_t g_first, int64_t g_last) {
+  using Fn = int64_t (*)(const Activations<V>&, const Weights<S>&, const float*, float*, int64_t, int64_t, int64_t,
+                         int64_t);
+  static constexpr Fn kByRows[kFusedRows] = {
+      VnniGroupsOf<V, 1, S>, VnniGroupsOf<V, 2, S>, VnniGroupsOf<V, 3, S>, VnniGroupsOf<V, 4, S>,
+      VnniGroupsOf<V, 5, S>, VnniGroupsOf<V, 6, S>, VnniGroupsOf<V, 7, S>, VnniGroupsOf<V, 8, S>};
+  kByRows[m - 1](rows.bytes, w, rows.sums.data(), out, 0, w.n, g_first, g_last);
+}
+#endif
 
 // Columns [first, last) of w as f32 [K, last - first], 8 columns at a time where it can.
 template <int V, typename S>
@@ -507,21 +536,39 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QB
   float* op = out->typed_data();
   int64_t blocks;
   if (m <= kFusedRows) {
-    // Multiplied as bytes, a layer's weight (under kSoloBytes) on the calling thread alone: handing half of it to a
-    // pool thread cost more than it saved (measured: the default model's 30 layers of projections
-    // at one row, 5.3 ms alone against 6.0-8.1 with two threads on a 2-core VM). A larger one (an
-    // LM head) in blocks of 64 columns, at most kFewRowBlocks, taken in turn by the calling
-    // thread and the pool's: the caller starts at once instead of waiting for a helper's half.
+    // A few rows: shared by the calling thread and HotPool's helpers, which stay awake through a
+    // decode step's many short products (a helper still asleep leaves its part to the caller);
+    // as bytes in chunks of groups, else in column blocks (16-column aligned, two a thread, at
+    // most kFewRowBlocks).
     thread_local FewRows<V> own;                      // (a lambda names a thread_local of its own thread: pass it)
     own.Fill(xp, m, k, w.group);
     const FewRows<V>* rows = &own;
-    if (own.AsBytes() && k / kPack<V> * n < kSoloBytes) {
-      MultiplyColumns<V, S>(xp, w, op, m, 0, n, rows);
+    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+    jaxengine::HotPool& hot = jaxengine::HotPool::Get(static_cast<int>(threads) - 1);
+#ifdef JAXENGINE_VNNI
+    if (own.AsBytes() && n % 16 == 0) {
+      // As bytes: the groups (rows of q) in contiguous chunks, so that each thread streams its own
+      // part of the weight front to back; chunk 0 sums into out, the others into buffers added after.
+      const int64_t groups = own.bytes.groups, chunks = std::min({groups, 2 * threads, kFewRowChunks});
+      thread_local std::vector<float> partial;
+      partial.resize((chunks - 1) * m * n);
+      float* parts = partial.data();
+      hot.Run(chunks, [&, rows, parts](int64_t i) {
+        BytesGroups<V, S>(*rows, w, i == 0 ? op : parts + (i - 1) * m * n, m, i * groups / chunks,
+                          (i + 1) * groups / chunks);
+      });
+      for (int64_t i = 1; i < chunks; ++i) {
+        const float* part = parts + (i - 1) * m * n;
+        for (int64_t j = 0; j < m * n; j += 16)
+          _mm512_storeu_ps(op + j, _mm512_add_ps(_mm512_loadu_ps(op + j), _mm512_loadu_ps(part + j)));
+      }
       return ffi::Error::Success();
     }
-    const int64_t width = std::max<int64_t>(64, (n + kFewRowBlocks - 1) / kFewRowBlocks + 63) / 64 * 64;
+#endif
+    const int64_t wanted = std::min<int64_t>(kFewRowBlocks, std::max<int64_t>(2 * threads, n / kFewRowColumns));
+    const int64_t width = std::max<int64_t>(16, (n + wanted - 1) / wanted + 15) / 16 * 16;
     blocks = (n + width - 1) / width;
-    jaxengine::ParallelFor(pool, blocks, [&, width](int64_t b) {
+    hot.Run(blocks, [&, width](int64_t b) {
       MultiplyColumns<V, S>(xp, w, op, m, b * width, std::min(n, (b + 1) * width), rows);
     });
     return ffi::Error::Success();

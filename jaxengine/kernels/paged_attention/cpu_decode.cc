@@ -28,6 +28,8 @@ namespace {
 constexpr int kMaxHeads = 128;    // query heads this kernel serves (N)
 constexpr int kMaxPage = 64;      // tokens per page this kernel serves (S)
 constexpr int kLanes = 8;         // one AVX2 register of f32
+constexpr int64_t kSoloBytes = 1 << 20;   // keys and values read: less, and the calling thread reads them alone
+constexpr int64_t kPrefetchPages = 1;     // pages read ahead
 
 struct Problem {
   const float* q;
@@ -115,6 +117,12 @@ void attend(const Problem& p, const Item& item) {
     m[head] = p.sinks[head];
     l[head] = p.sinks[head] == -std::numeric_limits<float>::infinity() ? 0.0f : 1.0f;
   }
+  const int64_t elem = p.fp8 ? 1 : sizeof(float);
+  for (int64_t page = first / p.page_size; page * p.page_size < len && page < first / p.page_size + kPrefetchPages; ++page) {
+    const int64_t block = p.tables[row * p.width + page];
+    prefetch_page(static_cast<const char*>(p.k_cache) + block * page_stride * elem,
+                  static_cast<const char*>(p.v_cache) + block * page_stride * elem, page_stride * elem);
+  }
   for (int64_t page = first / p.page_size; page * p.page_size < len; ++page) {
     const int64_t block = p.tables[row * p.width + page];
     const int64_t t0 = std::max(first, page * p.page_size), t1 = std::min(len, (page + 1) * p.page_size);
@@ -124,8 +132,8 @@ void attend(const Problem& p, const Item& item) {
     if (p.fp8) k_buf.resize(page_stride), v_buf.resize(page_stride);
     const float* k = cache_floats(p, p.k_cache, at, n * token_stride, k_buf.data());
     const float* v = cache_floats(p, p.v_cache, at, n * token_stride, v_buf.data());
-    if ((page + 1) * p.page_size < len) {
-      const int64_t next = p.tables[row * p.width + page + 1], item = p.fp8 ? 1 : sizeof(float);
+    if ((page + kPrefetchPages) * p.page_size < len) {
+      const int64_t next = p.tables[row * p.width + page + kPrefetchPages], item = p.fp8 ? 1 : sizeof(float);
       prefetch_page(static_cast<const char*>(p.k_cache) + next * page_stride * item,
                     static_cast<const char*>(p.v_cache) + next * page_stride * item, page_stride * item);
     }
@@ -192,6 +200,13 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   for (int64_t r : order)
     for (int64_t h = 0; h < kv_heads; h += split ? 1 : kv_heads)
       items.push_back(Item{r, h, split ? h + 1 : kv_heads});
+  // Little to read (a decode of one short row): on the calling thread, as waking a pool thread
+  // costs about what the work does.
+  const int64_t keys = std::accumulate(len, len + rows, int64_t{0}, [](int64_t a, int32_t n) { return a + std::max(n, 0); });
+  if (keys * kv_heads * head_size * 2 * (fp8 ? 1 : 4) < kSoloBytes) {
+    for (const Item& item : items) attend(problem, item);
+    return ffi::Error::Success();
+  }
   jaxengine::ParallelFor(pool, static_cast<int64_t>(items.size()),
                          [&](int64_t i) { attend(problem, items[i]); });
   return ffi::Error::Success();
