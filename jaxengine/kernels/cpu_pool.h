@@ -86,7 +86,7 @@ inline void CpuRelax() {
 // find no helpers and run alone.
 class HotPool {
  public:
-  static constexpr int64_t kSpinNs = 200000;
+  static constexpr int64_t kSpinNs = 50000;
   static constexpr int kYieldSpins = 64;               // spins between offers of the core to another thread
 
   // The pool with ``helpers`` threads (the first call's count is kept).

@@ -197,11 +197,12 @@ def test_a_decode_rows_bytes_keep_float32s_accuracy_and_its_infs_and_nans(fmt):
 
 
 @needs_compiler
-@pytest.mark.parametrize("n", [192, 4160])
+@pytest.mark.parametrize("n", [192, 200, 4160])
 def test_decode_rows_multiplied_from_several_threads_at_once_each_get_their_own_product(n):
     """A few rows' product shares its work with helper threads that one call at a time may use: calls
     from several threads at once (computations on several devices) each get exactly the product
-    they get alone, narrow weights (a layer's) and wide ones (an LM head's) alike."""
+    they get alone, narrow weights (a layer's), wide ones (an LM head's) and widths off the 16-column
+    tiles (split by columns) alike."""
     from concurrent.futures import ThreadPoolExecutor
 
     rng = np.random.default_rng(5)

@@ -53,6 +53,7 @@ constexpr int64_t kFusedRows = 8;        // up to this many rows: the fused loop
 constexpr int64_t kFewRowBlocks = 32;    // column blocks of a few rows' product, at most
 constexpr int64_t kFewRowColumns = 1536; // ... and at least this many columns each where there are enough
 constexpr int64_t kFewRowChunks = 8;     // chunks of groups of a few rows' product as bytes, at most
+constexpr int64_t kSoloBytes = 16 << 10; // a few rows' product with fewer weight bytes: on the calling thread
 
 template <typename S>                    // S: the scales' and offsets' type, _Float16 or float
 struct Weights {
@@ -543,8 +544,9 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QB
     thread_local FewRows<V> own;                      // (a lambda names a thread_local of its own thread: pass it)
     own.Fill(xp, m, k, w.group);
     const FewRows<V>* rows = &own;
-    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-    jaxengine::HotPool& hot = jaxengine::HotPool::Get(static_cast<int>(threads) - 1);
+    const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
+    jaxengine::HotPool& hot = jaxengine::HotPool::Get(static_cast<int>(pool_threads) - 1);
+    const int64_t threads = k / kPack<V> * n < kSoloBytes ? 1 : pool_threads;      // 1: the caller alone
 #ifdef JAXENGINE_VNNI
     if (own.AsBytes() && n % 16 == 0) {
       // As bytes: the groups (rows of q) in contiguous chunks, so that each thread streams its own
@@ -565,7 +567,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QB
       return ffi::Error::Success();
     }
 #endif
-    const int64_t wanted = std::min<int64_t>(kFewRowBlocks, std::max<int64_t>(2 * threads, n / kFewRowColumns));
+    const int64_t wanted = threads == 1 ? 1 : std::min<int64_t>(kFewRowBlocks, std::max<int64_t>(2 * threads, n / kFewRowColumns));
     const int64_t width = std::max<int64_t>(16, (n + wanted - 1) / wanted + 15) / 16 * 16;
     blocks = (n + width - 1) / width;
     hot.Run(blocks, [&, width](int64_t b) {
