@@ -311,6 +311,8 @@ class Engine:
         seq_ids.update(new.seq_id for out in steps for new in out.new_seqs)
         # The runner may never have seen these steps: tell it again which sequences to forget.
         s.resend_finished(seq_id for out in steps for seq_id in out.finished_seq_ids)
+        if steps:       # their prompt blocks were cached when scheduled, and may never be computed
+            s.kv.reset_prefix_cache()
         abandon = getattr(self.runner, "abandon_uncollected", None)      # optional (``Runner``)
         if abandon is not None:
             abandon()

@@ -102,9 +102,9 @@ class EngineArgs:
     skip_kernel_check: bool = _option(
         False, "on an accelerator, skip the start-up check of the attention kernel and KV write against "
                "the plain-jnp path (a kernel that fails to compile or disagrees is otherwise replaced by it)")
-    async_scheduling: bool | None = _option(
-        None, "schedule and launch step n+1 while step n computes (default: on for an accelerator, off on "
-              "the CPU, where host and device share the cores)")
+    async_scheduling: bool = _option(
+        True, "schedule and launch step n+1 while step n computes, so the host's work overlaps the device's "
+              "(on the CPU too: the step's kernels leave the host thread to the scheduler)")
     token_buckets: list[int] | None = _option(
         None, "step token counts compiled, comma-separated (default: powers of two up to "
               "--max-num-batched-tokens)")

@@ -201,13 +201,10 @@ class LLM:
 
     def _engine(self, runner: ModelRunner, replica: int) -> Engine:
         args = self.engine_args
-        async_scheduling = args.async_scheduling
-        if async_scheduling is None:
-            async_scheduling = jax.devices()[0].platform != "cpu"
         trace_file = args.trace_file
         if trace_file is not None and args.data_parallel_size > 1:
             trace_file = replica_trace_file(trace_file, replica)
-        return Engine(self.config, runner, eos_token_id=self._eos_token_id(), async_scheduling=async_scheduling,
+        return Engine(self.config, runner, eos_token_id=self._eos_token_id(), async_scheduling=args.async_scheduling,
                       trace_file=trace_file, grammar_compiler=self.grammar_compiler)
 
     def _runner(self, model, mesh, progress: bool) -> ModelRunner:

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxengine.bench.launch import launched_server
-from jaxengine.bench.serve import RequestResult, meets_slos, request_body, stream_request
+from jaxengine.bench.serve import RequestResult, request_body, stream_request
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lab import Workload, load_profile, simulate, tune
 from jaxengine.lab.step_shape import StepShape

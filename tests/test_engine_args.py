@@ -61,23 +61,23 @@ def test_flags_reach_the_engine_config():
 
 def test_to_cli_args_writes_what_differs_from_the_defaults_and_parses_back():
     assert EngineArgs().to_cli_args() == []
-    args = EngineArgs(model="/m", max_num_batched_tokens=96, enable_prefix_caching=False, async_scheduling=True,
+    args = EngineArgs(model="/m", max_num_batched_tokens=96, enable_prefix_caching=False, async_scheduling=False,
                       token_buckets=[32, 96], scheduler_delay_factor=0.5, preemption_mode="swap")
     assert args.to_cli_args() == ["--model", "/m", "--max-num-batched-tokens", "96", "--no-enable-prefix-caching",
                                   "--preemption-mode", "swap", "--scheduler-delay-factor", "0.5",
-                                  "--async-scheduling", "--token-buckets", "32,96"]
+                                  "--no-async-scheduling", "--token-buckets", "32,96"]
     assert EngineArgs.from_cli_args(serve_args(args.to_cli_args())) == args
 
 
 def test_flags_reach_the_llm(module):
     args = EngineArgs.from_cli_args(serve_args(["--max-num-batched-tokens", "64", "--max-num-seqs", "8",
                                                 "--token-buckets", "16,64", "--num-kv-blocks", "30",
-                                                "--no-warm-up", "--async-scheduling"]))
+                                                "--no-warm-up", "--no-async-scheduling"]))
     llm = LLM(module, model_config=CFG, progress=False, **{k: v for k, v in dataclasses.asdict(args).items()
                                                           if k != "model"})
     assert llm.runner.token_buckets == [16, 64]
     assert (llm.config.scheduler.max_num_batched_tokens, llm.config.cache.num_gpu_blocks) == (64, 30)
-    assert llm.engine.async_scheduling is True
+    assert llm.engine.async_scheduling is False
 
 
 def test_kv_pool_sized_from_the_byte_budget_on_the_cpu():

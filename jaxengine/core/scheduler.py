@@ -54,6 +54,7 @@ class StepState:
     preempted: bool = False               # a step that preempted admits nothing
     new_seqs: list[Sequence] = field(default_factory=list)        # the runner has not seen them
     changed_seqs: list[Sequence] = field(default_factory=list)    # seen, their block table changed
+    added_seqs: list[Sequence] = field(default_factory=list)      # rows from ``_add_row`` (prompt chunks)
 
 
 class Scheduler:
@@ -257,6 +258,7 @@ class Scheduler:
                     continue                       # it holds its place until update_from_output
                 if nc >= len(seq.block_table) * bs:                 # its last block is full
                     if not self._make_room(step, group, lambda: kv.allocate_slots(seq, 1)):
+                        num_seqs += group.status is RUNNING     # (outgrew the pool: its last token is in flight)
                         continue
                     if not seq.is_new:
                         step.changed_seqs.append(seq)
@@ -276,6 +278,8 @@ class Scheduler:
             elif self._make_room(step, group, lambda: kv.can_append_slots(group)):
                 self._schedule_seqs(step, group)
                 num_seqs += group.max_num_running_seqs
+            elif group.status is RUNNING:          # outgrew the pool with its last tokens in flight:
+                num_seqs += group.max_num_running_seqs     # it holds its seats until they are back
         step.budget -= num_decodes
         step.num_seqs += num_seqs
         for group in prefilling:
@@ -405,6 +409,7 @@ class Scheduler:
         # With a placeholder, the row's last input is the previous step's sample, still on the device.
         out.previous_sample_rows.append(seq.pending_sample_row if seq.num_pending else -1)
         out.scheduled_seqs.append(seq)
+        step.added_seqs.append(seq)
         seq.num_computed_tokens = computed = computed + n
         step.budget -= n
         if computed < len(seq.token_ids):
@@ -744,6 +749,13 @@ class Scheduler:
         for seq in step.changed_seqs:
             if seq.status is RUNNING and not seq.is_new:
                 out.block_tables[seq.seq_id] = list(seq.block_table)
+        if self.kv.enable_caching:
+            # The prompt blocks this step fills are cached now, not when its results come back:
+            # the device runs steps in order, so a step scheduled before then (async scheduling's
+            # step launched ahead) may read them. (A step that fails drops the prefix cache.)
+            for seq in step.added_seqs:
+                if seq.status is RUNNING:
+                    self.kv.cache_full_blocks(seq)
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out

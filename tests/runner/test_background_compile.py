@@ -146,7 +146,7 @@ def test_once_compiled_the_limits_are_the_configured_ones(gated, health):
     llm.engine.traces = []
     with llm.runner.forbid_compiles():
         llm.generate([list(range(100, 140))], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    assert llm.engine.traces[0].num_prefill_tokens == 40                               # one chunk now
+    assert max(t.num_prefill_tokens for t in llm.engine.traces) == 40                  # one chunk now
 
 
 EXITS_WHILE_COMPILING = """

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine.core.scheduler_output import NewSequenceData, SchedulerOutput
-from jaxengine.request import PLACEHOLDER
+from jaxengine.request import PLACEHOLDER, RequestStatus
 from jaxengine.runner.fake_runner import HashRunner
 from jaxengine.runner.input_batch import InputBatch
 from jaxengine.sampling_params import SamplingParams
@@ -19,18 +19,24 @@ from tests.helpers import Harness
 
 
 class ContractCheckingRunner(HashRunner):
-    """Checks every row against its own record of what earlier steps computed and sampled."""
+    """Checks every row against its own record of what earlier steps computed and sampled, and
+    that it never holds more sequences than max_num_seqs (the real runner's slots)."""
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args, max_num_seqs: int) -> None:
         super().__init__(*args)
+        self.max_num_seqs = max_num_seqs
         self.done: dict[int, int] = {}          # seq id -> tokens computed by the steps so far
+        self.held: set[int] = set()             # sequences seen, not yet finished or preempted
         self.sample_rows: list[int] = []        # the previous step's sample rows -> seq id
         self.num_from_previous = 0
 
     def execute(self, out: SchedulerOutput):
         for seq_id in (*out.finished_seq_ids, *out.preempted_seq_ids):
             self.done.pop(seq_id, None)
+            self.held.discard(seq_id)
         new = {s.seq_id for s in out.new_seqs}
+        self.held |= new
+        assert len(self.held) <= self.max_num_seqs, (sorted(self.held), self.max_num_seqs)
         rows = zip(out.scheduled_seqs, out.num_computed_tokens, out.num_scheduled_tokens, out.previous_sample_rows)
         for seq, computed, n, previous in rows:
             assert seq.seq_id in new or computed == self.done[seq.seq_id]
@@ -48,7 +54,8 @@ class ContractCheckingRunner(HashRunner):
 def checked_harness(**config) -> Harness:
     h = Harness(**config)
     cache = h.config.cache
-    h.runner = h.engine.runner = ContractCheckingRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size)
+    h.runner = h.engine.runner = ContractCheckingRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size,
+                                                        max_num_seqs=h.config.scheduler.max_num_seqs)
     return h
 
 
@@ -118,3 +125,17 @@ def test_input_batch_builds_the_metadata_from_the_rows():
     batch.record_samples(out, slots, np.asarray([40, 41]))
     assert batch.tokens[slots[0], :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 40]
     assert batch.slot_of[12] == slots[1] and batch.tokens[slots[1], :8].tolist() == [1, 1, 7, 6, 5, 4, 0, 0]
+
+
+def test_a_group_ending_by_length_with_its_last_tokens_in_flight_holds_its_seats():
+    """Async scheduling: a group of 4 that outgrows the pool while its last tokens are on the
+    device ends by length and keeps its 4 seats until those tokens are back, so a waiting request
+    that would fit the pool's free blocks is not admitted past max_num_seqs=4 meanwhile (the
+    runner holds a slot per sequence: it would have 5)."""
+    h = checked_harness(async_scheduling=True, num_gpu_blocks=12, max_num_seqs=4)     # 11 usable blocks
+    g = h.add("g", 4, n=4, max_tokens=20)
+    w = h.add("w", 2, max_tokens=2)
+    h.run()
+    assert g.status is RequestStatus.FINISHED_LENGTH and [s.num_output_tokens for s in g.seqs] == [9] * 4
+    assert w.status is RequestStatus.FINISHED_LENGTH and w.seqs[0].num_output_tokens == 2
+    assert h.kv.num_free_blocks == 11

@@ -50,7 +50,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kFusedRows = 8;        // up to this many rows: the fused loop, else dequantise + sgemm
-constexpr int64_t kFewRowBlocks = 32;    // column blocks of a few rows' product, at most
+constexpr int64_t kFewRowBlocks = 32;    // column blocks of a few rows' product not taken as bytes, at most
 constexpr int64_t kFewRowColumns = 1536; // ... and at least this many columns each where there are enough
 constexpr int64_t kFewRowChunks = 8;     // chunks of groups of a few rows' product as bytes, at most
 constexpr int64_t kSoloBytes = 16 << 10; // a few rows' product with fewer weight bytes: on the calling thread
@@ -393,9 +393,17 @@ int64_t VnniGroupsOf(const Activations<V>& a, const Weights<S>& w, const float* 
   return end;
 }
 
-template <int V, int M, typename S>
-int64_t VnniColumnsOf(const Activations<V>& a, const Weights<S>& w, const float* sums, float* out, int64_t first, int64_t last) {
-  return VnniGroupsOf<V, M, S>(a, w, sums, out, first, last, 0, a.groups);
+template <int V, typename S>
+using VnniFn = int64_t (*)(const Activations<V>&, const Weights<S>&, const float*, float*, int64_t, int64_t, int64_t,
+                           int64_t);
+
+// VnniGroupsOf for m rows (1 <= m <= kFusedRows).
+template <int V, typename S>
+VnniFn<V, S> VnniGroupsFor(int64_t m) {
+  static constexpr VnniFn<V, S> kByRows[kFusedRows] = {
+      VnniGroupsOf<V, 1, S>, VnniGroupsOf<V, 2, S>, VnniGroupsOf<V, 3, S>, VnniGroupsOf<V, 4, S>,
+      VnniGroupsOf<V, 5, S>, VnniGroupsOf<V, 6, S>, VnniGroupsOf<V, 7, S>, VnniGroupsOf<V, 8, S>};
+  return kByRows[m - 1];
 }
 
 #endif  // JAXENGINE_VNNI
@@ -439,29 +447,12 @@ void FusedColumns(const float* x, const Weights<S>& w, const FewRows<V>& rows, f
       FusedColumnsOf<V, 5, S>, FusedColumnsOf<V, 6, S>, FusedColumnsOf<V, 7, S>, FusedColumnsOf<V, 8, S>};
 #ifdef JAXENGINE_VNNI
   if (rows.has_bytes) {
-    using Bytes = int64_t (*)(const Activations<V>&, const Weights<S>&, const float*, float*, int64_t, int64_t);
-    static constexpr Bytes kBytesByRows[kFusedRows] = {
-        VnniColumnsOf<V, 1, S>, VnniColumnsOf<V, 2, S>, VnniColumnsOf<V, 3, S>, VnniColumnsOf<V, 4, S>,
-        VnniColumnsOf<V, 5, S>, VnniColumnsOf<V, 6, S>, VnniColumnsOf<V, 7, S>, VnniColumnsOf<V, 8, S>};
-    first = kBytesByRows[m - 1](rows.bytes, w, rows.sums.data(), out, first, last);
+    first = VnniGroupsFor<V, S>(m)(rows.bytes, w, rows.sums.data(), out, first, last, 0, rows.bytes.groups);
     if (first >= last) return;
   }
 #endif
   kByRows[m - 1](x, w, rows.sums.data(), out, first, last);
 }
-
-#ifdef JAXENGINE_VNNI
-// Groups [g_first, g_last)'s part of out[0..m) x [0, n) (n a multiple of 16), multiplied as bytes.
-template <int V, typename S>
-void BytesGroups(const FewRows<V>& rows, const Weights<S>& w, float* out, int64_t m, int64_t g_first, int64_t g_last) {
-  using Fn = int64_t (*)(const Activations<V>&, const Weights<S>&, const float*, float*, int64_t, int64_t, int64_t,
-                         int64_t);
-  static constexpr Fn kByRows[kFusedRows] = {
-      VnniGroupsOf<V, 1, S>, VnniGroupsOf<V, 2, S>, VnniGroupsOf<V, 3, S>, VnniGroupsOf<V, 4, S>,
-      VnniGroupsOf<V, 5, S>, VnniGroupsOf<V, 6, S>, VnniGroupsOf<V, 7, S>, VnniGroupsOf<V, 8, S>};
-  kByRows[m - 1](rows.bytes, w, rows.sums.data(), out, 0, w.n, g_first, g_last);
-}
-#endif
 
 // Columns [first, last) of w as f32 [K, last - first], 8 columns at a time where it can.
 template <int V, typename S>
@@ -556,8 +547,8 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QB
       partial.resize((chunks - 1) * m * n);
       float* parts = partial.data();
       hot.Run(chunks, [&, rows, parts](int64_t i) {
-        BytesGroups<V, S>(*rows, w, i == 0 ? op : parts + (i - 1) * m * n, m, i * groups / chunks,
-                          (i + 1) * groups / chunks);
+        VnniGroupsFor<V, S>(m)(rows->bytes, w, rows->sums.data(), i == 0 ? op : parts + (i - 1) * m * n, 0, n,
+                               i * groups / chunks, (i + 1) * groups / chunks);
       });
       for (int64_t i = 1; i < chunks; ++i) {
         const float* part = parts + (i - 1) * m * n;
