@@ -2,9 +2,10 @@
 (in a process of its own: the suite's own faster-compiling flags produce other programs, where a
 whole-pool copy in every layer once went unseen and made decoding hundreds of times slower).
 
-For every configuration the engine serves, every step, block move and draft program: no temporary
-buffer and no copy as large as one layer's part of the KV pool (a pool of 2048 blocks, far larger
-than any weight of these tiny models), and the steps update the donated caches in place. And for
+For every configuration the engine serves, its block moves, draft programs and steps (of one row;
+of 4 rows too for the plain configuration): no temporary buffer and no copy as large as one
+layer's part of the KV pool (a pool of 2048 blocks, far larger than any weight of these tiny
+models), and the steps update the donated caches in place. And for
 the default model's own shapes, a decode step reads within a small multiple of what it must read:
 its weights and the KV of its tokens. Each check fails on the code that copied the pool (every
 configuration here did, in its one-row steps)."""
