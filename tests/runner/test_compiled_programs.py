@@ -2,10 +2,9 @@
 (in a process of its own: the suite's own faster-compiling flags produce other programs, where a
 whole-pool copy in every layer once went unseen and made decoding hundreds of times slower).
 
-For every configuration the engine serves, its block moves, draft programs and steps (of one row;
-of 4 rows too for the plain configuration): no temporary buffer and no copy as large as one
-layer's part of the KV pool (a pool of 2048 blocks, far larger than any weight of these tiny
-models), and the steps update the donated caches in place. And for
+For every configuration the engine serves, every step, block move and draft program: no temporary
+buffer and no copy as large as one layer's part of the KV pool (a pool of 2048 blocks, far larger
+than any weight of these tiny models), and the steps update the donated caches in place. And for
 the default model's own shapes, a decode step reads within a small multiple of what it must read:
 its weights and the KV of its tokens. Each check fails on the code that copied the pool (every
 configuration here did, in its one-row steps)."""
@@ -62,11 +61,6 @@ def llama(tmp_path_factory):
     return folder
 
 
-# One row a step: the variants' steps of 1 and 16 tokens (a 4-row step compiles in twice the time of
-# both, and its attention and sampling are the plain configuration's, which compiles it).
-ONE_ROW = dict(request_buckets=[1], max_num_seqs=1)
-
-
 def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_factory, llama):
     """GQA, quantized weights, an FP8 cache, LoRA, one KV head per device under tensor
     parallelism, latent attention (alone and under tensor parallelism), a mixture of experts."""
@@ -75,14 +69,14 @@ def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_facto
     moe = tmp_path_factory.mktemp("programs-moe")
     make_checkpoint(moe, MOE_VARIANTS["qwen3-moe"][0], **MOE_VARIANTS["qwen3-moe"][1])
     configs = [dict(name="gqa", model=llama),
-               dict(name="int4 weights", model=llama, options=dict(quantization="int4", **ONE_ROW)),
-               dict(name="fp8 KV cache", model=llama, options=dict(kv_cache_dtype="fp8", **ONE_ROW)),
-               dict(name="LoRA", model=llama, options=dict(enable_lora=True, max_lora_rank=8, **ONE_ROW)),
+               dict(name="int4 weights", model=llama, options=dict(quantization="int4")),
+               dict(name="fp8 KV cache", model=llama, options=dict(kv_cache_dtype="fp8")),
+               dict(name="LoRA", model=llama, options=dict(enable_lora=True, max_lora_rank=8)),
                dict(name="one KV head per device", model=llama, options=dict(tensor_parallel_size=TINY[
-                   "num_key_value_heads"], **ONE_ROW)),
-               dict(name="latent attention", model=deepseek, options=ONE_ROW),
-               dict(name="latent attention, 2 devices", model=deepseek, options=dict(tensor_parallel_size=2, **ONE_ROW)),
-               dict(name="mixture of experts", model=moe, options=ONE_ROW)]
+                   "num_key_value_heads"])),
+               dict(name="latent attention", model=deepseek),
+               dict(name="latent attention, 2 devices", model=deepseek, options=dict(tensor_parallel_size=2)),
+               dict(name="mixture of experts", model=moe)]
     reports = run_probe(tmp_path, configs)
     assert sorted(reports) == sorted(c["name"] for c in configs)
     assert all(any(n.startswith("block") for n in r["programs"]) for r in reports.values())   # moves were read too
@@ -103,10 +97,10 @@ def test_the_speculative_proposers_compile_without_a_pool_copy(tmp_path, tmp_pat
     add_mtp_layer(deepseek, make_deepseek_checkpoint(deepseek, "no-q-lora"))
     spec = dict(num_speculative_tokens=2)
     configs = [dict(name="draft model", model=llama,
-                    options=dict(speculative_config={**spec, "method": "draft_model", "model": str(llama)}, **ONE_ROW)),
+                    options=dict(speculative_config={**spec, "method": "draft_model", "model": str(llama)})),
                dict(name="EAGLE-3", model=llama,
-                    options=dict(speculative_config={**spec, "method": "eagle3", "model": str(head)}, **ONE_ROW)),
-               dict(name="MTP", model=deepseek, options=dict(speculative_config={**spec, "method": "mtp"}, **ONE_ROW))]
+                    options=dict(speculative_config={**spec, "method": "eagle3", "model": str(head)})),
+               dict(name="MTP", model=deepseek, options=dict(speculative_config={**spec, "method": "mtp"}))]
     reports = run_probe(tmp_path, configs)
     assert all(any(n.startswith("draft proposal") for n in r["programs"]) for r in reports.values())
     problems = pool_copies(reports)
