@@ -41,7 +41,9 @@ def run_ci(tmp_path: Path, tests: dict[str, str], tools: dict[str, str] | None =
     for name in ("dirname", "mkdir", "chmod") if tools else ():
         (bin_dir / name).symlink_to(shutil.which(name))
     path = str(bin_dir) if tools else f"{bin_dir}:{os.environ['PATH']}"
-    env = {**os.environ, **(env or {}), "PATH": path}
+    # -n auto as one process (xdist's worker count from its environment): what is checked is the
+    # script's handling of pytest's status, and two workers starting would only add seconds.
+    env = {**os.environ, "PYTEST_XDIST_AUTO_NUM_WORKERS": "0", **(env or {}), "PATH": path}
     return subprocess.run([shutil.which("bash"), str(checkout / ".ci" / "run")], env=env, capture_output=True,
                           text=True, timeout=120)
 

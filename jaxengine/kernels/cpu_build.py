@@ -8,6 +8,7 @@ XLA's path.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -23,6 +24,11 @@ import jax
 import jaxlib
 
 from jaxengine.models.paths import cache_dir
+
+try:
+    import fcntl
+except ImportError:        # not on Windows
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -45,8 +51,9 @@ def register_kernel(source: Path, symbol: str, target: str, what: str, *, includ
 
 
 def built_library(source: Path, *, include_dirs: Sequence[str] = (), link_args: Sequence[str] = ()) -> Path:
-    """The compiled ``source``, built on first use; concurrent builders each write their own file
-    and rename it into place, and a failed build leaves nothing behind."""
+    """The compiled ``source``, built on first use, by one process while others starting together
+    wait for it; the build is written to a file of its own and renamed into place, so a failed
+    build leaves nothing behind."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise FileNotFoundError("no C++ compiler (g++ or $CXX) on PATH")
@@ -58,15 +65,35 @@ def built_library(source: Path, *, include_dirs: Sequence[str] = (), link_args: 
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        pass
-    try:
-        subprocess.run([compiler, *FLAGS, *(f"-I{d}" for d in includes), str(source), "-o", tmp.name, *link_args],
-                       check=True, capture_output=True, text=True)
-        os.replace(tmp.name, path)
-    finally:
-        Path(tmp.name).unlink(missing_ok=True)
+    with _build_lock(cache_dir() / "locks" / f"{path.stem}.lock"):
+        if path.exists():                  # another process built it while this one waited
+            return path
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+            pass
+        try:
+            subprocess.run([compiler, *FLAGS, *(f"-I{d}" for d in includes), str(source), "-o", tmp.name,
+                            *link_args], check=True, capture_output=True, text=True)
+            os.replace(tmp.name, path)
+        finally:
+            Path(tmp.name).unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def _build_lock(lock: Path):
+    """Processes starting together (a server's replicas, a job's processes) build a kernel once:
+    the others wait for it (a build takes seconds of a core). Where there are no file locks, each
+    builds its own copy and the rename keeps the cache whole."""
+    if fcntl is None:
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _cpu_identity() -> bytes:

@@ -33,13 +33,14 @@ while not go.exists():
 """
 
 
-def race(tmp_path: Path, setup: str, act: str, cache: Path) -> list[str]:
-    """Run ``setup`` then, all at once, ``act`` in PROCESSES processes on ``cache``; their stdouts."""
+def race(tmp_path: Path, setup: str, act: str, cache: Path, **env_vars: str) -> list[str]:
+    """Run ``setup`` then, all at once, ``act`` in PROCESSES processes on ``cache`` (``env_vars``
+    added to their environment); their stdouts."""
     runs = tmp_path / "runs"
     runs.mkdir()
     go = runs / "go"
     script = START.format(setup=setup, act=act)
-    env = {**os.environ, "JAXENGINE_CACHE": str(cache), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAXENGINE_CACHE": str(cache), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **env_vars}
     procs = [subprocess.Popen([sys.executable, "-c", script, str(runs / f"ready{i}"), str(go)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(PROCESSES)]
     try:
@@ -139,6 +140,7 @@ def leaves(state) -> dict[str, np.ndarray]:
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build a kernel")
 def test_a_kernel_is_built_once_whole_when_processes_start_together(tmp_path):
+    """Four processes need the same kernel at once: one builds it, the others wait and load it."""
     source = tmp_path / "answer.cc"
     source.write_text('extern "C" int answer() { return 42; }\n')
     setup = """
@@ -150,7 +152,12 @@ path = built_library(Path({str(source)!r}))
 print(path.name, ctypes.CDLL(str(path)).answer(), hashlib.sha256(path.read_bytes()).hexdigest())
 """
     cache = tmp_path / "cache"
-    outs = race(tmp_path, setup, act, cache)
+    builds = tmp_path / "builds.log"            # the compiler, counting its runs
+    compiler = tmp_path / "cxx"
+    compiler.write_text(f'#!/bin/sh\necho build >> {builds}\nexec {shutil.which("g++")} "$@"\n')
+    compiler.chmod(0o755)
+    outs = race(tmp_path, setup, act, cache, CXX=str(compiler))
+    assert builds.read_text() == "build\n"      # one process built it, the others waited for it
     names = os.listdir(cache / "kernels")
     assert len(names) == 1 and names[0].startswith("answer-") and names[0].endswith(".so")
     digest = hashlib.sha256((cache / "kernels" / names[0]).read_bytes()).hexdigest()
