@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.kernels.matmul import dense
+from jaxengine.kernels.matmul import dense, dense_each
 from jaxengine.kernels.matmul.quantized import FP8_MAX, QuantizedWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
 from jaxengine.kernels.paged_attention.layout import FP8, is_fp8
@@ -178,9 +178,8 @@ class Attention(nnx.Module):
                  layer: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """``layer``: the projections are stacked [L, ...] and this is layer ``layer`` of them."""
         cfg = self.cfg
-        q = self.dense_fn(x, self.q_proj[...], layer)                # [T, N, H]
-        k = self.dense_fn(x, self.k_proj[...], layer)                # [T, K, H]
-        v = self.dense_fn(x, self.v_proj[...], layer)
+        q, k, v = dense_each(self.dense_fn, x, (self.q_proj[...], self.k_proj[...], self.v_proj[...]),
+                             layer)                               # [T, N, H], [T, K, H], [T, K, H]
         lora = adapters(self, md)
         if lora is not None:
             q, k, v = (p + d.reshape(p.shape) for p, d in zip((q, k, v), lora.deltas("qkv", x, md, layer)))
@@ -247,8 +246,7 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, layer: jax.Array | None = None, md: AttentionMetadata | None = None) -> jax.Array:
         """``md``: the step's metadata, whose LoRA grouping the adapters' deltas need (models.lora)."""
         lora = adapters(self, md)
-        gate = self.dense_fn(x, self.gate_proj[...], layer)
-        up = self.dense_fn(x, self.up_proj[...], layer)
+        gate, up = dense_each(self.dense_fn, x, (self.gate_proj[...], self.up_proj[...]), layer)
         if lora is not None:
             gate_delta, up_delta = lora.deltas("gate_up", x, md, layer)
             gate, up = gate + gate_delta, up + up_delta

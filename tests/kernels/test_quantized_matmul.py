@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxengine.kernels.matmul import dense, grouped_dense, xla_dense, xla_grouped_dense
+from jaxengine.kernels.matmul import dense, dense_each, grouped_dense, xla_dense, xla_grouped_dense
 from jaxengine.kernels.matmul.quantized import (FORMATS, QuantizedWeight, dequantize, dequantize_reference, pack_int4,
                                                 quantize, unpack_int4_host)
 
@@ -106,6 +106,30 @@ def test_two_contracted_axes_group_within_the_last_one_as_o_proj():
         out = jax.jit(fn)(x, q_proj, jnp.int32(1))
         assert out.shape == (3, 3, 8)
         np.testing.assert_allclose(out, np.einsum("td,dnh->tnh", x, ref[1]), rtol=1e-5, atol=1e-4)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 9])         # as bytes in one job (AVX-512 VNNI), or one product after another
+@pytest.mark.parametrize("fmt, offset", [("int4", True), ("int8", False), ("int4-f32", True), ("int8-f32", True)])
+def test_one_call_for_several_weights_gives_each_weights_product(rows, fmt, offset):
+    """q, k and v (or gate and up) of one x: one call of the kernel, each product as its own call
+    gives it, and as NumPy on the dequantised weights; a format the call does not take (fp8), or
+    weights of mixed formats, go one product at a time."""
+    rng = np.random.default_rng(rows)
+    k = 64
+    weights = [quantized(rng, 3, k, n, fmt, 32, offset) for n in (96, 32, 32)]     # q, k, v widths
+    x = rng.standard_normal((rows, k), np.float32)
+    for layer in (0, 2):
+        together = jax.jit(lambda x, ws, i: dense_each(dense, x, ws, i))(x, [qw for qw, _ in weights], jnp.int32(layer))
+        assert len(together) == 3
+        for got, (qw, w) in zip(together, weights):
+            np.testing.assert_allclose(got, jax.jit(dense)(x, qw, jnp.int32(layer)), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got, x @ w[layer], rtol=1e-5, atol=1e-4)
+    mixed = [weights[0][0], quantized(rng, 3, k, 32, "fp8", 32, False)[0]]
+    for got, qw in zip(jax.jit(lambda x, ws: dense_each(dense, x, ws, jnp.int32(1)))(x, mixed), mixed):
+        np.testing.assert_allclose(got, jax.jit(dense)(x, qw, jnp.int32(1)), rtol=1e-6, atol=1e-6)
+    hlo = jax.jit(lambda x, ws: dense_each(dense, x, ws, jnp.int32(1))).lower(x, [qw for qw, _ in weights]).as_text()
+    assert hlo.count("stablehlo.custom_call @jaxengine_cpu_") == 1          # one call for the three
 
 
 def grouped_reference(x: np.ndarray, w: np.ndarray, sizes: list[int]) -> np.ndarray:

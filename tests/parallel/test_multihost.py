@@ -25,6 +25,7 @@ SHARED = RNG.integers(3, 256, 13).tolist()
 PROMPTS = [RNG.integers(3, 256, n).tolist() for n in (1, 6, 19, 30)] + [SHARED + [7], SHARED + [9, 4]]
 MAX_TOKENS = 10
 TIMEOUT = 10            # --distributed-timeout of the jobs, seconds
+HUNG_TIMEOUT = 6        # the hung-process job's: it waits out its timeout twice (an idle wait, then the watchdog)
 START_S = 240           # most a job may take to start (load and compile, two processes on few cores)
 OPTIONS = dict(skip_tokenizer_init=True, token_buckets=[8, 16], request_buckets=[8], max_num_seqs=8,
                max_num_batched_tokens=16, block_size=4, max_model_len=64, num_kv_blocks=16, compile_mode="eager")
@@ -60,7 +61,7 @@ class Job:
         self.paths = [tmp_path / f"process{i}.log" for i in range(2)]
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, folder, cache, mode: str) -> None:
+    def start(self, folder, cache, mode: str, timeout: float = TIMEOUT) -> None:
         port = free_port()
         from tests.conftest import FAST_CPU_COMPILE_FLAGS
 
@@ -70,7 +71,7 @@ class Job:
         for i in range(2):
             config = {"mode": mode, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
                       "options": {**OPTIONS, "model": str(folder), "distributed_coordinator": f"127.0.0.1:{port}",
-                                  "num_processes": 2, "process_id": i, "distributed_timeout": TIMEOUT}}
+                                  "num_processes": 2, "process_id": i, "distributed_timeout": timeout}}
             with self.paths[i].open("w") as log:
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_driver",
                                                     json.dumps(config)], cwd=ROOT, env=env, stdout=log,
@@ -104,9 +105,9 @@ class Job:
 def job(checkpoint, xla_cache, tmp_path):
     jobs = []
 
-    def start(mode: str) -> Job:
+    def start(mode: str, timeout: float = TIMEOUT) -> Job:
         jobs.append(Job(tmp_path))          # registered first: whatever starts is killed below
-        jobs[-1].start(checkpoint, xla_cache, mode)
+        jobs[-1].start(checkpoint, xla_cache, mode, timeout)
         return jobs[-1]
 
     try:
@@ -162,10 +163,10 @@ def test_a_killed_process_0_stops_the_worker(job):
 
 
 def test_a_hung_process_0_stops_the_worker_after_the_timeout(job):
-    j = job("idle")
+    j = job("idle", HUNG_TIMEOUT)
     j.wait_for(0, "READY", START_S)
     j.wait_for(1, "running process 0's steps", 30)
-    time.sleep(TIMEOUT + 2)                                # process 0's heartbeats keep an idle worker waiting
+    time.sleep(HUNG_TIMEOUT + 2)                           # process 0's heartbeats keep an idle worker waiting
     assert j.procs[1].poll() is None, j.log(1)[-3000:]
     j.procs[0].send_signal(signal.SIGSTOP)                 # alive but silent: only the watchdog notices
     start = time.monotonic()
@@ -173,12 +174,12 @@ def test_a_hung_process_0_stops_the_worker_after_the_timeout(job):
     elapsed = time.monotonic() - start
     print(f"the worker exited with {status} {elapsed:.1f} s after process 0 was stopped")
     assert status == multihost.FATAL_EXIT_STATUS, j.log(1)[-3000:]
-    assert f"{OUR_ERROR} 1 of 2: waiting for process 0 (its next step or heartbeat) took longer than 10 s" \
+    assert f"{OUR_ERROR} 1 of 2: waiting for process 0 (its next step or heartbeat) took longer than 5 s" \
         in j.log(1)
     # The worker's wait began at process 0's last heartbeat, which may precede the stop by up to
-    # a heartbeat interval (TIMEOUT / 5) plus its polling period (a quarter of that).
-    last_heartbeat_s = TIMEOUT / 5 * 1.25
-    assert TIMEOUT - last_heartbeat_s - 0.5 < elapsed < TIMEOUT + 20
+    # a heartbeat interval (HUNG_TIMEOUT / 5) plus its polling period (a quarter of that).
+    last_heartbeat_s = HUNG_TIMEOUT / 5 * 1.25
+    assert HUNG_TIMEOUT - last_heartbeat_s - 0.5 < elapsed < HUNG_TIMEOUT + 20
 
 
 # ---------------------------------------------------------------- options (no processes started)

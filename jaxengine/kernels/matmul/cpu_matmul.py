@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jaxengine.kernels.cpu_build import register_kernel
 from jaxengine.kernels.matmul.openblas import openblas_build
 from jaxengine.kernels.matmul.quantized import (QuantizedWeight, grouped_quantized_dense, quantized_dense,
-                                                xla_grouped_quantized_dense, xla_quantized_dense)
+                                                quantized_dense_many, xla_grouped_quantized_dense,
+                                                xla_quantized_dense)
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxengine_cpu_matmul"
@@ -47,6 +48,15 @@ def dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Arr
     stacked = w if layer is not None else w[None]
     out = matmul(x, stacked.reshape(*stacked.shape[:2], -1), 0 if layer is None else layer)
     return out.reshape(x.shape[0], *stacked.shape[2:])
+
+
+def dense_each(fn, x: jax.Array, ws, layer: jax.Array | None = None) -> list[jax.Array]:
+    """``[fn(x, w, layer) for w in ws]``: the same x against several weights (a layer's q, k and v
+    projections, its gate and up). Where ``fn`` is ``dense`` and the weights are quantized alike,
+    one call of the CPU kernel computes them all (x's terms written once, one job for the threads)."""
+    if fn is dense and len(ws) > 1 and all(isinstance(w, QuantizedWeight) for w in ws):
+        return quantized_dense_many(x, list(ws), layer)
+    return [fn(x, w, layer) for w in ws]
 
 
 def xla_grouped_dense(x: jax.Array, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,

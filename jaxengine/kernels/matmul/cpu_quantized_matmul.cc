@@ -250,8 +250,16 @@ struct Activations {
       const float* row = x + r * k;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t begin = g * group, end = begin + group, vectors = begin + group / 16 * 16;
-        float top = 0.0f;
-        for (int64_t i = begin; i < end; ++i) {
+        __m512 top16 = _mm512_setzero_ps();
+        __mmask16 not_finite = 0;
+        for (int64_t i = begin; i < vectors; i += 16) {
+          const __m512 v = _mm512_loadu_ps(row + i);
+          not_finite |= _mm512_fpclass_ps_mask(v, 0x99);     // a NaN or an infinity
+          top16 = _mm512_max_ps(top16, _mm512_abs_ps(v));
+        }
+        if (not_finite) return false;
+        float top = _mm512_reduce_max_ps(top16);
+        for (int64_t i = vectors; i < end; ++i) {
           if (!std::isfinite(row[i])) return false;
           top = std::max(top, std::fabs(row[i]));
         }
@@ -259,6 +267,8 @@ struct Activations {
         unit[r * groups + g] = d;
         const float inv = d > 0.0f && std::isfinite(1.0f / d) ? 1.0f / d : 0.0f;   // subnormal groups: 0
         int32_t* sums = qsum.data() + r * kTerms * groups + g;
+        __m512i term_sums[kTerms];
+        for (int t = 0; t < kTerms; ++t) term_sums[t] = _mm512_setzero_si512();
         for (int64_t i = begin; i < vectors; i += 16) {
           __m512 rest = _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(inv));
           for (int t = 0; t < kTerms; ++t) {
@@ -266,10 +276,11 @@ struct Activations {
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             const __m512i qi = _mm512_cvtps_epi32(q);
             _mm_storeu_si128(reinterpret_cast<__m128i*>(terms.data() + t * k + i), _mm512_cvtepi32_epi8(qi));
-            sums[t * groups] += _mm512_reduce_add_epi32(qi);
+            term_sums[t] = _mm512_add_epi32(term_sums[t], qi);
             rest = _mm512_mul_ps(_mm512_sub_ps(rest, q), next);
           }
         }
+        for (int t = 0; t < kTerms; ++t) sums[t * groups] += _mm512_reduce_add_epi32(term_sums[t]);
         for (int64_t i = vectors; i < end; ++i) {
           float rest = row[i] * inv;
           for (int t = 0; t < kTerms; ++t) {
@@ -408,6 +419,17 @@ VnniFn<V, S> VnniGroupsFor(int64_t m) {
 
 #endif  // JAXENGINE_VNNI
 
+// x[0..n) summed in kLanes lanes (then the lanes, then the tail).
+inline float GroupSum(const float* x, int64_t n) {
+  Floats lanes = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) lanes += Load<Floats>(x + i);
+  float s = 0.0f;
+  for (int j = 0; j < kLanes; ++j) s += lanes[j];
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
 // What a few rows' product needs of x besides x, computed once per call: x summed over each group
 // (the offsets' factor) and, where the CPU multiplies bytes, x's int8 terms.
 template <int V>
@@ -428,9 +450,9 @@ struct FewRows {
 
   void Fill(const float* x, int64_t m, int64_t k, int64_t group) {
     const int64_t groups = k / group;
-    sums.assign(m * groups, 0.0f);
+    sums.resize(m * groups);
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t kk = 0; kk < k; ++kk) sums[r * groups + kk / group] += x[r * k + kk];
+      for (int64_t g = 0; g < groups; ++g) sums[r * groups + g] = GroupSum(x + r * k + g * group, group);
 #ifdef JAXENGINE_VNNI
     has_bytes = V != kFp8 && group % kStepK<V> == 0 && bytes.Fill(x, m, k, group);
 #endif
@@ -504,28 +526,10 @@ void SetSingleThreaded() {
   std::call_once(once, [] { scipy_openblas_set_num_threads(1); });
 }
 
-template <int V, typename QBuffer, ffi::DataType SType, typename S>
-ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QBuffer q,
-                               ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
-                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
-  SetSingleThreaded();
-  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("cpu quantized matmul: x [M, K], q [L, K/P, N], scale [L, K/G, N], one layer");
-  const int64_t m = xd[0], k = xd[1], n = qd[2], index = layer.typed_data()[0];
-  const bool has_offset = offset.element_count() != 0;
-  if (qd[1] * kPack<V> != k || sd[0] != qd[0] || sd[2] != n || sd[1] == 0 || k % sd[1] != 0 || (k / sd[1]) % kPack<V> != 0 ||
-      (has_offset && offset.element_count() != scale.element_count()))
-    return ffi::Error::InvalidArgument("cpu quantized matmul: the shapes of x, q, scale and offset disagree");
-  if (index < 0 || index >= qd[0]) return ffi::Error::InvalidArgument("cpu quantized matmul: layer index out of range");
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  const int64_t groups = sd[1];
-  auto typed = [](void* p) { return static_cast<const S*>(p); };
-  const Weights<S> w{static_cast<const uint8_t*>(q.untyped_data()) + index * (k / kPack<V>) * n,
-                     typed(scale.untyped_data()) + index * groups * n,
-                     has_offset ? typed(offset.untyped_data()) + index * groups * n : nullptr, k, n, k / groups};
-  const float* xp = x.typed_data();
-  float* op = out->typed_data();
+// out [m, n] = x [m, k] @ w, shapes checked: a few rows by the fused loop, more by dequantise + sgemm.
+template <int V, typename S>
+void Multiply(ffi::ThreadPool& pool, const float* xp, int64_t m, const Weights<S>& w, float* op) {
+  const int64_t k = w.k, n = w.n;
   int64_t blocks;
   if (m <= kFusedRows) {
     // A few rows: shared by the calling thread and HotPool's helpers, which stay awake through a
@@ -555,7 +559,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QB
         for (int64_t j = 0; j < m * n; j += 16)
           _mm512_storeu_ps(op + j, _mm512_add_ps(_mm512_loadu_ps(op + j), _mm512_loadu_ps(part + j)));
       }
-      return ffi::Error::Success();
+      return;
     }
 #endif
     const int64_t wanted = threads == 1 ? 1 : std::min<int64_t>(kFewRowBlocks, std::max<int64_t>(2 * threads, n / kFewRowColumns));
@@ -564,12 +568,132 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QB
     hot.Run(blocks, [&, width](int64_t b) {
       MultiplyColumns<V, S>(xp, w, op, m, b * width, std::min(n, (b + 1) * width), rows);
     });
-    return ffi::Error::Success();
+    return;
   }
   const int64_t width = jaxengine::ColumnBlockWidth(n, pool.num_threads(), &blocks);
   jaxengine::ParallelFor(pool, blocks, [&, width](int64_t b) {
     MultiplyColumns<V, S>(xp, w, op, m, std::min(n, b * width), std::min(n, (b + 1) * width));
   });
+  return;
+}
+
+// Several products of the same x (a layer's q, k and v projections; its gate and up): x's terms
+// are written once and the products' chunks shared by the threads in one job, where a few rows
+// are multiplied as bytes; otherwise one product after the other.
+template <int V, typename S>
+void MultiplyMany(ffi::ThreadPool& pool, const float* xp, int64_t m, const std::vector<Weights<S>>& ws,
+                  const std::vector<float*>& ops) {
+#ifdef JAXENGINE_VNNI
+  const bool alike = std::all_of(ws.begin(), ws.end(), [&](const Weights<S>& w) {
+    return w.n % 16 == 0 && w.k == ws[0].k && w.group == ws[0].group;
+  });
+  if (m <= kFusedRows && alike) {
+    thread_local FewRows<V> own;
+    own.Fill(xp, m, ws[0].k, ws[0].group);
+    if (own.AsBytes()) {
+      const FewRows<V>* rows = &own;                 // (the helpers' thread_local is their own)
+      const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
+      jaxengine::HotPool& hot = jaxengine::HotPool::Get(static_cast<int>(pool_threads) - 1);
+      int64_t bytes = 0;
+      for (const Weights<S>& w : ws) bytes += w.k / kPack<V> * w.n;
+      const int64_t threads = bytes < kSoloBytes ? 1 : pool_threads, groups = own.bytes.groups;
+      const int64_t chunks = std::min({groups, 2 * threads, kFewRowChunks});
+      struct Part {
+        int64_t product, chunk;
+        float* out;                                  // chunk 0: the product's output, else a buffer
+      };
+      std::vector<Part> parts;
+      thread_local std::vector<float> partial;
+      int64_t buffered = 0;
+      for (const Weights<S>& w : ws) buffered += (chunks - 1) * m * w.n;
+      partial.resize(buffered);
+      float* next = partial.data();
+      for (size_t j = 0; j < ws.size(); ++j)
+        for (int64_t i = 0; i < chunks; ++i) {
+          parts.push_back(Part{static_cast<int64_t>(j), i, i == 0 ? ops[j] : next});
+          if (i > 0) next += m * ws[j].n;
+        }
+      hot.Run(static_cast<int64_t>(parts.size()), [&, rows](int64_t p) {
+        const Part& part = parts[p];
+        const Weights<S>& w = ws[part.product];
+        VnniGroupsFor<V, S>(m)(rows->bytes, w, rows->sums.data(), part.out, 0, w.n, part.chunk * groups / chunks,
+                               (part.chunk + 1) * groups / chunks);
+      });
+      for (const Part& part : parts) {
+        if (part.chunk == 0) continue;
+        float* op = ops[part.product];
+        for (int64_t j = 0; j < m * ws[part.product].n; j += 16)
+          _mm512_storeu_ps(op + j, _mm512_add_ps(_mm512_loadu_ps(op + j), _mm512_loadu_ps(part.out + j)));
+      }
+      return;
+    }
+  }
+#endif
+  for (size_t j = 0; j < ws.size(); ++j) Multiply<V, S>(pool, xp, m, ws[j], ops[j]);
+}
+
+template <int V, typename QBuffer, ffi::DataType SType, typename S>
+ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QBuffer q,
+                               ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
+                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  SetSingleThreaded();
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: x [M, K], q [L, K/P, N], scale [L, K/G, N], one layer");
+  const int64_t m = xd[0], k = xd[1], n = qd[2], index = layer.typed_data()[0];
+  const bool has_offset = offset.element_count() != 0;
+  if (qd[1] * kPack<V> != k || sd[0] != qd[0] || sd[2] != n || sd[1] == 0 || k % sd[1] != 0 || (k / sd[1]) % kPack<V> != 0 ||
+      (has_offset && offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("cpu quantized matmul: the shapes of x, q, scale and offset disagree");
+  if (index < 0 || index >= qd[0]) return ffi::Error::InvalidArgument("cpu quantized matmul: layer index out of range");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const int64_t groups = sd[1];
+  auto typed = [](void* p) { return static_cast<const S*>(p); };
+  const Weights<S> w{static_cast<const uint8_t*>(q.untyped_data()) + index * (k / kPack<V>) * n,
+                     typed(scale.untyped_data()) + index * groups * n,
+                     has_offset ? typed(offset.untyped_data()) + index * groups * n : nullptr, k, n, k / groups};
+  Multiply<V, S>(pool, x.typed_data(), m, w, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// The same products of one x by several weights of one format (args: q, scale, offset for each;
+// one result each), their stacks read at the same layer.
+template <int V, ffi::DataType SType, typename S>
+ffi::Error QuantizedMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                                   ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  SetSingleThreaded();
+  auto xd = x.dimensions();
+  const size_t count = rets.size();
+  if (xd.size() != 2 || layer.element_count() != 1 || count == 0 || args.size() != 3 * count)
+    return ffi::Error::InvalidArgument("cpu quantized matmuls: x [M, K], one layer, then q, scale and offset per result");
+  const int64_t m = xd[0], k = xd[1], index = layer.typed_data()[0];
+  const ffi::DataType q_type = V == kInt8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  std::vector<Weights<S>> ws;
+  std::vector<float*> ops;
+  for (size_t j = 0; j < count; ++j) {
+    auto q = args.get<ffi::AnyBuffer>(3 * j), scale = args.get<ffi::AnyBuffer>(3 * j + 1);
+    auto offset = args.get<ffi::AnyBuffer>(3 * j + 2);
+    auto out = rets.get<ffi::Buffer<ffi::F32>>(j);
+    if (q.has_error() || scale.has_error() || offset.has_error() || out.has_error())
+      return ffi::Error::InvalidArgument("cpu quantized matmuls: buffers expected");
+    auto qd = q->dimensions(), sd = scale->dimensions(), od = (*out)->dimensions();
+    const bool has_offset = offset->element_count() != 0;
+    if (q->element_type() != q_type || scale->element_type() != SType ||
+        (has_offset && (offset->element_type() != SType || offset->element_count() != scale->element_count())) ||
+        qd.size() != 3 || sd.size() != 3 || od.size() != 2 || qd[1] * kPack<V> != k || sd[0] != qd[0] ||
+        sd[2] != qd[2] || sd[1] == 0 || k % sd[1] != 0 || (k / sd[1]) % kPack<V> != 0 || od[0] != m || od[1] != qd[2])
+      return ffi::Error::InvalidArgument("cpu quantized matmuls: the shapes or types of x, q, scale, offset and out disagree");
+    if (index < 0 || index >= qd[0]) return ffi::Error::InvalidArgument("cpu quantized matmuls: layer index out of range");
+    const int64_t n = qd[2], groups = sd[1];
+    const S* sp = static_cast<const S*>(scale->untyped_data());
+    ws.push_back(Weights<S>{static_cast<const uint8_t*>(q->untyped_data()) + index * (k / kPack<V>) * n,
+                            sp + index * groups * n,
+                            has_offset ? static_cast<const S*>(offset->untyped_data()) + index * groups * n : nullptr,
+                            k, n, k / groups});
+    ops.push_back((*out)->typed_data());
+  }
+  if (m == 0) return ffi::Error::Success();
+  MultiplyMany<V, S>(pool, x.typed_data(), m, ws, ops);
   return ffi::Error::Success();
 }
 
@@ -650,3 +774,17 @@ JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt4Matmul, 2, ffi::Buffer
 JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt8MatmulF32, 1, ffi::Buffer<ffi::S8>, ffi::F32, float)
 JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedInt4MatmulF32, 2, ffi::Buffer<ffi::U8>, ffi::F32, float)
 JAXENGINE_GROUPED_QUANTIZED_MATMUL(JaxengineCpuGroupedFp8Matmul, 3, ffi::AnyBuffer, ffi::F32, float)
+
+#define JAXENGINE_QUANTIZED_MATMULS(name, V, SType, S)                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmulManyImpl<V, SType, S>),               \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                            \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                            \
+                                    .RemainingArgs()                                         \
+                                    .RemainingRets());
+
+JAXENGINE_QUANTIZED_MATMULS(JaxengineCpuInt8Matmuls, 1, ffi::F16, _Float16)
+JAXENGINE_QUANTIZED_MATMULS(JaxengineCpuInt4Matmuls, 2, ffi::F16, _Float16)
+JAXENGINE_QUANTIZED_MATMULS(JaxengineCpuInt8MatmulsF32, 1, ffi::F32, float)
+JAXENGINE_QUANTIZED_MATMULS(JaxengineCpuInt4MatmulsF32, 2, ffi::F32, float)

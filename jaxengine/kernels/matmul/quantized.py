@@ -41,6 +41,9 @@ TARGETS = {("int8", "float16"): "jaxengine_cpu_int8_matmul", ("uint8", "float16"
 SYMBOLS = {("int8", "float16"): "JaxengineCpuInt8Matmul", ("uint8", "float16"): "JaxengineCpuInt4Matmul",
            ("int8", "float32"): "JaxengineCpuInt8MatmulF32", ("uint8", "float32"): "JaxengineCpuInt4MatmulF32",
            ("float8_e4m3fn", "float32"): "JaxengineCpuFp8Matmul"}
+# Several products of one x in one call (int8 / int4 only): the targets' names in the plural.
+MANY_TARGETS = {key: target.replace("_matmul", "_matmuls") for key, target in TARGETS.items() if key[0] != "float8_e4m3fn"}
+MANY_SYMBOLS = {key: symbol.replace("Matmul", "Matmuls") for key, symbol in SYMBOLS.items() if key[0] != "float8_e4m3fn"}
 GROUPED_TARGETS = {key: target.replace("cpu_", "cpu_grouped_") for key, target in TARGETS.items()}
 GROUPED_SYMBOLS = {key: symbol.replace("Cpu", "CpuGrouped") for key, symbol in SYMBOLS.items()}
 SCALE_DTYPE = np.float16
@@ -203,6 +206,30 @@ def quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = 
     return out.reshape(x.shape[0], *out_axes)
 
 
+def quantized_dense_many(x: jax.Array, ws: list[QuantizedWeight], layer: jax.Array | None = None) -> list[jax.Array]:
+    """``[quantized_dense(x, w, layer) for w in ws]``, as one call of the CPU kernel where it serves
+    them all and they share a format (x's int8 terms written once, one job for the threads)."""
+    key = (ws[0].q.dtype.name, ws[0].scale.dtype.name)
+    alike = all((w.q.dtype.name, w.scale.dtype.name) == key and (w.offset is None) == (ws[0].offset is None)
+                and w.bits == ws[0].bits for w in ws)
+    if not (alike and key in MANY_TARGETS and all(serves(x, w) for w in ws)):
+        return [quantized_dense(x, w, layer) for w in ws]
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    operands, shapes, out_axes = [], [], []
+    for w in ws:
+        stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
+        axes = stacked.q.shape[stacked.q.ndim - w.out_axes:]
+        def flat(a: jax.Array, n=math.prod(axes)) -> jax.Array:      # [L, ..] -> [L, K / P or K / G, N]
+            return a.reshape(a.shape[0], -1, n)
+
+        offset = jnp.zeros((0,), w.scale.dtype) if w.offset is None else flat(stacked.offset)
+        operands += [flat(stacked.q), flat(stacked.scale), offset]
+        shapes.append(jax.ShapeDtypeStruct((x.shape[0], math.prod(axes)), jnp.float32))
+        out_axes.append(axes)
+    outs = jax.ffi.ffi_call(MANY_TARGETS[key], shapes, vmap_method="sequential")(x, index, *operands)
+    return [out.reshape(x.shape[0], *axes) for out, axes in zip(outs, out_axes)]
+
+
 def xla_grouped_quantized_dense(x: jax.Array, w: QuantizedWeight, group_sizes: jax.Array,
                                 layer: jax.Array | None = None) -> jax.Array:
     """Rows of x [M, K] sorted by group, group g times expert g of w ([E, K, N], or stacked with
@@ -235,5 +262,6 @@ def available() -> bool:
     build = openblas_build()
     return build is not None and all(
         register_kernel(SOURCE, symbols[key], targets[key], f"CPU {what}{key[0]} matmul", **build)
-        for symbols, targets, what in ((SYMBOLS, TARGETS, ""), (GROUPED_SYMBOLS, GROUPED_TARGETS, "grouped "))
-        for key in TARGETS)
+        for symbols, targets, what in ((SYMBOLS, TARGETS, ""), (GROUPED_SYMBOLS, GROUPED_TARGETS, "grouped "),
+                                       (MANY_SYMBOLS, MANY_TARGETS, "several "))
+        for key in symbols)

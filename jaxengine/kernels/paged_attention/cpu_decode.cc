@@ -17,6 +17,10 @@
 #include <numeric>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "cpu_pool.h"
 #include "fp8.h"
 #include "xla/ffi/api/ffi.h"
@@ -96,6 +100,90 @@ inline void prefetch_page(const char* k, const char* v, int64_t bytes) {
   }
 }
 
+#ifdef __AVX512F__
+// Where the CPU has AVX-512 and a head is a whole number of 16-float vectors (no soft cap): a page's
+// tokens 16 at a time, each query head's 16 scores as one vector (the 16 dot products' lanes summed
+// together by a transpose), the softmax update and exp on that vector, then the values.
+
+// exp_nonpositive on 16 lanes (the same reduction and polynomial; 2^k applied by scalef).
+inline __m512 Exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, k);
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes (pairs interleaved within 128-bit lanes, then
+// 64-bit pairs, then the four 128-bit lanes folded).
+inline __m512 LaneSums16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c01, c23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// n tokens of a page (k and v at its first, token_stride apart) for query heads [head_first,
+// head_last): the scores, the running maxima m and sums l, and the unnormalised outputs in out.
+void AttendPage16(const float* q, const float* k, const float* v, int64_t n, int64_t head_first, int64_t head_last,
+                  int64_t g_size, int64_t hs, int64_t token_stride, float* m, float* l, float* out) {
+  const int64_t vectors = hs / 16;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  alignas(64) float w[16];
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - t0);
+    const __mmask16 live = static_cast<__mmask16>(count == 16 ? 0xFFFF : (1u << count) - 1);
+    for (int64_t head = head_first; head < head_last; ++head) {
+      const float* qh = q + head * hs;
+      const float* kh = k + t0 * token_stride + (head / g_size) * hs;
+      __m512 dots[16];
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t >= count) {
+          dots[t] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* kt = kh + t * token_stride;
+        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kt));
+        for (int64_t c = 1; c < vectors; ++c) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), _mm512_loadu_ps(kt + 16 * c), d);
+        dots[t] = d;
+      }
+      const __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(minus_inf), LaneSums16(dots));
+      const float m_new = std::max(m[head], _mm512_reduce_max_ps(scores));
+      const float correction = m[head] == minus_inf ? 0.0f : exp_nonpositive(m[head] - m_new);
+      const __m512 e = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+      l[head] = l[head] * correction + _mm512_reduce_add_ps(e);
+      m[head] = m_new;
+      _mm512_store_ps(w, e);
+      float* acc = out + head * hs;
+      const float* vh = v + t0 * token_stride + (head / g_size) * hs;
+      for (int64_t c = 0; c < vectors; ++c) {
+        __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), _mm512_set1_ps(correction));
+        for (int64_t t = 0; t < count; ++t)
+          o = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_loadu_ps(vh + t * token_stride + 16 * c), o);
+        _mm512_storeu_ps(acc + 16 * c, o);
+      }
+    }
+  }
+}
+#endif
+
 struct Item {
   int64_t row, kv_first, kv_last;   // KV heads [kv_first, kv_last) of one row
 };
@@ -137,6 +225,12 @@ void attend(const Problem& p, const Item& item) {
       prefetch_page(static_cast<const char*>(p.k_cache) + next * page_stride * item,
                     static_cast<const char*>(p.v_cache) + next * page_stride * item, page_stride * item);
     }
+#ifdef __AVX512F__
+    if (hs % 16 == 0 && p.soft_cap == 0.0f) {
+      AttendPage16(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
+      continue;
+    }
+#endif
     for (int64_t t = 0; t < n; ++t)
       for (int64_t head = head_first; head < head_last; ++head) {
         float x = dot(q + head * hs, k + t * token_stride + (head / g_size) * hs, hs);
