@@ -19,6 +19,9 @@
 // weight, and their sums are added at the end; they are HotPool's (cpu_pool.h), awake through a
 // decode step's products of 5-40 us each. An LM head's rows (tens of thousands of columns) are
 // fetched ahead along the columns rather than down the rows.
+// Several weights against the same x (a layer's q, k and v projections; its gate and up) can be one
+// call (``...Matmuls``: q, scale and offset per weight, one result each): x's terms are written once
+// and every product's chunks go to the threads as one job.
 // More rows (a prefill): each thread dequantises its column block to f32 once and hands it to
 // OpenBLAS's sgemm, whose blocking serves many rows better than the loop above.
 //

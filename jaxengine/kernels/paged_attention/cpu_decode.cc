@@ -3,6 +3,8 @@
 // Work items are rows (or, for a few rows, their KV heads), longest first, shared over XLA's
 // intra-op thread pool (cpu_pool.h). f32 throughout; a page at a time, an
 // online softmax per query head, as jaxengine/kernels/paged_attention/reference.py defines the result.
+// Where the CPU has AVX-512 and a head is a whole number of 16-float vectors (no soft cap), a page's
+// tokens go 16 at a time: a query head's 16 scores as one vector, its softmax update and exp on it.
 // The caches are f32 or float8_e4m3fn, or its bytes as uint8 (an FP8 KV cache, its scales applied outside): an fp8 page is
 // converted to f32 once, into a buffer of the thread's, then read as an f32 one.
 //
