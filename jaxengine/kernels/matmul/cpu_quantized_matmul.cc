@@ -529,6 +529,50 @@ void SetSingleThreaded() {
   std::call_once(once, [] { scipy_openblas_set_num_threads(1); });
 }
 
+#ifdef JAXENGINE_VNNI
+// outs[j] = x @ ws[j] for the few rows whose bytes ``rows`` holds (every n a multiple of 16), as one
+// job for the calling thread and HotPool's helpers: each product's groups (rows of q) in contiguous
+// chunks, so that each thread streams its own part of a weight front to back; a product's chunk 0
+// sums into its output, the others into buffers added after. Under kSoloBytes of weights in all,
+// the caller alone.
+template <int V, typename S>
+void BytesProducts(jaxengine::HotPool& hot, int64_t pool_threads, int64_t m, const FewRows<V>* rows,
+                   const Weights<S>* ws, float* const* outs, int64_t count) {
+  struct Part {
+    int64_t product, chunk;
+    float* out;
+  };
+  int64_t bytes = 0, buffered = 0;
+  for (int64_t j = 0; j < count; ++j) bytes += ws[j].k / kPack<V> * ws[j].n;
+  const int64_t threads = bytes < kSoloBytes ? 1 : pool_threads, groups = rows->bytes.groups;
+  const int64_t chunks = std::min({groups, 2 * threads, kFewRowChunks});
+  for (int64_t j = 0; j < count; ++j) buffered += (chunks - 1) * m * ws[j].n;
+  thread_local std::vector<float> partial;
+  thread_local std::vector<Part> parts;
+  partial.resize(buffered);
+  parts.clear();
+  float* next = partial.data();
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t i = 0; i < chunks; ++i) {
+      parts.push_back(Part{j, i, i == 0 ? outs[j] : next});
+      if (i > 0) next += m * ws[j].n;
+    }
+  const Part* all = parts.data();               // (a lambda names a thread_local of its own thread: pass it)
+  hot.Run(static_cast<int64_t>(parts.size()), [&, all](int64_t p) {
+    const Part& part = all[p];
+    const Weights<S>& w = ws[part.product];
+    VnniGroupsFor<V, S>(m)(rows->bytes, w, rows->sums.data(), part.out, 0, w.n, part.chunk * groups / chunks,
+                           (part.chunk + 1) * groups / chunks);
+  });
+  for (const Part& part : parts) {
+    if (part.chunk == 0) continue;
+    float* out = outs[part.product];
+    for (int64_t j = 0; j < m * ws[part.product].n; j += 16)
+      _mm512_storeu_ps(out + j, _mm512_add_ps(_mm512_loadu_ps(out + j), _mm512_loadu_ps(part.out + j)));
+  }
+}
+#endif
+
 // out [m, n] = x [m, k] @ w, shapes checked: a few rows by the fused loop, more by dequantise + sgemm.
 template <int V, typename S>
 void Multiply(ffi::ThreadPool& pool, const float* xp, int64_t m, const Weights<S>& w, float* op) {
@@ -546,24 +590,7 @@ void Multiply(ffi::ThreadPool& pool, const float* xp, int64_t m, const Weights<S
     jaxengine::HotPool& hot = jaxengine::HotPool::Get(static_cast<int>(pool_threads) - 1);
     const int64_t threads = k / kPack<V> * n < kSoloBytes ? 1 : pool_threads;      // 1: the caller alone
 #ifdef JAXENGINE_VNNI
-    if (own.AsBytes() && n % 16 == 0) {
-      // As bytes: the groups (rows of q) in contiguous chunks, so that each thread streams its own
-      // part of the weight front to back; chunk 0 sums into out, the others into buffers added after.
-      const int64_t groups = own.bytes.groups, chunks = std::min({groups, 2 * threads, kFewRowChunks});
-      thread_local std::vector<float> partial;
-      partial.resize((chunks - 1) * m * n);
-      float* parts = partial.data();
-      hot.Run(chunks, [&, rows, parts](int64_t i) {
-        VnniGroupsFor<V, S>(m)(rows->bytes, w, rows->sums.data(), i == 0 ? op : parts + (i - 1) * m * n, 0, n,
-                               i * groups / chunks, (i + 1) * groups / chunks);
-      });
-      for (int64_t i = 1; i < chunks; ++i) {
-        const float* part = parts + (i - 1) * m * n;
-        for (int64_t j = 0; j < m * n; j += 16)
-          _mm512_storeu_ps(op + j, _mm512_add_ps(_mm512_loadu_ps(op + j), _mm512_loadu_ps(part + j)));
-      }
-      return;
-    }
+    if (own.AsBytes() && n % 16 == 0) return BytesProducts<V, S>(hot, pool_threads, m, rows, &w, &op, 1);
 #endif
     const int64_t wanted = threads == 1 ? 1 : std::min<int64_t>(kFewRowBlocks, std::max<int64_t>(2 * threads, n / kFewRowColumns));
     const int64_t width = std::max<int64_t>(16, (n + wanted - 1) / wanted + 15) / 16 * 16;
@@ -594,41 +621,9 @@ void MultiplyMany(ffi::ThreadPool& pool, const float* xp, int64_t m, const std::
     thread_local FewRows<V> own;
     own.Fill(xp, m, ws[0].k, ws[0].group);
     if (own.AsBytes()) {
-      const FewRows<V>* rows = &own;                 // (the helpers' thread_local is their own)
       const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
-      jaxengine::HotPool& hot = jaxengine::HotPool::Get(static_cast<int>(pool_threads) - 1);
-      int64_t bytes = 0;
-      for (const Weights<S>& w : ws) bytes += w.k / kPack<V> * w.n;
-      const int64_t threads = bytes < kSoloBytes ? 1 : pool_threads, groups = own.bytes.groups;
-      const int64_t chunks = std::min({groups, 2 * threads, kFewRowChunks});
-      struct Part {
-        int64_t product, chunk;
-        float* out;                                  // chunk 0: the product's output, else a buffer
-      };
-      std::vector<Part> parts;
-      thread_local std::vector<float> partial;
-      int64_t buffered = 0;
-      for (const Weights<S>& w : ws) buffered += (chunks - 1) * m * w.n;
-      partial.resize(buffered);
-      float* next = partial.data();
-      for (size_t j = 0; j < ws.size(); ++j)
-        for (int64_t i = 0; i < chunks; ++i) {
-          parts.push_back(Part{static_cast<int64_t>(j), i, i == 0 ? ops[j] : next});
-          if (i > 0) next += m * ws[j].n;
-        }
-      hot.Run(static_cast<int64_t>(parts.size()), [&, rows](int64_t p) {
-        const Part& part = parts[p];
-        const Weights<S>& w = ws[part.product];
-        VnniGroupsFor<V, S>(m)(rows->bytes, w, rows->sums.data(), part.out, 0, w.n, part.chunk * groups / chunks,
-                               (part.chunk + 1) * groups / chunks);
-      });
-      for (const Part& part : parts) {
-        if (part.chunk == 0) continue;
-        float* op = ops[part.product];
-        for (int64_t j = 0; j < m * ws[part.product].n; j += 16)
-          _mm512_storeu_ps(op + j, _mm512_add_ps(_mm512_loadu_ps(op + j), _mm512_loadu_ps(part.out + j)));
-      }
-      return;
+      return BytesProducts<V, S>(jaxengine::HotPool::Get(static_cast<int>(pool_threads) - 1), pool_threads, m, &own,
+                                 ws.data(), ops.data(), static_cast<int64_t>(ws.size()));
     }
   }
 #endif

@@ -194,16 +194,23 @@ def quantized_dense(x: jax.Array, w: QuantizedWeight, layer: jax.Array | None = 
     serves (int8, int4, fp8), else XLA's dequantise-and-dot."""
     if not serves(x, w):
         return xla_quantized_dense(x, w, layer)
+    operands, out_axes = _kernel_operands(w, layer)
+    call = jax.ffi.ffi_call(TARGETS[w.q.dtype.name, w.scale.dtype.name], jax.ShapeDtypeStruct((x.shape[0], math.prod(out_axes)), jnp.float32),
+                            vmap_method="sequential")
+    out = call(x, *operands, jnp.asarray(0 if layer is None else layer, jnp.int32))
+    return out.reshape(x.shape[0], *out_axes)
+
+
+def _kernel_operands(w: QuantizedWeight, layer: jax.Array | None) -> tuple[list[jax.Array], tuple[int, ...]]:
+    """The CPU kernel's q, scale and offset ([L, K / P or K / G, N]: bitcasts of the stack; a
+    weight not stacked gets a layer axis; no offset: an empty array), and the output axes."""
     stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
     out_axes = stacked.q.shape[stacked.q.ndim - w.out_axes:]
-    def flat(a: jax.Array) -> jax.Array:            # [L, ..] -> [L, K / P or K / G, N]: a bitcast
+    def flat(a: jax.Array) -> jax.Array:
         return a.reshape(a.shape[0], -1, math.prod(out_axes))
 
     offset = jnp.zeros((0,), w.scale.dtype) if w.offset is None else flat(stacked.offset)
-    call = jax.ffi.ffi_call(TARGETS[w.q.dtype.name, w.scale.dtype.name], jax.ShapeDtypeStruct((x.shape[0], math.prod(out_axes)), jnp.float32),
-                            vmap_method="sequential")
-    out = call(x, flat(stacked.q), flat(stacked.scale), offset, jnp.asarray(0 if layer is None else layer, jnp.int32))
-    return out.reshape(x.shape[0], *out_axes)
+    return [flat(stacked.q), flat(stacked.scale), offset], out_axes
 
 
 def quantized_dense_many(x: jax.Array, ws: list[QuantizedWeight], layer: jax.Array | None = None) -> list[jax.Array]:
@@ -214,19 +221,10 @@ def quantized_dense_many(x: jax.Array, ws: list[QuantizedWeight], layer: jax.Arr
                 and w.bits == ws[0].bits for w in ws)
     if not (alike and key in MANY_TARGETS and all(serves(x, w) for w in ws)):
         return [quantized_dense(x, w, layer) for w in ws]
-    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    operands, shapes, out_axes = [], [], []
-    for w in ws:
-        stacked = w if layer is not None else jax.tree.map(lambda a: a[None], w)
-        axes = stacked.q.shape[stacked.q.ndim - w.out_axes:]
-        def flat(a: jax.Array, n=math.prod(axes)) -> jax.Array:      # [L, ..] -> [L, K / P or K / G, N]
-            return a.reshape(a.shape[0], -1, n)
-
-        offset = jnp.zeros((0,), w.scale.dtype) if w.offset is None else flat(stacked.offset)
-        operands += [flat(stacked.q), flat(stacked.scale), offset]
-        shapes.append(jax.ShapeDtypeStruct((x.shape[0], math.prod(axes)), jnp.float32))
-        out_axes.append(axes)
-    outs = jax.ffi.ffi_call(MANY_TARGETS[key], shapes, vmap_method="sequential")(x, index, *operands)
+    operands, out_axes = zip(*(_kernel_operands(w, layer) for w in ws))
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], math.prod(axes)), jnp.float32) for axes in out_axes]
+    outs = jax.ffi.ffi_call(MANY_TARGETS[key], shapes, vmap_method="sequential")(
+        x, jnp.asarray(0 if layer is None else layer, jnp.int32), *(a for each in operands for a in each))
     return [out.reshape(x.shape[0], *axes) for out, axes in zip(outs, out_axes)]
 
 
