@@ -336,16 +336,17 @@ class InputBatch:
         each sampling row's tokens, for sequences still in the slot the step used. A row with a
         draft (``verified``: each row's output tokens) ends after its accepted drafts, which the
         buffer already holds: its last output token goes after them."""
-        samples = np.asarray(out.num_samples)
-        rows = np.flatnonzero(samples > 0)
-        seq_ids, slot_of = out.seq_ids, self.slot_of
-        rows = rows[np.fromiter((slot_of.get(seq_ids[i]) == slots[i] for i in rows), bool, len(rows))]
-        positions = np.asarray(out.num_computed_tokens)[rows] + np.asarray(out.num_scheduled_tokens)[rows]
-        values = tokens[(np.cumsum(samples) - samples)[rows]]
-        if out.draft_token_ids:
-            for j, i in enumerate(rows.tolist()):
-                draft = out.draft_token_ids.get(seq_ids[i])
+        # A plain loop: a step has few sampling rows, and numpy's per-call cost is what a batch-1
+        # step would pay here.
+        slot_of, drafts, tokens_of = self.slot_of, out.draft_token_ids, self.tokens
+        first = 0
+        for i, (seq_id, k, slot) in enumerate(zip(out.seq_ids, out.num_samples, slots.tolist())):
+            if k > 0 and slot_of.get(seq_id) == slot:
+                position = out.num_computed_tokens[i] + out.num_scheduled_tokens[i]
+                value = tokens[first]
+                draft = drafts.get(seq_id) if drafts else None
                 if draft:
-                    positions[j] -= len(draft) + 1 - len(verified[i])
-                    values[j] = verified[i][-1]
-        self.tokens[slots[rows], positions] = values
+                    position -= len(draft) + 1 - len(verified[i])
+                    value = verified[i][-1]
+                tokens_of[slot, position] = value
+            first += k

@@ -416,7 +416,7 @@ class ModelRunner:
         self.batch.record_samples(out, slots, tokens, sampled)
         return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples, sampled),
                                  self._prompt_logprobs(inputs, slots, out, prompt_lp),
-                                 tuple(np.asarray(expert_tokens).tolist()))
+                                 tuple(np.asarray(expert_tokens).tolist()) if expert_tokens.shape[0] else ())
 
     def _run(self, inputs: StepInputs) -> tuple[SamplerOutput, tuple]:
         executable = self._executable(inputs)

@@ -62,16 +62,17 @@ def llama(tmp_path_factory):
 
 
 def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_factory, llama):
-    """GQA, quantized weights, an FP8 cache, LoRA, one KV head per device under tensor
-    parallelism, latent attention (alone and under tensor parallelism), a mixture of experts."""
+    """GQA; quantized weights, an FP8 cache and LoRA (one engine holding the three: each changes
+    its own part of the step, and a copy any of them made would show); one KV head per device
+    under tensor parallelism; latent attention (alone and under tensor parallelism); a mixture of
+    experts."""
     deepseek = tmp_path_factory.mktemp("programs-deepseek")
     make_checkpoint(deepseek, "deepseek_v3", **{**DEEPSEEK, **DEEPSEEK_VARIANTS["no-q-lora"]})
     moe = tmp_path_factory.mktemp("programs-moe")
     make_checkpoint(moe, MOE_VARIANTS["qwen3-moe"][0], **MOE_VARIANTS["qwen3-moe"][1])
     configs = [dict(name="gqa", model=llama),
-               dict(name="int4 weights", model=llama, options=dict(quantization="int4")),
-               dict(name="fp8 KV cache", model=llama, options=dict(kv_cache_dtype="fp8")),
-               dict(name="LoRA", model=llama, options=dict(enable_lora=True, max_lora_rank=8)),
+               dict(name="int4 weights, fp8 KV cache, LoRA", model=llama,
+                    options=dict(quantization="int4", kv_cache_dtype="fp8", enable_lora=True, max_lora_rank=8)),
                dict(name="one KV head per device", model=llama, options=dict(tensor_parallel_size=TINY[
                    "num_key_value_heads"])),
                dict(name="latent attention", model=deepseek),
