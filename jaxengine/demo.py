@@ -1,4 +1,4 @@
-"""Offline demo, until the server lands: the default model (SmolLM2-135M-Instruct) answers a few
+"""Offline demo: the default model (SmolLM2-135M-Instruct) answers a few
 chat prompts through the whole engine; with ``--fake``, a synthetic workload runs through the real
 scheduler and KV cache manager with the KV-simulating fake runner instead.
 

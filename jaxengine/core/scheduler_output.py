@@ -68,10 +68,6 @@ class SchedulerOutput:
     # Host-side handles for ``Scheduler.update_from_output`` (not for the runner).
     scheduled_seqs: list = field(default_factory=list, repr=False)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.seq_ids
-
 
 class BlockMoves(NamedTuple):
     """A step's block moves (swap out, swap in, copy), each a list of (from, to) block pairs: the
