@@ -330,23 +330,18 @@ class InputBatch:
             array = self._zeros.setdefault(key, jax.device_put(np.full(shape, value, dtype), self.placement))
         return array
 
-    def record_samples(self, out: SchedulerOutput, slots: np.ndarray, tokens: np.ndarray,
-                       verified: list[list[int]] | None = None) -> None:
-        """A step's sampled tokens (a fork row's first, the leader's) join the token buffer after
-        each sampling row's tokens, for sequences still in the slot the step used. A row with a
-        draft (``verified``: each row's output tokens) ends after its accepted drafts, which the
-        buffer already holds: its last output token goes after them."""
+    def record_samples(self, out: SchedulerOutput, slots: np.ndarray, sampled: list[list[int]]) -> None:
+        """A step's output tokens (``sampled``: each row's, as the runner returns them) join the
+        token buffer after each sampling row's tokens, for sequences still in the slot the step
+        used: a row's first sample (a fork row's, the leader's). A row with a draft ends after its
+        accepted drafts, which the buffer already holds: its last output token goes after them."""
         # A plain loop: a step has few sampling rows, and numpy's per-call cost is what a batch-1
         # step would pay here.
-        slot_of, drafts, tokens_of = self.slot_of, out.draft_token_ids, self.tokens
-        first = 0
-        for i, (seq_id, k, slot) in enumerate(zip(out.seq_ids, out.num_samples, slots.tolist())):
-            if k > 0 and slot_of.get(seq_id) == slot:
+        slot_of, drafts, tokens = self.slot_of, out.draft_token_ids, self.tokens
+        for i, (seq_id, row, slot) in enumerate(zip(out.seq_ids, sampled, slots.tolist())):
+            if row and slot_of.get(seq_id) == slot:
                 position = out.num_computed_tokens[i] + out.num_scheduled_tokens[i]
-                value = tokens[first]
                 draft = drafts.get(seq_id) if drafts else None
                 if draft:
-                    position -= len(draft) + 1 - len(verified[i])
-                    value = verified[i][-1]
-                tokens_of[slot, position] = value
-            first += k
+                    position -= len(draft) + 1 - len(row)
+                tokens[slot, position] = row[-1] if draft else row[0]

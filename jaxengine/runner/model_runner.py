@@ -413,7 +413,7 @@ class ModelRunner:
             sampled = verify_drafts(out, sampled)
         if self.drafter is not None:
             self.drafter.note_verified(out, first, sampled)
-        self.batch.record_samples(out, slots, tokens, sampled)
+        self.batch.record_samples(out, slots, sampled)
         return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples, sampled),
                                  self._prompt_logprobs(inputs, slots, out, prompt_lp),
                                  tuple(np.asarray(expert_tokens).tolist()) if expert_tokens.shape[0] else ())

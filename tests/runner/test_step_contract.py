@@ -4,7 +4,6 @@ InputBatch builds the attention and sampling metadata from that alone."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -122,7 +121,7 @@ def test_input_batch_builds_the_metadata_from_the_rows():
     assert sm.num_prompt[:2].tolist() == [7, 4]
     # The results join the token buffer after each row's tokens; a slot taken over meanwhile keeps its own.
     batch.update(SchedulerOutput(finished_seq_ids=[11], new_seqs=[new_seq(12, [1, 1], [4], 2)]))
-    batch.record_samples(out, slots, np.asarray([40, 41]))
+    batch.record_samples(out, slots, [[40], [41]])
     assert batch.tokens[slots[0], :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 40]
     assert batch.slot_of[12] == slots[1] and batch.tokens[slots[1], :8].tolist() == [1, 1, 7, 6, 5, 4, 0, 0]
 
