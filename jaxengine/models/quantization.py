@@ -16,19 +16,22 @@ it loads (``QuantizingSource``, the ``quantization`` option).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.kernels.matmul.quantized import FORMATS, QuantizedWeight, dequantize, quantize
+from jaxengine.kernels.matmul.quantized import (FORMATS, QuantizedWeight, TiledWeight, can_tile, dequantize, quantize,
+                                                tile, tiles_available)
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.hf_tensors import EXPERT_KINDS, QUANTIZABLE, Index, TensorSource
 
-PARTS = ("q", "scale", "offset")
+PARTS = ("q", "scale", "offset", "blocks")     # "blocks": a tiled weight's (``tile_for_cpu``)
 SCHEMES = ("fp8", "int8", "int4")   # quantized while loading; "none": whatever is stored, dequantised
 GROUP = 128                         # the largest group of online int4 (smaller where an axis needs it)
 
@@ -93,9 +96,43 @@ class QuantizedParam(nnx.Module):
             self.offset = param(along(group), stored.scale)
         self.bits, self.out_axes = stored.bits, out_axes
 
-    def __getitem__(self, index) -> QuantizedWeight:
+    def __getitem__(self, index) -> QuantizedWeight | TiledWeight:
+        if hasattr(self, "blocks"):
+            return dataclasses.replace(self.tiled, blocks=self.blocks[index])
         offset = self.offset[index] if hasattr(self, "offset") else None
         return QuantizedWeight(self.q[index], self.scale[index], offset, self.bits, self.out_axes)
+
+    def tile(self, stacked: bool) -> None:
+        """Lay the weight out as the CPU kernel's tiles (``TiledWeight``), in place of q, scale
+        and offset."""
+        tiled = tile(self[...], stacked)
+        self.blocks = nnx.Param(tiled.blocks)
+        self.tiled = dataclasses.replace(tiled, blocks=None)
+        for part in ("q", "scale", "offset"):
+            if hasattr(self, part):
+                delattr(self, part)
+
+
+# The weights laid out as tiles for the CPU's decode product (not the embedding, whose rows are
+# gathered, nor a mixture's routed experts, read by expert).
+TILED_KINDS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+_HEADED = ("q_proj", "k_proj", "v_proj", "o_proj")        # a layer's weight has 3 axes (heads among them), else 2
+
+
+def tile_for_cpu(model: nnx.Module, dtype, devices: int) -> int:
+    """Lay ``model``'s int8 / int4 projections out as the CPU kernel's tiles, where the kernel
+    reads them (a float32 model on one CPU device whose kernel multiplies bytes); returns how
+    many weights were laid out. The stacked layers' weights ([L, ...]) are tiled per layer."""
+    if not (jax.default_backend() == "cpu" and devices == 1 and jnp.dtype(dtype) == jnp.float32
+            and tiles_available()):
+        return 0
+    count = 0
+    for path, node in list(nnx.iter_graph(model)):
+        if (isinstance(node, QuantizedParam) and not hasattr(node, "blocks") and path and path[-1] in TILED_KINDS
+                and "experts" not in path and can_tile(node[...])):
+            node.tile(stacked=node.q.ndim > (3 if path[-1] in _HEADED else 2))
+            count += 1
+    return count
 
 
 def gather_columns(w: QuantizedWeight, ids) -> jnp.ndarray:

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine.kernels.matmul import dense, dense_each, grouped_dense, xla_dense, xla_grouped_dense
-from jaxengine.kernels.matmul.quantized import (FORMATS, QuantizedWeight, dequantize, dequantize_reference, pack_int4,
-                                                quantize, unpack_int4_host)
+from jaxengine.kernels.matmul.quantized import (FORMATS, QuantizedWeight, can_tile, dequantize, dequantize_reference,
+                                                pack_int4, quantize, tile, tiles_available, unpack_int4_host, untile)
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernel")
 
@@ -240,3 +240,95 @@ def test_decode_rows_multiplied_from_several_threads_at_once_each_get_their_own_
 
     with ThreadPoolExecutor(len(xs)) as pool:
         assert all(pool.map(repeat, range(len(xs))))
+
+
+@pytest.fixture
+def tiles():
+    if not tiles_available():
+        pytest.skip("the tiled layout serves a CPU with AVX-512 VNNI and VBMI only")
+
+
+@pytest.mark.parametrize("fmt, group, offset", [("int4", 32, True), ("int8", 16, False), ("int4-f32", 16, True),
+                                                ("int8-f32", 32, True)])
+def test_tiles_hold_each_value_scale_and_offset_where_the_layout_says_and_give_them_back(fmt, group, offset):
+    rng = np.random.default_rng(7)
+    qw, _ = quantized(rng, 2, 2 * group, 48, fmt, group, offset)
+    tw = tile(qw, stacked=True)
+    bits, size = FORMATS[fmt].bits, FORMATS[fmt].scale.itemsize
+    steps = group * bits // 32                               # 64-byte words of 4 rows of q a group
+    assert tw.blocks.dtype == np.uint8 and tw.blocks.shape == (2, 3, 2, 64 * steps + 16 * size * (1 + offset))
+    assert (tw.bits, tw.group, tw.offset, tw.out_shape, tw.k) == (bits, group, offset, (48,), 2 * group)
+    blocks, q = np.asarray(tw.blocks), np.asarray(qw.q).view(np.uint8)
+    # layer 1, tile 2 (columns 32..47), group 1, its step 1, column j = 5, row i = 3 of the step
+    row = 4 * (1 * steps + 1) + 3
+    assert blocks[1, 2, 1, 64 * 1 + 4 * 5 + 3] == q[1, row, 32 + 5]
+    scales = blocks[1, 2, 1, 64 * steps:64 * steps + 16 * size].view(FORMATS[fmt].scale)
+    np.testing.assert_array_equal(scales, np.asarray(qw.scale)[1, 1, 32:48])
+    back = untile(tw)
+    np.testing.assert_array_equal(back.q, qw.q)
+    np.testing.assert_array_equal(back.scale, qw.scale)
+    assert (back.offset is None) == (not offset)
+    if offset:
+        np.testing.assert_array_equal(back.offset, qw.offset)
+    assert not can_tile(quantized(rng, 1, 32, 40, fmt, 16, offset)[0])      # 40 columns: not whole tiles
+    assert not can_tile(quantized(rng, 1, 32, 48, "fp8", 16, False)[0])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])    # as bytes (up to 8), else dequantised tiles and sgemm
+@pytest.mark.parametrize("fmt, offset", [("int4", True), ("int8", False), ("int4-f32", True), ("int8-f32", True)])
+def test_tiled_weights_give_the_row_major_kernels_products(tiles, rows, fmt, offset):
+    """Each product within float32's rounding of the row-major layout's (the same bytes, summed
+    over the groups in another order; exactly it where many rows go to sgemm) and of NumPy's on the
+    dequantised weights; several weights of one x in one call, each as it gets alone; XLA's path
+    on a tiled weight as on the weight it came from; a weight not stacked over layers."""
+    rng = np.random.default_rng(rows)
+    k = 96
+    weights = [quantized(rng, 3, k, n, fmt, 32, offset) for n in (64, 32, 32)]
+    tiled = [tile(qw, stacked=True) for qw, _ in weights]
+    x = rng.standard_normal((rows, k), np.float32)
+    together = jax.jit(lambda x, ws, i: dense_each(dense, x, ws, i))
+    for layer in (0, 2):
+        outs = together(x, tiled, jnp.int32(layer))
+        for got, tw, (qw, w) in zip(outs, tiled, weights):
+            row_major = np.asarray(jax.jit(dense)(x, qw, jnp.int32(layer)))
+            np.testing.assert_array_equal(got, jax.jit(dense)(x, tw, jnp.int32(layer)))
+            if rows > 8:
+                np.testing.assert_array_equal(got, row_major)
+            # float32's rounding of sums of |x||w| (a wrong value is off by far more)
+            assert (np.abs(got - row_major) <= 1e-6 * (np.abs(x) @ np.abs(w[layer]))).all()
+            np.testing.assert_allclose(got, x @ w[layer], rtol=1e-5, atol=1e-4)
+            np.testing.assert_array_equal(jax.jit(xla_dense)(x, tw, jnp.int32(layer)),
+                                          jax.jit(xla_dense)(x, qw, jnp.int32(layer)))
+    hlo = together.lower(x, tiled, jnp.int32(1)).as_text()
+    assert hlo.count("stablehlo.custom_call @jaxengine_cpu_tiled_matmuls") == 1
+    one = tile(weights[0][0].layer(1), stacked=False)
+    np.testing.assert_allclose(jax.jit(dense)(x, one), x @ weights[0][1][1], rtol=1e-5, atol=1e-4)
+
+
+def test_tiled_weights_keep_the_output_axes_and_pass_infs_and_nans_to_their_rows_only(tiles):
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((2, 64, 4, 8), np.float32)                     # q_proj [L, D, N, H]
+    values, scale, zero = quantize(w, "int4", 32, axis=1)
+    qw = QuantizedWeight(jnp.asarray(pack_int4(values, axis=1)), jnp.asarray(scale), jnp.asarray(zero), 4, out_axes=2)
+    tw = tile(qw, stacked=True)
+    ref = dequantize_reference(values, scale, zero, axis=1)
+    x = rng.standard_normal((3, 64), np.float32)
+    out = jax.jit(dense)(x, tw, jnp.int32(1))
+    assert out.shape == (3, 4, 8)
+    np.testing.assert_allclose(out, np.einsum("td,dnh->tnh", x, ref[1]), rtol=1e-5, atol=1e-4)
+    for bad in (np.inf, np.nan):
+        y = x.copy()
+        y[1, 5] = bad
+        got = np.asarray(jax.jit(dense)(y, tw, jnp.int32(1)))
+        assert not np.isfinite(got[1]).any() and np.isfinite(got[[0, 2]]).all()
+        # (the call's rows then go through sgemm: the same products, rounded another way)
+        np.testing.assert_allclose(got[[0, 2]], np.asarray(out)[[0, 2]], rtol=1e-5, atol=1e-5)
+
+
+def test_the_tiled_kernel_refuses_blocks_of_the_wrong_size_with_an_error_naming_them(tiles):
+    x = jnp.ones((1, 64), jnp.float32)
+    blocks = jnp.zeros((1, 2, 2, 100), jnp.uint8)                          # int4 group 32 f16: 320 bytes a block
+    call = jax.ffi.ffi_call("jaxengine_cpu_tiled_matmuls", [jax.ShapeDtypeStruct((1, 32), jnp.float32)])
+    with pytest.raises(Exception, match="tiles \\[L, N / 16, K / G, block\\]"):
+        jax.block_until_ready(call(x, jnp.int32(0), blocks, bits=np.int64(4), scale_bytes=np.int64(2), offset=True,
+                                   group=np.int64(32)))

@@ -4,16 +4,17 @@ dequantised, the converted-weights cache holding the repacked form, and clear er
 import copy
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 from gguf import GGMLQuantizationType as Q
 
-from jaxengine.kernels.matmul.quantized import dequantize_reference, quantize
+from jaxengine.kernels.matmul.quantized import TiledWeight, dequantize_reference, quantize, tiles_available
 from jaxengine.models.gguf import load_gguf
 from jaxengine.models.paths import converted_cache_path
-from jaxengine.models.quantization import QuantizedParam, kind_of, online_plan
+from jaxengine.models.quantization import QuantizedParam, TILED_KINDS, kind_of, online_plan, tile_for_cpu
 from jaxengine.models.weights import load_model
 
 from tests.conftest import make_checkpoint
@@ -54,12 +55,43 @@ def test_online_quantization_matches_transformers_on_the_dequantised_weights(lla
     assert cfg.quant_spec("down_proj") == (scheme, 128, scheme == "int4")
     assert isinstance(model.layers.self_attn.q_proj, QuantizedParam)
     assert model.embed_tokens.q.shape == ((32, 256) if scheme == "int4" else (64, 256))     # kept [D, V]
-    assert model.layers.mlp.up_proj.scale.dtype == (np.float32 if scheme == "fp8" else np.float16)
+    up = model.layers.mlp.up_proj[...]                       # int8 / int4 laid out as tiles where the CPU reads them so
+    assert isinstance(up, TiledWeight) == (scheme != "fp8" and tiles_available())
+    assert np.dtype(up.scale_dtype if isinstance(up, TiledWeight) else up.scale.dtype) == (
+        np.float32 if scheme == "fp8" else np.float16)
     oracle = dequantised_oracle(hf_model, cfg)
     for ids in PROMPTS:
         ours, ref = run_chunks(model, cfg, ids, [len(ids)]), oracle_logits(oracle, ids)
         np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=f"{scheme}, prompt of {len(ids)}")
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_projections_laid_out_as_tiles_compute_as_the_row_major_ones(llama, scheme, monkeypatch):
+    """Where the CPU kernel reads tiles, a loaded model's int8 / int4 projections are laid out so
+    (not its embedding); prefill (more than 8 rows: the same products) and decode (a row a step:
+    summed in another order) give the row-major model's logits within float32's rounding, and the
+    same greedy tokens. Not laid out on a mesh or for a bfloat16 model."""
+    if not tiles_available():
+        pytest.skip("the tiled layout serves a CPU with AVX-512 VNNI and VBMI only")
+    folder, _ = llama
+    tiled, cfg = load_model(folder, quantization=scheme)
+    monkeypatch.setattr("jaxengine.models.weights.tile_for_cpu", lambda *a: 0)
+    rows, _ = load_model(folder, quantization=scheme)
+    kinds = {path[-1] for path, node in nnx.iter_graph(tiled)
+             if isinstance(node, QuantizedParam) and isinstance(node[...], TiledWeight)}
+    assert kinds == TILED_KINDS and not isinstance(tiled.embed_tokens[...], TiledWeight)
+    assert not any(isinstance(node, QuantizedParam) and isinstance(node[...], TiledWeight)
+                   for _, node in nnx.iter_graph(rows))
+    for ids in PROMPTS:
+        whole = [len(ids)]                                  # (up to 8 tokens: as bytes, as a decode step)
+        if len(ids) > 8:
+            np.testing.assert_array_equal(run_chunks(tiled, cfg, ids, whole), run_chunks(rows, cfg, ids, whole))
+        ours, ref = run_chunks(tiled, cfg, ids, [1] * len(ids)), run_chunks(rows, cfg, ids, [1] * len(ids))
+        np.testing.assert_allclose(ours, ref, atol=5e-5, rtol=0)            # logits of a few units
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert tile_for_cpu(rows, np.float32, devices=2) == 0 and tile_for_cpu(rows, jnp.bfloat16, devices=1) == 0
+    assert tile_for_cpu(rows, np.float32, devices=1) == 7                   # q, k, v, o, gate, up, down
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 
 from jaxengine.kernels.cpu_build import register_kernel
 from jaxengine.kernels.matmul.openblas import openblas_build
-from jaxengine.kernels.matmul.quantized import (QuantizedWeight, grouped_quantized_dense, quantized_dense,
-                                                quantized_dense_many, xla_grouped_quantized_dense,
-                                                xla_quantized_dense)
+from jaxengine.kernels.matmul.quantized import (QuantizedWeight, TiledWeight, grouped_quantized_dense, quantized_dense,
+                                                quantized_dense_many, tiled_dense, tiled_dense_many, untile,
+                                                xla_grouped_quantized_dense, xla_quantized_dense)
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxengine_cpu_matmul"
@@ -31,6 +31,8 @@ GROUPED_TARGET = "jaxengine_cpu_grouped_matmul"
 def xla_dense(x: jax.Array, w: jax.Array | QuantizedWeight, layer: jax.Array | None = None) -> jax.Array:
     """x [T, D] @ w [D, ...] -> [T, ...] by XLA's dot; with ``layer``, w is stacked [L, D, ...]. A
     quantized weight is dequantised (the layer's slice only) and multiplied."""
+    if isinstance(w, TiledWeight):
+        return xla_quantized_dense(x, untile(w), layer).reshape(x.shape[0], *w.out_shape)
     if isinstance(w, QuantizedWeight):
         return xla_quantized_dense(x, w, layer)
     return jnp.tensordot(x, w if layer is None else w[layer], axes=1)
@@ -40,7 +42,9 @@ def dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Arr
     """x [T, D] @ w [D, ...] -> [T, ...], or x @ w[layer] with w stacked [L, D, ...] (the layer
     scan's weights, read in place): through OpenBLAS where it serves, else XLA's dot. The weight's
     trailing axes are one row-major block, so flattening them costs nothing. A quantized weight
-    goes to ``quantized_dense``."""
+    goes to ``quantized_dense``, a tiled one to ``tiled_dense``."""
+    if isinstance(w, TiledWeight):
+        return tiled_dense(x, w, layer)
     if isinstance(w, QuantizedWeight):
         return quantized_dense(x, w, layer)
     if not serves(x, w):
@@ -54,6 +58,8 @@ def dense_each(fn, x: jax.Array, ws, layer: jax.Array | None = None) -> list[jax
     """``[fn(x, w, layer) for w in ws]``: the same x against several weights (a layer's q, k and v
     projections, its gate and up). Where ``fn`` is ``dense`` and the weights are quantized alike,
     one call of the CPU kernel computes them all (x's terms written once, one job for the threads)."""
+    if fn is dense and len(ws) > 1 and all(isinstance(w, TiledWeight) for w in ws):
+        return tiled_dense_many(x, list(ws), layer)
     if fn is dense and len(ws) > 1 and all(isinstance(w, QuantizedWeight) for w in ws):
         return quantized_dense_many(x, list(ws), layer)
     return [fn(x, w, layer) for w in ws]

@@ -571,6 +571,164 @@ void BytesProducts(jaxengine::HotPool& hot, int64_t pool_threads, int64_t m, con
       _mm512_storeu_ps(out + j, _mm512_add_ps(_mm512_loadu_ps(out + j), _mm512_loadu_ps(part.out + j)));
   }
 }
+
+// ---------------------------------------------------------------- tiles: the decode layout
+// A weight laid out for the products above, one block after the other in the order they are
+// read: for each tile of 16 columns and each group of rows (``[N / 16][K / G][block]`` bytes per
+// layer), the group's steps of 4 rows of q as the 64-byte words ColumnWords makes, then the
+// group's 16 scales and, with an offset, its 16 offsets. A thread's share of a product (a run of
+// tiles) is then one stream read front to back, and a tile's sums stay in registers across the
+// groups, where the row-major layout reads 4 rows a step at N bytes apart and each group's scales
+// from elsewhere (measured on the default model's projections: the row-major layout at about half
+// of the machine's read bandwidth, the tiles near all of it).
+template <typename S>
+struct Tiles {
+  const uint8_t* p;                      // this layer's blocks
+  int64_t k, n, group, block;
+  bool offset;
+};
+
+constexpr int64_t kTilePrefetch = 2560;  // bytes read ahead of a tile's stream (measured: 1280-5120 alike)
+
+// Rows [0, M) x tiles [t_first, t_last) of x @ w, written whole.
+template <int V, int M, typename S>
+void TiledColumnsOf(const Activations<V>& a, const Tiles<S>& w, const float* sums, float* out, int64_t t_first,
+                    int64_t t_last) {
+  const int64_t groups = a.groups, steps_per_group = w.group / kStepK<V>;
+  const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t t = t_first; t < t_last; ++t) {
+    const uint8_t* b = w.p + t * groups * w.block;
+    __m512 res[M];
+    for (int r = 0; r < M; ++r) res[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, b += w.block) {
+      __m512i acc[M][kTerms];
+      for (int r = 0; r < M; ++r)
+        for (int u = 0; u < kTerms; ++u) acc[r][u] = _mm512_setzero_si512();
+      for (int64_t s = 0; s < steps_per_group; ++s) {
+        _mm_prefetch(reinterpret_cast<const char*>(b + kTilePrefetch + 64 * s), _MM_HINT_T0);
+        const __m512i bytes = _mm512_loadu_si512(b + 64 * s);
+        const int64_t step = g * steps_per_group + s;
+        if constexpr (V == kInt4) {
+          const __m512i low = _mm512_and_si512(bytes, nibble);
+          const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+          for (int r = 0; r < M; ++r)
+            for (int u = 0; u < kTerms; ++u) {
+              const int32_t* xw = a.words.data() + ((r * kTerms + u) * a.steps + step) * 2;
+              acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], low, _mm512_set1_epi32(xw[0]));
+              acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], high, _mm512_set1_epi32(xw[1]));
+            }
+        } else {
+          const __m512i unsigned_bytes = _mm512_xor_si512(bytes, flip);      // q + 128
+          for (int r = 0; r < M; ++r)
+            for (int u = 0; u < kTerms; ++u)
+              acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], unsigned_bytes,
+                                              _mm512_set1_epi32(a.words[(r * kTerms + u) * a.steps + step]));
+        }
+      }
+      const S* sc = reinterpret_cast<const S*>(b + steps_per_group * 64);
+      const __m512 scale = Scales16(sc), offset = w.offset ? Scales16(sc + 16) : _mm512_setzero_ps();
+      for (int r = 0; r < M; ++r) {
+        __m512 v = _mm512_setzero_ps();
+        for (int u = kTerms - 1; u >= 0; --u) {
+          __m512i sum = acc[r][u];
+          if constexpr (V == kInt8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a.qsum[(r * kTerms + u) * groups + g]));
+          v = _mm512_fmadd_ps(v, _mm512_set1_ps(kTermScale), _mm512_cvtepi32_ps(sum));
+        }
+        res[r] = _mm512_fmadd_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(a.unit[r * groups + g])), res[r]);
+        if (w.offset) res[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * groups + g]), res[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * w.n + 16 * t, res[r]);
+  }
+}
+
+template <int V, typename S>
+using TiledFn = void (*)(const Activations<V>&, const Tiles<S>&, const float*, float*, int64_t, int64_t);
+
+template <int V, typename S>
+TiledFn<V, S> TiledColumnsFor(int64_t m) {
+  static constexpr TiledFn<V, S> kByRows[kFusedRows] = {
+      TiledColumnsOf<V, 1, S>, TiledColumnsOf<V, 2, S>, TiledColumnsOf<V, 3, S>, TiledColumnsOf<V, 4, S>,
+      TiledColumnsOf<V, 5, S>, TiledColumnsOf<V, 6, S>, TiledColumnsOf<V, 7, S>, TiledColumnsOf<V, 8, S>};
+  return kByRows[m - 1];
+}
+
+// Columns [first, last) (multiples of 16) of a tiled w as f32 [K, last - first]: each word turned
+// back into 4 rows of 16 bytes by one VPERMB.
+template <int V, typename S>
+void DequantizeTiles(const Tiles<S>& w, float* buf, int64_t first, int64_t last) {
+  const int64_t cols = last - first, groups = w.k / w.group, steps_per_group = w.group / kStepK<V>;
+  // byte 16 i + j of the result is word byte 4 j + i: row i, column j
+  const __m512i rows = _mm512_set_epi8(
+      63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3, 62, 58, 54, 50, 46, 42, 38, 34,
+      30, 26, 22, 18, 14, 10, 6, 2, 61, 57, 53, 49, 45, 41, 37, 33, 29, 25, 21, 17, 13, 9, 5, 1,
+      60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+  for (int64_t t = first / 16; t < last / 16; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* b = w.p + (t * groups + g) * w.block;
+      const S* sc = reinterpret_cast<const S*>(b + steps_per_group * 64);
+      const __m512 scale = Scales16(sc), offset = w.offset ? Scales16(sc + 16) : _mm512_setzero_ps();
+      for (int64_t s = 0; s < steps_per_group; ++s) {
+        alignas(64) uint8_t bytes[64];
+        _mm512_store_si512(bytes, _mm512_permutexvar_epi8(rows, _mm512_loadu_si512(b + 64 * s)));
+        for (int i = 0; i < 4; ++i) {
+          const __m128i row = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes + 16 * i));
+          const int64_t kk = (4 * (g * steps_per_group + s) + i) * kPack<V>;       // the row of w
+          float* o = buf + kk * cols + (16 * t - first);
+          if constexpr (V == kInt4) {
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(row, _mm_set1_epi8(15))));
+            const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(row, 4), _mm_set1_epi8(15))));
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(scale, low, offset));
+            _mm512_storeu_ps(o + cols, _mm512_fmadd_ps(scale, high, offset));
+          } else {
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(row)), offset));
+          }
+        }
+      }
+    }
+}
+
+// outs[j] = x @ ws[j] for m rows, every ws[j] tiled with the same k and group. A few rows whose
+// bytes ``rows`` holds: each product's tiles in ``threads`` runs, one job for the calling thread
+// and HotPool's helpers. Otherwise (more rows, or an inf or a NaN in x): each product's column
+// blocks dequantised and multiplied by OpenBLAS.
+template <int V, typename S>
+void TiledProducts(ffi::ThreadPool& pool, const float* xp, int64_t m, const Tiles<S>* ws, float* const* outs,
+                   int64_t count) {
+  const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
+  jaxengine::HotPool& hot = jaxengine::HotPool::Get(static_cast<int>(pool_threads) - 1);
+  if (m <= kFusedRows) {
+    thread_local FewRows<V> own;
+    own.Fill(xp, m, ws[0].k, ws[0].group);
+    if (own.AsBytes()) {
+      const FewRows<V>* rows = &own;                    // (a lambda names a thread_local of its own thread: pass it)
+      int64_t bytes = 0;
+      for (int64_t j = 0; j < count; ++j) bytes += ws[j].k / kPack<V> * ws[j].n;
+      const int64_t runs = bytes < kSoloBytes ? 1 : pool_threads;
+      hot.Run(count * runs, [&, rows](int64_t p) {
+        const Tiles<S>& w = ws[p / runs];
+        const int64_t tiles = w.n / 16, run = p % runs;
+        TiledColumnsFor<V, S>(m)(rows->bytes, w, rows->sums.data(), outs[p / runs], tiles * run / runs,
+                                 tiles * (run + 1) / runs);
+      });
+      return;
+    }
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    const Tiles<S>& w = ws[j];
+    int64_t blocks;
+    const int64_t width = jaxengine::ColumnBlockWidth(w.n, pool_threads, &blocks);
+    jaxengine::ParallelFor(pool, blocks, [&, width](int64_t b) {
+      const int64_t first = std::min(w.n, b * width), last = std::min(w.n, (b + 1) * width);
+      if (last <= first) return;
+      thread_local std::vector<float> buf;
+      buf.resize(w.k * (last - first));
+      DequantizeTiles<V, S>(w, buf.data(), first, last);
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, last - first, w.k, 1.0f, xp, w.k, buf.data(),
+                        last - first, 0.0f, outs[j] + first, w.n);
+    });
+  }
+}
 #endif
 
 // out [m, n] = x [m, k] @ w, shapes checked: a few rows by the fused loop, more by dequantise + sgemm.
@@ -735,6 +893,52 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
   return ffi::Error::Success();
 }
 
+
+// Products of one x by several tiled weights of one format at one layer (args: each weight's
+// tiles, uint8 [L, N / 16, K / G, block]; one result [M, N] each). Attributes: the values' bits
+// (4, 8), the scales' bytes (2: float16, 4: float32), whether blocks hold offsets, and the group.
+template <int V, typename S>
+ffi::Error TiledMatmulsOf(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int64_t index, bool offset, int64_t group,
+                          ffi::RemainingArgs& args, ffi::RemainingRets& rets) {
+#ifdef JAXENGINE_VNNI
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], count = static_cast<int64_t>(rets.size());
+  if (group <= 0 || k % group != 0 || group % kStepK<V> != 0)
+    return ffi::Error::InvalidArgument("cpu tiled matmuls: the group must divide K and be a multiple of the step");
+  const int64_t block = group / kStepK<V> * 64 + 16 * static_cast<int64_t>(sizeof(S)) * (offset ? 2 : 1);
+  std::vector<Tiles<S>> ws;
+  std::vector<float*> ops;
+  for (int64_t j = 0; j < count; ++j) {
+    auto tiles = args.get<ffi::Buffer<ffi::U8>>(j);
+    auto out = rets.get<ffi::Buffer<ffi::F32>>(j);
+    if (tiles.has_error() || out.has_error()) return ffi::Error::InvalidArgument("cpu tiled matmuls: uint8 tiles expected");
+    auto td = tiles->dimensions(), od = (*out)->dimensions();
+    if (td.size() != 4 || td[2] != k / group || td[3] != block || od.size() != 2 || od[0] != m || od[1] != 16 * td[1])
+      return ffi::Error::InvalidArgument("cpu tiled matmuls: tiles [L, N / 16, K / G, block] and out [M, N] expected");
+    if (index < 0 || index >= td[0]) return ffi::Error::InvalidArgument("cpu tiled matmuls: layer index out of range");
+    ws.push_back(Tiles<S>{tiles->typed_data() + index * td[1] * td[2] * block, k, 16 * td[1], group, block, offset});
+    ops.push_back((*out)->typed_data());
+  }
+  if (m > 0) TiledProducts<V, S>(pool, x.typed_data(), m, ws.data(), ops.data(), count);
+  return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument("cpu tiled matmuls: this CPU lacks AVX-512 VNNI / VBMI (tiles are not made for it)");
+#endif
+}
+
+ffi::Error TiledMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, int64_t bits,
+                            int64_t scale_bytes, bool offset, int64_t group, ffi::RemainingArgs args,
+                            ffi::RemainingRets rets) {
+  SetSingleThreaded();
+  if (x.dimensions().size() != 2 || layer.element_count() != 1 || rets.size() == 0 || args.size() != rets.size())
+    return ffi::Error::InvalidArgument("cpu tiled matmuls: x [M, K], one layer, then one weight's tiles per result");
+  const int64_t index = layer.typed_data()[0];
+  if (bits == 4 && scale_bytes == 2) return TiledMatmulsOf<kInt4, _Float16>(pool, x, index, offset, group, args, rets);
+  if (bits == 4 && scale_bytes == 4) return TiledMatmulsOf<kInt4, float>(pool, x, index, offset, group, args, rets);
+  if (bits == 8 && scale_bytes == 2) return TiledMatmulsOf<kInt8, _Float16>(pool, x, index, offset, group, args, rets);
+  if (bits == 8 && scale_bytes == 4) return TiledMatmulsOf<kInt8, float>(pool, x, index, offset, group, args, rets);
+  return ffi::Error::InvalidArgument("cpu tiled matmuls: int4 or int8 values with float16 or float32 scales");
+}
+
 }  // namespace
 
 // int8 / int4 values, float16 scales (as GGUF stores them) or float32 ones; fp8 values, float32 scales
@@ -786,3 +990,24 @@ JAXENGINE_QUANTIZED_MATMULS(JaxengineCpuInt8Matmuls, 1, ffi::F16, _Float16)
 JAXENGINE_QUANTIZED_MATMULS(JaxengineCpuInt4Matmuls, 2, ffi::F16, _Float16)
 JAXENGINE_QUANTIZED_MATMULS(JaxengineCpuInt8MatmulsF32, 1, ffi::F32, float)
 JAXENGINE_QUANTIZED_MATMULS(JaxengineCpuInt4MatmulsF32, 2, ffi::F32, float)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuTiledMatmuls, TiledMatmulsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("scale_bytes")
+                                  .Attr<bool>("offset")
+                                  .Attr<int64_t>("group")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+// 1 where this build multiplies bytes (AVX-512 VNNI and VBMI): the tiled layout serves only there.
+extern "C" int JaxengineCpuTiles() {
+#ifdef JAXENGINE_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}

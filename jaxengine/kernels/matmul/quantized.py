@@ -18,9 +18,14 @@ format; the bytes read per step are the quantized ones), elsewhere, and on a mes
 dequantised then multiplied (``xla_quantized_dense``). A mixture of experts' stacked experts
 ([E, K, N] per layer) go the same two ways through ``grouped_quantized_dense``: the CPU kernel reads
 only the experts some row chose; XLA dequantises the layer's experts and runs ``ragged_dot``.
+On a CPU whose kernel multiplies bytes (AVX-512 VNNI and VBMI), a loaded model's int8 / int4
+projections are laid out once as ``TiledWeight`` (``tile``): the blocks in the order the decode
+product reads them, each group's scales beside its values, so a thread's share of a product is one
+stream (``cpu_quantized_matmul.cc``, "tiles"). ``untile`` gives the ``QuantizedWeight`` back.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
@@ -30,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.kernels.cpu_build import register_kernel
+from jaxengine.kernels.cpu_build import built_library, register_kernel
 from jaxengine.kernels.matmul.openblas import openblas_build
 
 SOURCE = Path(__file__).with_name("cpu_quantized_matmul.cc")
@@ -46,6 +51,9 @@ MANY_TARGETS = {key: target.replace("_matmul", "_matmuls") for key, target in TA
 MANY_SYMBOLS = {key: symbol.replace("Matmul", "Matmuls") for key, symbol in SYMBOLS.items() if key[0] != "float8_e4m3fn"}
 GROUPED_TARGETS = {key: target.replace("cpu_", "cpu_grouped_") for key, target in TARGETS.items()}
 GROUPED_SYMBOLS = {key: symbol.replace("Cpu", "CpuGrouped") for key, symbol in SYMBOLS.items()}
+TILED_TARGET, TILED_SYMBOL = "jaxengine_cpu_tiled_matmuls", "JaxengineCpuTiledMatmuls"
+TILE = 16                           # columns of a tile
+STEP_ROWS = 4                       # rows of q (bytes) in a step of a tile: one 64-byte word
 SCALE_DTYPE = np.float16
 BITS = (8, 4)
 
@@ -90,6 +98,30 @@ class QuantizedWeight:
     def group(self) -> int:
         axis = -1 - self.out_axes
         return self.q.shape[axis] * (8 // self.bits) // self.scale.shape[axis]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TiledWeight:
+    """An int8 / int4 ``QuantizedWeight`` laid out for the CPU kernel's decode product:
+    ``blocks`` uint8 [(L,) N / 16, K / G, block], for each tile of 16 output columns and each group
+    of G rows, the group's values as 64-byte words of 4 rows of q by 16 columns ([column][row]:
+    4 int8 values, or 8 int4 ones, of a column a word), then its 16 scales and, with ``offset``, its
+    16 offsets (``scale_dtype``). ``out_shape``: the output axes (N is their product)."""
+    blocks: jax.Array
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    scale_dtype: str = dataclasses.field(metadata=dict(static=True))
+    offset: bool = dataclasses.field(metadata=dict(static=True))
+    group: int = dataclasses.field(metadata=dict(static=True))
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    def layer(self, index) -> "TiledWeight":
+        """The weight of one layer of a stacked [L, ...] weight."""
+        return jax.tree.map(lambda a: a[index], self)
+
+    @property
+    def k(self) -> int:
+        return self.blocks.shape[-2] * self.group
 
 
 # ---------------------------------------------------------------- host side: quantize, pack
@@ -156,6 +188,55 @@ def unpack_int4_host(packed: np.ndarray, axis: int) -> np.ndarray:
     out = np.empty((2 * p.shape[0], *p.shape[1:]), np.uint8)
     out[0::2], out[1::2] = p & 15, p >> 4
     return np.moveaxis(out, 0, axis)
+
+
+def can_tile(w: QuantizedWeight) -> bool:
+    """Whether ``tile`` lays out ``w``: int8 or int4 values with float16 or float32 scales, its
+    output a whole number of tiles, its groups whole steps."""
+    n = math.prod(w.q.shape[w.q.ndim - w.out_axes:])
+    step = STEP_ROWS * (8 // w.bits)
+    return (w.q.dtype.name in ("int8", "uint8") and w.scale.dtype.name in ("float16", "float32")
+            and n % TILE == 0 and w.group % step == 0)
+
+
+def tile(w: QuantizedWeight, stacked: bool) -> TiledWeight:
+    """``w`` (stacked [L, ...] over layers, or not) as a ``TiledWeight``, laid out on the host."""
+    lead = w.q.shape[:1] if stacked else ()
+    out_shape = tuple(w.q.shape[w.q.ndim - w.out_axes:])
+    n = math.prod(out_shape)
+    q = np.asarray(w.q).view(np.uint8).reshape(*lead, -1, n)
+    scales = [np.asarray(w.scale).reshape(*lead, -1, n)]
+    if w.offset is not None:
+        scales.append(np.asarray(w.offset).astype(scales[0].dtype).reshape(*lead, -1, n))
+    groups, tiles = scales[0].shape[-2], n // TILE
+    steps = q.shape[-2] // STEP_ROWS
+    # q [.., S, 4 rows, T, 16 columns] -> [.., T, S, 16 columns, 4 rows]: a step's word per tile
+    words = q.reshape(*lead, steps, STEP_ROWS, tiles, TILE)
+    words = np.moveaxis(words, (-4, -3, -2, -1), (-3, -1, -4, -2)).reshape(*lead, tiles, groups, -1)
+    # scales [.., G, T, 16] -> [.., T, G, 16] as bytes
+    parts = [np.moveaxis(a.reshape(*lead, groups, tiles, TILE), -3, -2).view(np.uint8) for a in scales]
+    blocks = np.concatenate([words, *parts], axis=-1)
+    return TiledWeight(jnp.asarray(np.ascontiguousarray(blocks)), w.bits, scales[0].dtype.name, w.offset is not None,
+                       w.group, out_shape)
+
+
+def untile(w: TiledWeight) -> QuantizedWeight:
+    """The ``QuantizedWeight`` ``w`` was laid out from, its output axes flattened ([(L,) K / P, N])."""
+    lead, (tiles, groups, block) = w.blocks.shape[:-3], w.blocks.shape[-3:]
+    size = np.dtype(w.scale_dtype).itemsize
+    value_bytes = block - TILE * size * (2 if w.offset else 1)
+    words = w.blocks[..., :value_bytes].reshape(*lead, tiles, -1, TILE, STEP_ROWS)
+    q = jnp.moveaxis(words, (-3, -1, -4, -2), (-4, -3, -2, -1)).reshape(*lead, -1, tiles * TILE)
+    if w.bits == 8:
+        q = jax.lax.bitcast_convert_type(q, jnp.int8)
+
+    def scales(start: int) -> jax.Array:
+        part = w.blocks[..., start:start + TILE * size].reshape(*lead, tiles, groups, TILE, size)
+        values = jax.lax.bitcast_convert_type(part, jnp.dtype(w.scale_dtype))
+        return jnp.moveaxis(values, -3, -2).reshape(*lead, groups, tiles * TILE)
+
+    offset = scales(value_bytes + TILE * size) if w.offset else None
+    return QuantizedWeight(q, scales(value_bytes), offset, w.bits)
 
 
 def _nonzero(scale: np.ndarray) -> np.ndarray:
@@ -228,6 +309,28 @@ def quantized_dense_many(x: jax.Array, ws: list[QuantizedWeight], layer: jax.Arr
     return [out.reshape(x.shape[0], *axes) for out, axes in zip(outs, out_axes)]
 
 
+def tiled_dense_many(x: jax.Array, ws: list[TiledWeight], layer: jax.Array | None = None) -> list[jax.Array]:
+    """``[x @ w for w in ws]`` (w[layer] when stacked) -> [T, ..output axes..] each: one call of
+    the CPU kernel where it serves them all and they share a format, else XLA's product of each
+    weight untiled."""
+    alike = all((w.bits, w.scale_dtype, w.offset, w.group, w.k) == (ws[0].bits, ws[0].scale_dtype, ws[0].offset,
+                                                                     ws[0].group, ws[0].k) for w in ws)
+    if not (alike and jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32 and tiles_available()):
+        return [xla_quantized_dense(x, untile(w), layer).reshape(x.shape[0], *w.out_shape) for w in ws]
+    stacked = [w.blocks if layer is not None else w.blocks[None] for w in ws]
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], math.prod(w.out_shape)), jnp.float32) for w in ws]
+    w0 = ws[0]
+    outs = jax.ffi.ffi_call(TILED_TARGET, shapes, vmap_method="sequential")(
+        x, jnp.asarray(0 if layer is None else layer, jnp.int32), *stacked, bits=np.int64(w0.bits),
+        scale_bytes=np.int64(np.dtype(w0.scale_dtype).itemsize), offset=w0.offset, group=np.int64(w0.group))
+    return [out.reshape(x.shape[0], *w.out_shape) for out, w in zip(outs, ws)]
+
+
+def tiled_dense(x: jax.Array, w: TiledWeight, layer: jax.Array | None = None) -> jax.Array:
+    """x [T, K] @ w (w[layer] when stacked) -> [T, ..output axes..]."""
+    return tiled_dense_many(x, [w], layer)[0]
+
+
 def xla_grouped_quantized_dense(x: jax.Array, w: QuantizedWeight, group_sizes: jax.Array,
                                 layer: jax.Array | None = None) -> jax.Array:
     """Rows of x [M, K] sorted by group, group g times expert g of w ([E, K, N], or stacked with
@@ -253,6 +356,17 @@ def grouped_quantized_dense(x: jax.Array, w: QuantizedWeight, group_sizes: jax.A
 def serves(x: jax.Array, w: QuantizedWeight) -> bool:
     return (jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32
             and (w.q.dtype.name, w.scale.dtype.name) in TARGETS and available())
+
+
+@functools.cache
+def tiles_available() -> bool:
+    """Whether the CPU kernel multiplies tiled weights here (it is built for a CPU with AVX-512
+    VNNI and VBMI): the loader lays weights out as tiles only then."""
+    if not available():
+        return False
+    library = ctypes.CDLL(str(built_library(SOURCE, **openblas_build())))
+    return bool(library.JaxengineCpuTiles()) and register_kernel(SOURCE, TILED_SYMBOL, TILED_TARGET,
+                                                                 "CPU tiled matmul", **openblas_build())
 
 
 @functools.cache
