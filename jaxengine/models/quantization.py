@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxengine.kernels.matmul.quantized import (FORMATS, QuantizedWeight, TiledWeight, can_tile, dequantize, quantize,
-                                                tile, tiles_available)
+from jaxengine.kernels.matmul.quantized import (FORMATS, TILE, QuantizedWeight, TiledWeight, can_tile, dequantize,
+                                                quantize, tile, tiles_available, untile)
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.hf_tensors import EXPERT_KINDS, QUANTIZABLE, Index, TensorSource
 
@@ -113,9 +113,11 @@ class QuantizedParam(nnx.Module):
                 delattr(self, part)
 
 
-# The weights laid out as tiles for the CPU's decode product (not the embedding, whose rows are
-# gathered, nor a mixture's routed experts, read by expert).
-TILED_KINDS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# The weights laid out as tiles for the CPU's decode product: the layers' projections and the LM
+# head (a quantized embedding, [D, V], is one; a token's column is gathered from its tile), not a
+# mixture's routed experts (read by expert).
+TILED_KINDS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+                         "lm_head"})
 _HEADED = ("q_proj", "k_proj", "v_proj", "o_proj")        # a layer's weight has 3 axes (heads among them), else 2
 
 
@@ -135,8 +137,13 @@ def tile_for_cpu(model: nnx.Module, dtype, devices: int) -> int:
     return count
 
 
-def gather_columns(w: QuantizedWeight, ids) -> jnp.ndarray:
-    """Columns ``ids`` of a quantized [D, V] embedding, dequantised -> [T, D] (f32)."""
+def gather_columns(w: QuantizedWeight | TiledWeight, ids) -> jnp.ndarray:
+    """Columns ``ids`` of a quantized [D, V] embedding, dequantised -> [T, D] (f32). Tiled: the
+    tiles holding them, untiled, then their columns."""
+    if isinstance(w, TiledWeight):
+        tiles = untile(dataclasses.replace(w, blocks=jnp.take(w.blocks, ids // TILE, axis=0)))
+        columns = jnp.arange(ids.shape[0]) * TILE + ids % TILE          # each token's column of its tile
+        return dequantize(jax.tree.map(lambda a: jnp.take(a, columns, axis=-1), tiles)).T
     picked = QuantizedWeight(jnp.take(w.q, ids, axis=-1), jnp.take(w.scale, ids, axis=-1),
                              None if w.offset is None else jnp.take(w.offset, ids, axis=-1), w.bits, w.out_axes)
     return dequantize(picked).T

@@ -250,7 +250,7 @@ def tiles():
 
 @pytest.mark.parametrize("fmt, group, offset", [("int4", 32, True), ("int8", 16, False), ("int4-f32", 16, True),
                                                 ("int8-f32", 32, True)])
-def test_tiles_hold_each_value_scale_and_offset_where_the_layout_says_and_give_them_back(fmt, group, offset):
+def test_tiles_hold_each_value_scale_and_offset_where_the_layout_says_and_give_them_back(tiles, fmt, group, offset):
     rng = np.random.default_rng(7)
     qw, _ = quantized(rng, 2, 2 * group, 48, fmt, group, offset)
     tw = tile(qw, stacked=True)

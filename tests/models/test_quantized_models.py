@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 from gguf import GGMLQuantizationType as Q
 
-from jaxengine.kernels.matmul.quantized import TiledWeight, dequantize_reference, quantize, tiles_available
+from jaxengine.kernels.matmul.quantized import TiledWeight, dequantize_reference, quantize, tiles_available, untile
 from jaxengine.models.gguf import load_gguf
 from jaxengine.models.paths import converted_cache_path
 from jaxengine.models.quantization import QuantizedParam, TILED_KINDS, kind_of, online_plan, tile_for_cpu
@@ -54,7 +54,9 @@ def test_online_quantization_matches_transformers_on_the_dequantised_weights(lla
     assert cfg.quant_spec("o_proj") == ((scheme, head, False) if scheme != "int4" else ("int4", head, True))
     assert cfg.quant_spec("down_proj") == (scheme, 128, scheme == "int4")
     assert isinstance(model.layers.self_attn.q_proj, QuantizedParam)
-    assert model.embed_tokens.q.shape == ((32, 256) if scheme == "int4" else (64, 256))     # kept [D, V]
+    embedding = model.embed_tokens[...]
+    embedding = untile(embedding) if isinstance(embedding, TiledWeight) else embedding
+    assert embedding.q.shape == ((32, 256) if scheme == "int4" else (64, 256))     # kept [D, V]
     up = model.layers.mlp.up_proj[...]                       # int8 / int4 laid out as tiles where the CPU reads them so
     assert isinstance(up, TiledWeight) == (scheme != "fp8" and tiles_available())
     assert np.dtype(up.scale_dtype if isinstance(up, TiledWeight) else up.scale.dtype) == (
@@ -68,21 +70,24 @@ def test_online_quantization_matches_transformers_on_the_dequantised_weights(lla
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_projections_laid_out_as_tiles_compute_as_the_row_major_ones(llama, scheme, monkeypatch):
-    """Where the CPU kernel reads tiles, a loaded model's int8 / int4 projections are laid out so
-    (not its embedding); prefill (more than 8 rows: the same products) and decode (a row a step:
+    """Where the CPU kernel reads tiles, a loaded model's int8 / int4 projections and LM head are
+    laid out so (a tied embedding's tokens gathered from its tiles); prefill (more than 8 rows: the same products) and decode (a row a step:
     summed in another order) give the row-major model's logits within float32's rounding, and the
     same greedy tokens. Not laid out on a mesh or for a bfloat16 model."""
     if not tiles_available():
         pytest.skip("the tiled layout serves a CPU with AVX-512 VNNI and VBMI only")
-    folder, _ = llama
+    folder, hf_model = llama
     tiled, cfg = load_model(folder, quantization=scheme)
     monkeypatch.setattr("jaxengine.models.weights.tile_for_cpu", lambda *a: 0)
     rows, _ = load_model(folder, quantization=scheme)
     kinds = {path[-1] for path, node in nnx.iter_graph(tiled)
              if isinstance(node, QuantizedParam) and isinstance(node[...], TiledWeight)}
-    assert kinds == TILED_KINDS and not isinstance(tiled.embed_tokens[...], TiledWeight)
+    head = set() if hf_model.config.tie_word_embeddings else {"lm_head"}    # tied: the embedding is the head
+    assert kinds == TILED_KINDS - {"lm_head"} | head
     assert not any(isinstance(node, QuantizedParam) and isinstance(node[...], TiledWeight)
                    for _, node in nnx.iter_graph(rows))
+    ids = jnp.asarray([0, 17, 255, 16, 31, 17])                             # a token's column gathered from its tile
+    np.testing.assert_array_equal(tiled.embed(ids), rows.embed(ids))
     for ids in PROMPTS:
         whole = [len(ids)]                                  # (up to 8 tokens: as bytes, as a decode step)
         if len(ids) > 8:
@@ -91,7 +96,7 @@ def test_projections_laid_out_as_tiles_compute_as_the_row_major_ones(llama, sche
         np.testing.assert_allclose(ours, ref, atol=5e-5, rtol=0)            # logits of a few units
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
     assert tile_for_cpu(rows, np.float32, devices=2) == 0 and tile_for_cpu(rows, jnp.bfloat16, devices=1) == 0
-    assert tile_for_cpu(rows, np.float32, devices=1) == 7                   # q, k, v, o, gate, up, down
+    assert tile_for_cpu(rows, np.float32, devices=1) == len(kinds)
 
 
 @pytest.fixture(scope="module")

@@ -1003,6 +1003,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuTiledMatmuls, TiledMatmulsImpl,
                                   .RemainingArgs()
                                   .RemainingRets());
 
+// Lays ``layers`` weights out as tiles (``Tiles``): q [layers, rows, n] bytes (rows = K / P),
+// scale and offset (nullptr: none) [layers, groups, n] of ``scale_bytes`` each, into out
+// [layers, n / 16, groups, block]. Returns 0, or -1 where this build has no tiles or the shapes
+// do not divide.
+extern "C" int JaxengineCpuTile(const uint8_t* q, const uint8_t* scale, const uint8_t* offset, int64_t layers,
+                                int64_t rows, int64_t n, int64_t groups, int64_t scale_bytes, uint8_t* out) {
+#ifdef JAXENGINE_VNNI
+  if (n % 16 != 0 || groups <= 0 || rows % (4 * groups) != 0) return -1;
+  const int64_t steps_per_group = rows / 4 / groups, sb = 16 * scale_bytes;
+  const int64_t block = steps_per_group * 64 + sb * (offset ? 2 : 1);
+  for (int64_t l = 0; l < layers; ++l) {
+    const uint8_t* ql = q + l * rows * n;
+    for (int64_t t = 0; t < n / 16; ++t)
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* b = out + ((l * (n / 16) + t) * groups + g) * block;
+        for (int64_t s = 0; s < steps_per_group; ++s)
+          _mm512_storeu_si512(b + 64 * s, ColumnWords(ql, n, 4 * (g * steps_per_group + s), 16 * t));
+        const int64_t at = ((l * groups + g) * n + 16 * t) * scale_bytes;
+        std::memcpy(b + steps_per_group * 64, scale + at, sb);
+        if (offset) std::memcpy(b + steps_per_group * 64 + sb, offset + at, sb);
+      }
+  }
+  return 0;
+#else
+  return -1;
+#endif
+}
+
 // 1 where this build multiplies bytes (AVX-512 VNNI and VBMI): the tiled layout serves only there.
 extern "C" int JaxengineCpuTiles() {
 #ifdef JAXENGINE_VNNI

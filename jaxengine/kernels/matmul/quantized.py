@@ -200,23 +200,24 @@ def can_tile(w: QuantizedWeight) -> bool:
 
 
 def tile(w: QuantizedWeight, stacked: bool) -> TiledWeight:
-    """``w`` (stacked [L, ...] over layers, or not) as a ``TiledWeight``, laid out on the host."""
-    lead = w.q.shape[:1] if stacked else ()
+    """``w`` (stacked [L, ...] over layers, or not) as a ``TiledWeight``, laid out by the kernel's
+    library on the host (at memory speed; XLA's transposes of these shapes take ten times longer)."""
     out_shape = tuple(w.q.shape[w.q.ndim - w.out_axes:])
     n = math.prod(out_shape)
-    q = np.asarray(w.q).view(np.uint8).reshape(*lead, -1, n)
-    scales = [np.asarray(w.scale).reshape(*lead, -1, n)]
-    if w.offset is not None:
-        scales.append(np.asarray(w.offset).astype(scales[0].dtype).reshape(*lead, -1, n))
-    groups, tiles = scales[0].shape[-2], n // TILE
-    steps = q.shape[-2] // STEP_ROWS
-    # q [.., S, 4 rows, T, 16 columns] -> [.., T, S, 16 columns, 4 rows]: a step's word per tile
-    words = q.reshape(*lead, steps, STEP_ROWS, tiles, TILE)
-    words = np.moveaxis(words, (-4, -3, -2, -1), (-3, -1, -4, -2)).reshape(*lead, tiles, groups, -1)
-    # scales [.., G, T, 16] -> [.., T, G, 16] as bytes
-    parts = [np.moveaxis(a.reshape(*lead, groups, tiles, TILE), -3, -2).view(np.uint8) for a in scales]
-    blocks = np.concatenate([words, *parts], axis=-1)
-    return TiledWeight(jnp.asarray(np.ascontiguousarray(blocks)), w.bits, scales[0].dtype.name, w.offset is not None,
+    layers = w.q.shape[0] if stacked else 1
+    q = np.ascontiguousarray(np.asarray(w.q)).view(np.uint8)
+    scale = np.ascontiguousarray(np.asarray(w.scale))
+    offset = None if w.offset is None else np.ascontiguousarray(np.asarray(w.offset).astype(scale.dtype))
+    rows, groups = q.size // (layers * n), scale.size // (layers * n)
+    block = rows // groups * 16 + TILE * scale.itemsize * (1 if offset is None else 2)
+    blocks = np.empty((layers, n // TILE, groups, block), np.uint8)
+    pointer = ctypes.c_void_p
+    if _library().JaxengineCpuTile(q.ctypes.data_as(pointer), scale.ctypes.data_as(pointer),
+                                   None if offset is None else offset.ctypes.data_as(pointer), ctypes.c_int64(layers),
+                                   ctypes.c_int64(rows), ctypes.c_int64(n), ctypes.c_int64(groups),
+                                   ctypes.c_int64(scale.itemsize), blocks.ctypes.data_as(pointer)) != 0:
+        raise ValueError(f"tile: a weight of {rows} rows of q by {n} columns in {groups} groups does not tile")
+    return TiledWeight(jnp.asarray(blocks if stacked else blocks[0]), w.bits, scale.dtype.name, offset is not None,
                        w.group, out_shape)
 
 
@@ -359,13 +360,18 @@ def serves(x: jax.Array, w: QuantizedWeight) -> bool:
 
 
 @functools.cache
+def _library() -> ctypes.CDLL:
+    """The kernel's library, for its plain C functions (built by ``available()``)."""
+    return ctypes.CDLL(str(built_library(SOURCE, **openblas_build())))
+
+
+@functools.cache
 def tiles_available() -> bool:
     """Whether the CPU kernel multiplies tiled weights here (it is built for a CPU with AVX-512
     VNNI and VBMI): the loader lays weights out as tiles only then."""
     if not available():
         return False
-    library = ctypes.CDLL(str(built_library(SOURCE, **openblas_build())))
-    return bool(library.JaxengineCpuTiles()) and register_kernel(SOURCE, TILED_SYMBOL, TILED_TARGET,
+    return bool(_library().JaxengineCpuTiles()) and register_kernel(SOURCE, TILED_SYMBOL, TILED_TARGET,
                                                                  "CPU tiled matmul", **openblas_build())
 
 
