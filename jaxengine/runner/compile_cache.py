@@ -5,11 +5,15 @@ instead of compiling them (the default model on the CPU: 43 s -> 13 s to start).
 
 Processes share the folder and may start together; JAX writes an entry in place, so the cache is
 given a size bound (least recently used entries go past it): with one, JAX takes a file lock
-around each read and write, and no process reads an entry another is still writing."""
+around each read and write, and no process reads an entry another is still writing. An entry
+written with no bound (by an older version, or a process with JAX's own setting) has no access
+time beside it, and JAX's eviction, which reads every entry's, then fails every later write (a
+warning per program, nothing cached again): such entries are given one when the cache opens."""
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import jax
 
@@ -31,5 +35,23 @@ def enable_persistent_cache() -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)   # the step buckets, not tiny ops
     if jax.config.jax_compilation_cache_max_size == -1:                       # unbounded: no lock
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    if jax.config.jax_compilation_cache_max_size != -1:
+        stamp_unstamped_entries(Path(path))
     logger.info("persistent compilation cache: %s", path)
     return path
+
+
+def stamp_unstamped_entries(path: Path) -> int:
+    """Give each entry of the cache at ``path`` that lacks one an access-time file (its own
+    modification time, as JAX writes them: 8 bytes of nanoseconds, little-endian); returns how
+    many. A process writing an entry meanwhile writes its own after, over this one."""
+    count = 0
+    for entry in path.glob("*-cache") if path.is_dir() else ():
+        atime = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
+        if not atime.exists():
+            try:
+                atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+                count += 1
+            except OSError as e:                    # a read-only or vanished entry: JAX will say so
+                logger.warning("compilation cache entry %s: %s", entry, e)
+    return count

@@ -37,3 +37,34 @@ def test_a_directory_the_user_set_is_kept(no_cache_dir, tmp_path):
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
     assert enable_persistent_cache() == str(tmp_path / "mine")
     assert jax.config.jax_compilation_cache_max_size == -1
+
+
+def test_entries_written_without_a_bound_get_access_times_so_later_writes_still_land(no_cache_dir, monkeypatch,
+                                                                                     tmp_path):
+    """JAX's eviction reads every entry's access time; one written with no size bound has none, and
+    then every later write failed (a warning, nothing cached). Opening the cache stamps them."""
+    import warnings
+
+    import jax.numpy as jnp
+
+    cache = tmp_path / "xla"
+    cache.mkdir()
+    (cache / "jit_old-0123-cache").write_bytes(b"x" * 10)                  # as an unbounded writer leaves it
+    monkeypatch.setenv("JAXENGINE_CACHE", str(tmp_path))
+    saved = jax.config.jax_persistent_cache_min_compile_time_secs
+    try:
+        assert enable_persistent_cache() == str(cache)
+        assert int.from_bytes((cache / "jit_old-0123-atime").read_bytes(), "little") == \
+            (cache / "jit_old-0123-cache").stat().st_mtime_ns
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                                 # a failed write warns
+            jax.jit(lambda x: jnp.sin(x) * 3.25 + 0.5)(jnp.arange(7.0)).block_until_ready()
+        written = {p.name.split("-")[0] for p in cache.glob("*-cache")}
+        assert "jit__lambda" in written and len(list(cache.glob("*-atime"))) == len(list(cache.glob("*-cache")))
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()

@@ -18,7 +18,9 @@
 // threads share a product by its groups (rows of q), so each streams its own contiguous part of the
 // weight, and their sums are added at the end; they are HotPool's (cpu_pool.h), awake through a
 // decode step's products of 5-40 us each. An LM head's rows (tens of thousands of columns) are
-// fetched ahead along the columns rather than down the rows.
+// fetched ahead along the columns rather than down the rows. A loaded model's weights are laid out
+// once as tiles for these products (``JaxengineCpuTiledMatmuls``, "tiles" below): each thread's
+// share one stream, each group's scales beside its values.
 // Several weights against the same x (a layer's q, k and v projections; its gate and up) can be one
 // call (``...Matmuls``: q, scale and offset per weight, one result each): x's terms are written once
 // and every product's chunks go to the threads as one job.
