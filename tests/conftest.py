@@ -31,29 +31,6 @@ FAST_CPU_COMPILE_FLAGS = _fast_cpu_compile_flags()       # subprocesses with an 
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_flags] + [f for f in FAST_CPU_COMPILE_FLAGS if f.split("=")[0] not in _flags])
 
-
-# One persistent compilation cache for the run, in a folder of its own that its workers share
-# (made by the first process, handed to the workers in the environment, removed at the end):
-# the tests build the same tiny models' programs again and again, in new closures and other
-# workers, and a program compiled once is read back after. Every program goes in; the cache is
-# bounded, so JAX locks each read and write. The engine keeps a cache folder JAX was given;
-# processes the tests start use their own.
-_TEST_XLA_CACHE = "JAXENGINE_TEST_XLA_CACHE"
-
-
-def pytest_configure(config):
-    import shutil
-    import tempfile
-
-    import jax
-
-    if _TEST_XLA_CACHE not in os.environ:
-        os.environ[_TEST_XLA_CACHE] = tempfile.mkdtemp(prefix="jaxengine-test-xla-")
-        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(_TEST_XLA_CACHE), ignore_errors=True))
-    jax.config.update("jax_compilation_cache_dir", os.environ[_TEST_XLA_CACHE])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_compilation_cache_max_size", 32 << 30)
-
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3)
 
