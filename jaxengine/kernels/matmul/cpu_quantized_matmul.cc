@@ -337,11 +337,48 @@ inline __m512i ColumnWords(const uint8_t* q, int64_t n, int64_t row, int64_t c) 
   return _mm512_permutexvar_epi8(index, v);
 }
 
+// acc[(r * kTerms + u) * stride] += a word of q (16 columns' 4 bytes; int4: two rows a byte, its
+// nibbles) times row r's term u of x at ``step``, for rows [0, M).
+template <int V, int M>
+inline void MultiplyWord(const Activations<V>& a, __m512i bytes, int64_t step, __m512i* acc, int stride) {
+  if constexpr (V == kInt4) {
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i low = _mm512_and_si512(bytes, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    for (int r = 0; r < M; ++r)
+      for (int u = 0; u < kTerms; ++u) {
+        const int32_t* xw = a.words.data() + ((r * kTerms + u) * a.steps + step) * 2;
+        __m512i& sum = acc[(r * kTerms + u) * stride];
+        sum = _mm512_dpbusd_epi32(sum, low, _mm512_set1_epi32(xw[0]));
+        sum = _mm512_dpbusd_epi32(sum, high, _mm512_set1_epi32(xw[1]));
+      }
+  } else {
+    const __m512i unsigned_bytes = _mm512_xor_si512(bytes, _mm512_set1_epi8(static_cast<char>(0x80)));   // q + 128
+    for (int r = 0; r < M; ++r)
+      for (int u = 0; u < kTerms; ++u) {
+        __m512i& sum = acc[(r * kTerms + u) * stride];
+        sum = _mm512_dpbusd_epi32(sum, unsigned_bytes, _mm512_set1_epi32(a.words[(r * kTerms + u) * a.steps + step]));
+      }
+  }
+}
+
+// Row r's int32 sums of group g (its terms at acc[u * stride]) as x's part of the group's product:
+// the terms recombined in float and times the row's unit for the group (int8: less the offset of 128).
+template <int V>
+inline __m512 GroupProduct(const Activations<V>& a, const __m512i* acc, int stride, int r, int64_t g) {
+  __m512 v = _mm512_setzero_ps();
+  for (int u = kTerms - 1; u >= 0; --u) {
+    __m512i sum = acc[u * stride];
+    if constexpr (V == kInt8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a.qsum[(r * kTerms + u) * a.groups + g]));
+    v = _mm512_fmadd_ps(v, _mm512_set1_ps(kTermScale), _mm512_cvtepi32_ps(sum));
+  }
+  return _mm512_mul_ps(v, _mm512_set1_ps(a.unit[r * a.groups + g]));
+}
+
 // out[0..M) x columns [c, c + 16 W) += group g's part: M x kTerms x W int32 sums in registers.
 template <int V, int M, int W, typename S>
 void VnniGroup(const Activations<V>& a, const Weights<S>& w, const float* sums, float* out, int64_t c, int64_t g) {
   const int64_t n = w.n, groups = a.groups, steps_per_group = w.group / kStepK<V>;
-  const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i acc[M][kTerms][W];
   for (int r = 0; r < M; ++r)
     for (int t = 0; t < kTerms; ++t)
@@ -354,38 +391,15 @@ void VnniGroup(const Activations<V>& a, const Weights<S>& w, const float* sums, 
         else                          // a wide weight (an LM head): these rows, kPrefetchColumns ahead
           for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(w.q + (4 * s + i) * n + c + kPrefetchColumns), _MM_HINT_T0);
       }
-      const __m512i bytes = ColumnWords(w.q, n, 4 * s, c + 16 * j);
-      if constexpr (V == kInt4) {
-        const __m512i low = _mm512_and_si512(bytes, nibble);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-        for (int r = 0; r < M; ++r)
-          for (int t = 0; t < kTerms; ++t) {
-            const int32_t* xw = a.words.data() + ((r * kTerms + t) * a.steps + s) * 2;
-            acc[r][t][j] = _mm512_dpbusd_epi32(acc[r][t][j], low, _mm512_set1_epi32(xw[0]));
-            acc[r][t][j] = _mm512_dpbusd_epi32(acc[r][t][j], high, _mm512_set1_epi32(xw[1]));
-          }
-      } else {
-        const __m512i unsigned_bytes = _mm512_xor_si512(bytes, flip);      // q + 128
-        for (int r = 0; r < M; ++r)
-          for (int t = 0; t < kTerms; ++t) {
-            const int32_t* xw = a.words.data() + ((r * kTerms + t) * a.steps + s);
-            acc[r][t][j] = _mm512_dpbusd_epi32(acc[r][t][j], unsigned_bytes, _mm512_set1_epi32(xw[0]));
-          }
-      }
+      MultiplyWord<V, M>(a, ColumnWords(w.q, n, 4 * s, c + 16 * j), s, &acc[0][0][j], W);
     }
   }
   for (int j = 0; j < W; ++j) {
     const __m512 scale = Scales16(w.scale + g * n + c + 16 * j);
     const __m512 offset = w.offset != nullptr ? Scales16(w.offset + g * n + c + 16 * j) : _mm512_setzero_ps();
     for (int r = 0; r < M; ++r) {
-      __m512 v = _mm512_setzero_ps();
-      for (int t = kTerms - 1; t >= 0; --t) {
-        __m512i sum = acc[r][t][j];
-        if constexpr (V == kInt8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a.qsum[(r * kTerms + t) * groups + g]));
-        v = _mm512_fmadd_ps(v, _mm512_set1_ps(kTermScale), _mm512_cvtepi32_ps(sum));
-      }
       float* o = out + r * n + c + 16 * j;
-      __m512 res = _mm512_fmadd_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(a.unit[r * groups + g])), _mm512_loadu_ps(o));
+      __m512 res = _mm512_fmadd_ps(scale, GroupProduct<V>(a, &acc[r][0][j], W, r, g), _mm512_loadu_ps(o));
       if (w.offset != nullptr) res = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * groups + g]), res);
       _mm512_storeu_ps(o, res);
     }
@@ -597,7 +611,6 @@ template <int V, int M, typename S>
 void TiledColumnsOf(const Activations<V>& a, const Tiles<S>& w, const float* sums, float* out, int64_t t_first,
                     int64_t t_last) {
   const int64_t groups = a.groups, steps_per_group = w.group / kStepK<V>;
-  const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t t = t_first; t < t_last; ++t) {
     const uint8_t* b = w.p + t * groups * w.block;
     __m512 res[M];
@@ -608,35 +621,12 @@ void TiledColumnsOf(const Activations<V>& a, const Tiles<S>& w, const float* sum
         for (int u = 0; u < kTerms; ++u) acc[r][u] = _mm512_setzero_si512();
       for (int64_t s = 0; s < steps_per_group; ++s) {
         _mm_prefetch(reinterpret_cast<const char*>(b + kTilePrefetch + 64 * s), _MM_HINT_T0);
-        const __m512i bytes = _mm512_loadu_si512(b + 64 * s);
-        const int64_t step = g * steps_per_group + s;
-        if constexpr (V == kInt4) {
-          const __m512i low = _mm512_and_si512(bytes, nibble);
-          const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-          for (int r = 0; r < M; ++r)
-            for (int u = 0; u < kTerms; ++u) {
-              const int32_t* xw = a.words.data() + ((r * kTerms + u) * a.steps + step) * 2;
-              acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], low, _mm512_set1_epi32(xw[0]));
-              acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], high, _mm512_set1_epi32(xw[1]));
-            }
-        } else {
-          const __m512i unsigned_bytes = _mm512_xor_si512(bytes, flip);      // q + 128
-          for (int r = 0; r < M; ++r)
-            for (int u = 0; u < kTerms; ++u)
-              acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], unsigned_bytes,
-                                              _mm512_set1_epi32(a.words[(r * kTerms + u) * a.steps + step]));
-        }
+        MultiplyWord<V, M>(a, _mm512_loadu_si512(b + 64 * s), g * steps_per_group + s, &acc[0][0], 1);
       }
       const S* sc = reinterpret_cast<const S*>(b + steps_per_group * 64);
       const __m512 scale = Scales16(sc), offset = w.offset ? Scales16(sc + 16) : _mm512_setzero_ps();
       for (int r = 0; r < M; ++r) {
-        __m512 v = _mm512_setzero_ps();
-        for (int u = kTerms - 1; u >= 0; --u) {
-          __m512i sum = acc[r][u];
-          if constexpr (V == kInt8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a.qsum[(r * kTerms + u) * groups + g]));
-          v = _mm512_fmadd_ps(v, _mm512_set1_ps(kTermScale), _mm512_cvtepi32_ps(sum));
-        }
-        res[r] = _mm512_fmadd_ps(scale, _mm512_mul_ps(v, _mm512_set1_ps(a.unit[r * groups + g])), res[r]);
+        res[r] = _mm512_fmadd_ps(scale, GroupProduct<V>(a, &acc[r][0], 1, r, g), res[r]);
         if (w.offset) res[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * groups + g]), res[r]);
       }
     }
