@@ -522,6 +522,18 @@ void Dequantize(const Weights<S>& w, float* buf, int64_t first, int64_t last) {
   }
 }
 
+// Columns [first, last) of out [m, n] = x [m, k] @ the weight's f32 block that ``dequantize``
+// writes into a buffer of the thread's own ([k, last - first]), by OpenBLAS's sgemm.
+template <typename Fill>
+void DequantizedProduct(const float* x, int64_t m, int64_t k, int64_t n, float* out, int64_t first, int64_t last,
+                        Fill dequantize) {
+  thread_local std::vector<float> buf;
+  buf.resize(k * (last - first));
+  dequantize(buf.data());
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, last - first, k, 1.0f, x, k, buf.data(),
+                    last - first, 0.0f, out + first, n);
+}
+
 // ``rows``: x's FewRows when m <= kFusedRows (nullptr: computed here).
 template <int V, typename S>
 void MultiplyColumns(const float* x, const Weights<S>& w, float* out, int64_t m, int64_t first, int64_t last,
@@ -533,11 +545,7 @@ void MultiplyColumns(const float* x, const Weights<S>& w, float* out, int64_t m,
     own.Fill(x, m, w.k, w.group);
     return FusedColumns<V, S>(x, w, own, out, m, first, last);
   }
-  thread_local std::vector<float> buf;
-  buf.resize(w.k * (last - first));
-  Dequantize<V, S>(w, buf.data(), first, last);
-  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, last - first, w.k, 1.0f, x, w.k, buf.data(),
-                    last - first, 0.0f, out + first, w.n);
+  DequantizedProduct(x, m, w.k, w.n, out, first, last, [&](float* buf) { Dequantize<V, S>(w, buf, first, last); });
 }
 
 void SetSingleThreaded() {
@@ -713,11 +721,8 @@ void TiledProducts(ffi::ThreadPool& pool, const float* xp, int64_t m, const Tile
     jaxengine::ParallelFor(pool, blocks, [&, width](int64_t b) {
       const int64_t first = std::min(w.n, b * width), last = std::min(w.n, (b + 1) * width);
       if (last <= first) return;
-      thread_local std::vector<float> buf;
-      buf.resize(w.k * (last - first));
-      DequantizeTiles<V, S>(w, buf.data(), first, last);
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, last - first, w.k, 1.0f, xp, w.k, buf.data(),
-                        last - first, 0.0f, outs[j] + first, w.n);
+      DequantizedProduct(xp, m, w.k, w.n, outs[j], first, last,
+                         [&](float* buf) { DequantizeTiles<V, S>(w, buf, first, last); });
     });
   }
 }
