@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from jaxengine.bench.datasets import BenchRequest
 from jaxengine.models.layers import apply_rope, rope_attention_factor, rope_inv_freq
+from jaxengine.models.panels import plain
 
 ROUND = 32
 MASKED = -1e30      # finite: a padding query row, which sees no key, then stays finite
@@ -85,7 +86,7 @@ def _generate(graphdef, state, ids: jax.Array, pad: jax.Array, num_new: int) -> 
     cfg = model.config
     rows, width = ids.shape
     shape = (cfg.num_layers, rows, width + num_new, cfg.num_kv_heads, cfg.head_dim)
-    cache = (jnp.zeros(shape, model.embed_tokens[...].dtype),) * 2
+    cache = (jnp.zeros(shape, plain(model.embed_tokens).dtype),) * 2
     logits, cache = _forward(model, ids, pad, cache, 0)
     tokens = jnp.zeros((rows, num_new), jnp.int32).at[:, 0].set(jnp.argmax(logits, axis=-1))
 
@@ -105,7 +106,7 @@ def _forward(model, ids: jax.Array, pad: jax.Array, cache, start) -> tuple:
     columns = start + jnp.arange(ids.shape[1])
     positions = jnp.maximum(columns[None, :] - pad[:, None], 0)        # [B, T]; padding tokens at 0
     mask = _mask(columns, pad, cache[0].shape[2], model.config.sliding_window)
-    x = jnp.take(model.embed_tokens[...], ids, axis=0)
+    x = jnp.take(plain(model.embed_tokens), ids, axis=0)
     graphdef, stacked = nnx.split(model.layers)
 
     def layer_step(x, per_layer):
@@ -137,9 +138,9 @@ def _attention(attn, x: jax.Array, positions: jax.Array, mask: jax.Array, k_cach
     """Dense attention of [B, T, D] over the cache columns that ``mask`` [B, T, S] allows."""
     cfg = attn.cfg
     b, t, _ = x.shape
-    q = jnp.einsum("btd,dnh->btnh", x, attn.q_proj[...])
-    k = jnp.einsum("btd,dkh->btkh", x, attn.k_proj[...])
-    v = jnp.einsum("btd,dkh->btkh", x, attn.v_proj[...])
+    q = jnp.einsum("btd,dnh->btnh", x, plain(attn.q_proj))
+    k = jnp.einsum("btd,dkh->btkh", x, plain(attn.k_proj))
+    v = jnp.einsum("btd,dkh->btkh", x, plain(attn.v_proj))
     if cfg.attention_bias:
         q, k, v = q + attn.q_bias[...], k + attn.k_bias[...], v + attn.v_bias[...]
     if cfg.qk_norm:
@@ -156,4 +157,4 @@ def _attention(attn, x: jax.Array, positions: jax.Array, mask: jax.Array, k_cach
     scores = jnp.where(mask[:, None, None], scores * cfg.head_dim ** -0.5, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     o = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    return jnp.einsum("btnh,nhd->btd", o, attn.o_proj[...]), k_cache, v_cache
+    return jnp.einsum("btnh,nhd->btd", o, plain(attn.o_proj)), k_cache, v_cache

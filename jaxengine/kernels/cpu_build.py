@@ -32,7 +32,7 @@ except ImportError:        # not on Windows
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SHARED_HEADERS = (HERE / "cpu_pool.h", HERE / "fp8.h")
+SHARED_HEADERS = (HERE / "cpu_pool.h", HERE / "cpu_gemm.h", HERE / "fp8.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 

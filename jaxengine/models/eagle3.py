@@ -32,6 +32,7 @@ from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import MLP, MODEL_AXIS, Attention, KVCache, RMSNorm, _param, _sharded, rope_inv_freq
+from jaxengine.models.panels import plain
 from jaxengine.models.quantization import QuantizedParam
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -202,7 +203,7 @@ def load_eagle3(folder: str | Path, target, dtype=jnp.float32, attention_fn: Cal
         if isinstance(target.embed_tokens, QuantizedParam):
             raise ValueError(f"speculative_config.model: {folder} has no embed_tokens and the model's embedding is "
                              f"kept quantized; the head needs an unquantized one")
-        params[("embed_tokens",)] = target.embed_tokens[...]
+        params[("embed_tokens",)] = plain(target.embed_tokens)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         value = params[path]

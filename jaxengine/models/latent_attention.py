@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.kernels.matmul import dense
+from jaxengine.kernels.matmul.cpu_matmul import PanelWeight
 from jaxengine.kernels.matmul.quantized import QuantizedWeight, TiledWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.kernels.paged_attention.backend import where_served
@@ -94,7 +95,7 @@ class LatentAttention(nnx.Module):
         else:
             o = decompressed_attention(q_nope, q_rope, pages, md, w_uk, w_uv, scale=softmax_scale(cfg))
         o_proj = self.o_proj[...]                                    # [(L,) N, Dv, D] -> [(L,) N*Dv, D]
-        if not isinstance(o_proj, (QuantizedWeight, TiledWeight)):   # (a quantized one contracts N, Dv itself)
+        if not isinstance(o_proj, (QuantizedWeight, TiledWeight, PanelWeight)):   # (a quantized one contracts N, Dv itself)
             o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
         return self.dense_fn(o.reshape(o.shape[0], -1), o_proj, layer), (pages,)
 

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxengine.kernels.matmul import dense, dense_each
+from jaxengine.kernels.matmul.cpu_matmul import PanelWeight
 from jaxengine.kernels.matmul.quantized import FP8_MAX, QuantizedWeight, TiledWeight
 from jaxengine.kernels.paged_attention import AttentionMetadata, write_kv
 from jaxengine.kernels.paged_attention.layout import FP8, is_fp8
@@ -195,7 +196,7 @@ class Attention(nnx.Module):
         cache = self.kv_write_fn(*cache, k, v, md.slot_mapping)     # writes precede the reads of this step
         o = self._attend(q, cache, md, layer, kv_scales)
         o_proj = self.o_proj[...]                                    # [(L,) N, H, D] -> [(L,) N*H, D]
-        if not isinstance(o_proj, (QuantizedWeight, TiledWeight)):   # (a quantized one contracts N, H itself)
+        if not isinstance(o_proj, (QuantizedWeight, TiledWeight, PanelWeight)):   # (a quantized one contracts N, H itself)
             o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
         o = o.reshape(o.shape[0], -1)
         out = self.dense_fn(o, o_proj, layer)

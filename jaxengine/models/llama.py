@@ -18,6 +18,7 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.layers import (MLP, MODEL_AXIS, DecoderLayer, KVCache, RMSNorm, _param, is_dense_weight,
                                     rope_inv_freq, run_mlp, weight)
 from jaxengine.models.latent_attention import LatentAttention
+from jaxengine.models.panels import PanelParam
 from jaxengine.models.quantization import QuantizedParam, gather_columns
 from jaxengine.models.moe import SparseMoeBlock
 
@@ -149,14 +150,16 @@ def embed_with(embed_tokens, input_ids: jax.Array) -> jax.Array:
     """The rows of an embedding parameter (kept [V, D], or quantized [D, V]) for input_ids [T]."""
     if isinstance(embed_tokens, QuantizedParam):
         return gather_columns(embed_tokens[...], input_ids)
+    if isinstance(embed_tokens, PanelParam):
+        return embed_tokens.rows(input_ids)
     return jnp.take(embed_tokens[...], input_ids, axis=0)
 
 
 def logits_with(module, hidden: jax.Array) -> jax.Array:
     """[R, D] -> [R, V] in f32 through ``module``'s LM head (its ``lm_head``, or its
     ``embed_tokens`` where ``config.tie_word_embeddings``) and ``dense_fn``."""
-    if isinstance(module.embed_tokens, QuantizedParam) and module.config.tie_word_embeddings:
-        logits = module.dense_fn(hidden, module.embed_tokens[...])        # kept [D, V]: the head's layout
+    if isinstance(module.embed_tokens, (QuantizedParam, PanelParam)) and module.config.tie_word_embeddings:
+        logits = module.dense_fn(hidden, module.embed_tokens[...])        # kept as the head [D, V]
     elif module.config.tie_word_embeddings:
         # [V, D] used transposed: XLA's dot reads it as it lies at about OpenBLAS's speed
         logits = jnp.einsum("rd,vd->rv", hidden, module.embed_tokens[...])

@@ -23,6 +23,7 @@ from jaxengine.kernels.matmul import dense, grouped_dense
 from jaxengine.models.config import ModelConfig
 from jaxengine.kernels.matmul.quantized import FORMATS, QuantizedWeight, dequantize, pack_int4, quantize
 from jaxengine.models.layers import MLP, M, _param, _sharded, weight
+from jaxengine.models.panels import plain
 from jaxengine.models.quantization import online_plan
 
 
@@ -256,7 +257,7 @@ def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = Non
     cfg = block.cfg
 
     def pick(w):
-        value = w[...] if layer is None else jax.tree.map(lambda a: a[layer], w[...])
+        value = plain(w) if layer is None else jax.tree.map(lambda a: a[layer], plain(w))
         return dequantize(value, x.dtype) if isinstance(value, QuantizedWeight) else value
     logits = x @ pick(block.router) + (pick(block.router_bias) if cfg.router_bias else 0)
     weights, experts = route_tokens(logits, cfg, pick(block.score_correction_bias) if cfg.score_correction_bias else None)

@@ -31,7 +31,7 @@ from jaxengine.kernels.matmul.quantized import (FORMATS, TILE, QuantizedWeight, 
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.hf_tensors import EXPERT_KINDS, QUANTIZABLE, Index, TensorSource
 
-PARTS = ("q", "scale", "offset", "blocks")     # "blocks": a tiled weight's (``tile_for_cpu``)
+PARTS = ("q", "scale", "offset", "blocks", "panels")   # "blocks": tiled (``tile_for_cpu``); "panels": ``models.panels``
 SCHEMES = ("fp8", "int8", "int4")   # quantized while loading; "none": whatever is stored, dequantised
 GROUP = 128                         # the largest group of online int4 (smaller where an axis needs it)
 

@@ -29,6 +29,7 @@ from jaxengine.models.mtp import MTPTensors, mtp_config
 from jaxengine.models.paths import CheckpointFileError, read_json_object
 from jaxengine.models.mesh import (check_expert_parallel, flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
+from jaxengine.models.panels import panel_for_cpu
 from jaxengine.models.quantization import SCHEMES, QuantizingSource, online_plan, param_dtype, tile_for_cpu
 from jaxengine.models.registry import abstract_model
 from jaxengine.models.stored_quantization import KV_SCALE, StoredQuantizationSource, stored_plan, stored_weights
@@ -256,7 +257,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, quantiz
     embedding while it loads; ``none`` dequantises a GGUF or a checkpoint stored quantized
     (``quantization_config``: FP8, compressed-tensors, AWQ, GPTQ; ``models.stored_quantization``)
     to ``dtype``. Projections kept int8 / int4 are laid out for the CPU kernel where it reads them
-    (``models.quantization.tile_for_cpu``)."""
+    (``models.quantization.tile_for_cpu``), float32 ones too (``models.panels``)."""
     path = Path(path)
     if quantization not in (None, "none", *SCHEMES):
         raise ValueError(f"quantization: {quantization!r} is not supported (supported: {[*SCHEMES, 'none']})")
@@ -286,6 +287,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, quantiz
                 source = QuantizingSource(ExpertTensors.for_model(source, cfg) if cfg.is_moe else source, cfg)
             model = build_model(cfg, source, dtype, mesh=mesh, **model_kwargs)
     tile_for_cpu(model, dtype, mesh_size(mesh_or_first_device(mesh)))
+    panel_for_cpu(model, dtype, mesh_size(mesh_or_first_device(mesh)))
     return model, model.config
 
 

@@ -80,3 +80,38 @@ def test_group_sizes_past_the_rows_are_an_error_not_a_stray_read():
     with pytest.raises(Exception, match="group sizes must be >= 0 and sum to at most M"):
         jax.block_until_ready(jax.jit(cpu_matmul.grouped_matmul)(jnp.ones((4, 8)), jnp.ones((1, 2, 8, 4)),
                                                                  jnp.asarray([3, 2]), 0))
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 30, 64])
+def test_a_weight_laid_out_as_panels_multiplies_as_the_row_major_one(rows):
+    # rows: one block of rows and its remainders (12 a block where the CPU has AVX-512, else 6);
+    # q_proj's [L, D, N, H] (two output axes), of 96 columns (three strips of 32)
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((3, 40, 6, 16), np.float32)
+    x = rng.standard_normal((rows, 40), np.float32)
+    laid = cpu_matmul.panel(w, out_axes=2, stacked=True)
+    assert laid.panels.shape == (3, 3, 40, 32) and laid.out_shape == (6, 16) and laid.k == 40
+    np.testing.assert_array_equal(cpu_matmul.unpanel(laid), w.reshape(3, 40, 6, 16))
+    np.testing.assert_array_equal(laid.panels[1, 2, 7], w[1, 7].reshape(-1)[64:96])   # strip 2 of row 7
+    for layer in range(3):
+        out = jax.jit(dense)(x, laid, jnp.int32(layer))
+        assert out.shape == (rows, 6, 16)
+        np.testing.assert_allclose(out, np.einsum("tk,knh->tnh", x, w[layer]), rtol=1e-5, atol=1e-4)
+    alone = cpu_matmul.panel(w[2].reshape(40, 96), out_axes=1, stacked=False)     # one layer, no index
+    np.testing.assert_allclose(jax.jit(dense)(x, alone), x @ w[2].reshape(40, 96), rtol=1e-5, atol=1e-4)
+    assert cpu_matmul.PANEL_TARGET in jax.jit(dense).lower(x, alone).as_text()
+    np.testing.assert_allclose(xla_dense(x, alone), x @ w[2].reshape(40, 96), rtol=1e-5, atol=1e-4)
+
+
+@needs_compiler
+def test_panels_refuse_a_width_off_the_strips_and_a_layer_out_of_range():
+    assert not cpu_matmul.can_panel((40, 48), 1) and cpu_matmul.can_panel((40, 3, 32), 2)
+    with pytest.raises(ValueError, match="does not lay out as panels of 32 columns"):
+        cpu_matmul.panel(np.ones((40, 48), np.float32), out_axes=1, stacked=False)
+    laid = cpu_matmul.panel(np.ones((2, 8, 32), np.float32), out_axes=1, stacked=True)
+    with pytest.raises(Exception, match="layer index out of range"):
+        jax.block_until_ready(jax.jit(dense)(jnp.ones((2, 8)), laid, jnp.int32(2)))
+    bf16 = jnp.ones((2, 8), jnp.bfloat16)                     # not the kernel's: XLA's dot on the weight laid back
+    assert cpu_matmul.PANEL_TARGET not in jax.jit(dense).lower(bf16, laid, jnp.int32(0)).as_text()
+    np.testing.assert_array_equal(dense(bf16, laid, jnp.int32(1)), np.full((2, 32), 8.0))

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cblas.h"
+#include "cpu_gemm.h"
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -131,6 +132,31 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   return ffi::Error::Success();
 }
 
+// x [M, K] @ panels[layer], panels [L, S, K, kPanel]: a weight [K, S * kPanel] laid out as strips
+// of kPanel columns, each strip's K rows one contiguous block (``PanelWeight``). The threads take
+// contiguous runs of strips, so each streams its part of the weight front to back.
+ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), pd = panels.dimensions();
+  if (xd.size() != 2 || pd.size() != 4 || pd[3] != jaxengine::kPanel || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("cpu panel matmul: x [M, K], panels [L, S, K, 32] and one layer index");
+  const int64_t m = xd[0], k = xd[1], strips = pd[1], index = layer.typed_data()[0];
+  if (pd[2] != k) return ffi::Error::InvalidArgument("cpu panel matmul: the contracted sizes of x and w differ");
+  if (index < 0 || index >= pd[0])
+    return ffi::Error::InvalidArgument("cpu panel matmul: layer index out of range");
+  if (m == 0 || strips == 0) return ffi::Error::Success();
+  const int64_t n = strips * jaxengine::kPanel, strip_size = k * jaxengine::kPanel;
+  const int64_t blocks = std::min<int64_t>(pool.num_threads(), strips), per = (strips + blocks - 1) / blocks;
+  const float *xp = x.typed_data(), *wp = panels.typed_data() + index * strips * strip_size;
+  float* op = out->typed_data();
+  jaxengine::ParallelFor(pool, blocks, [=](int64_t b) {
+    for (int64_t s = b * per; s < std::min(strips, (b + 1) * per); ++s)
+      jaxengine::Gemm(xp, k, m, wp + s * strip_size, jaxengine::kPanel, k, jaxengine::kPanel,
+                      op + s * jaxengine::kPanel, n);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuMatmul, MatmulImpl,
@@ -147,5 +173,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuGroupedMatmul, GroupedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuPanelMatmul, PanelMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

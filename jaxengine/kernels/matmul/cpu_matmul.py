@@ -11,11 +11,14 @@ splits it over the mesh (``models.mesh.shard_kernels``).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxengine.kernels.cpu_build import register_kernel
 from jaxengine.kernels.matmul.openblas import openblas_build
@@ -26,6 +29,62 @@ from jaxengine.kernels.matmul.quantized import (QuantizedWeight, TiledWeight, gr
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxengine_cpu_matmul"
 GROUPED_TARGET = "jaxengine_cpu_grouped_matmul"
+PANEL_TARGET = "jaxengine_cpu_panel_matmul"
+PANEL = 32                                # a panel's columns (``kPanel`` in cpu_gemm.h)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PanelWeight:
+    """A float32 weight [(L,) K, N] laid out for the CPU matmul kernel: ``panels`` [(L,) N / PANEL,
+    K, PANEL], each strip of PANEL output columns one contiguous block, which the kernel streams
+    front to back and multiplies into a block of rows from its registers (``cpu_gemm.h``), where
+    the row-major weight would be read PANEL columns at a time, a row apart. ``out_shape``: the
+    output axes (N is their product); K is the contracted axes flattened."""
+    panels: jax.Array
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def k(self) -> int:
+        return self.panels.shape[-2]
+
+
+def can_panel(shape: tuple[int, ...], out_axes: int) -> bool:
+    """Whether a weight of ``shape`` (its last ``out_axes`` axes the output's) lays out as panels."""
+    return 0 < out_axes < len(shape) and math.prod(shape[len(shape) - out_axes:]) % PANEL == 0
+
+
+def panel(w, out_axes: int, stacked: bool) -> PanelWeight:
+    """``w`` [(L,) ..contracted axes.., ..its last ``out_axes`` axes, the output's..] (float32) as a
+    ``PanelWeight``, laid out on the host."""
+    a = np.asarray(w, np.float32)
+    lead = a.shape[:1] if stacked else ()
+    out_shape = a.shape[a.ndim - out_axes:]
+    if not can_panel(a.shape[len(lead):], out_axes):
+        raise ValueError(f"panel: a weight of shape {a.shape} with {out_axes} output axes does not lay out as "
+                         f"panels of {PANEL} columns")
+    n = math.prod(out_shape)
+    strips = a.reshape(*lead, -1, n // PANEL, PANEL)                 # [(L,) K, N / PANEL, PANEL]
+    return PanelWeight(jnp.asarray(np.ascontiguousarray(np.moveaxis(strips, -2, -3))), tuple(out_shape))
+
+
+def unpanel(w: PanelWeight) -> jax.Array:
+    """The row-major weight ``w`` was laid out from: [(L,) K, ..output axes..]."""
+    rows = jnp.moveaxis(w.panels, -3, -2)            # [(L,) K, N / PANEL, PANEL]
+    return rows.reshape(*rows.shape[:-3], rows.shape[-3], *w.out_shape)
+
+
+def panel_dense(x: jax.Array, w: PanelWeight, layer: jax.Array | None = None) -> jax.Array:
+    """x [T, K] @ w (w[layer] when stacked) -> [T, ..output axes..], through the kernel on a CPU,
+    else XLA's dot on the weight laid back out."""
+    if not (jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32 and available()):
+        weight = unpanel(w)
+        return jnp.tensordot(x, weight if layer is None else weight[layer], axes=1)
+    stacked = w.panels if layer is not None else w.panels[None]
+    call = jax.ffi.ffi_call(PANEL_TARGET, jax.ShapeDtypeStruct((x.shape[0], stacked.shape[1] * PANEL), jnp.float32),
+                            vmap_method="sequential")
+    out = call(x, stacked, jnp.asarray(0 if layer is None else layer, jnp.int32))
+    return out.reshape(x.shape[0], *w.out_shape)
 
 
 def xla_dense(x: jax.Array, w: jax.Array | QuantizedWeight, layer: jax.Array | None = None) -> jax.Array:
@@ -35,6 +94,8 @@ def xla_dense(x: jax.Array, w: jax.Array | QuantizedWeight, layer: jax.Array | N
         return xla_quantized_dense(x, untile(w), layer).reshape(x.shape[0], *w.out_shape)
     if isinstance(w, QuantizedWeight):
         return xla_quantized_dense(x, w, layer)
+    if isinstance(w, PanelWeight):
+        w = unpanel(w)
     return jnp.tensordot(x, w if layer is None else w[layer], axes=1)
 
 
@@ -42,7 +103,10 @@ def dense(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Arr
     """x [T, D] @ w [D, ...] -> [T, ...], or x @ w[layer] with w stacked [L, D, ...] (the layer
     scan's weights, read in place): through OpenBLAS where it serves, else XLA's dot. The weight's
     trailing axes are one row-major block, so flattening them costs nothing. A quantized weight
-    goes to ``quantized_dense``, a tiled one to ``tiled_dense``."""
+    goes to ``quantized_dense``, a tiled one to ``tiled_dense``, one laid out as panels to
+    ``panel_dense``."""
+    if isinstance(w, PanelWeight):
+        return panel_dense(x, w, layer)
     if isinstance(w, TiledWeight):
         return tiled_dense(x, w, layer)
     if isinstance(w, QuantizedWeight):
@@ -118,4 +182,5 @@ def available() -> bool:
     build = openblas_build()
     return (build is not None
             and register_kernel(SOURCE, "JaxengineCpuMatmul", TARGET, "CPU matmul", **build)
-            and register_kernel(SOURCE, "JaxengineCpuGroupedMatmul", GROUPED_TARGET, "CPU grouped matmul", **build))
+            and register_kernel(SOURCE, "JaxengineCpuGroupedMatmul", GROUPED_TARGET, "CPU grouped matmul", **build)
+            and register_kernel(SOURCE, "JaxengineCpuPanelMatmul", PANEL_TARGET, "CPU panel matmul", **build))
