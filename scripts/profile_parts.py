@@ -1,7 +1,7 @@
 """Where one step of the default engine goes, part by part, at three shapes: batch-1 decode at a
 128-token context, batch-64 decode at 128-token contexts, and one 512-token prompt's prefill.
 
-    python scripts/profile_parts.py [--steps 32] [--json PATH]
+    python scripts/profile_parts.py [--steps 32] [--json PATH] [--quantization none]
 
 It runs ``LLM()`` as a user does (the defaults, every bucket compiled), traces the steps of each
 shape with JAX's profiler, and splits each step's wall time into the host's part (the Python step
@@ -142,10 +142,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--quantization", default=None, help="passed to LLM (none: the float32 weights)")
     args = parser.parse_args()
     from jaxengine import LLM
 
-    llm = LLM(progress=False)
+    llm = LLM(progress=False, **({} if args.quantization is None else {"quantization": args.quantization}))
     llm.wait_until_compiled()
     results = {}
     for name, (batch, prompt_len, steps) in SHAPES.items():

@@ -28,15 +28,18 @@ class PanelParam(nnx.Module):
     def __init__(self, weight: PanelWeight, shape: tuple[int, ...], transposed: bool = False) -> None:
         self.panels = nnx.Param(weight.panels)
         self.out_shape = weight.out_shape
-        self.shape = tuple(shape)                  # the parameter's
+        self.shape = tuple(shape)                  # the parameter's, a layer's of a stacked one
         self.transposed = transposed               # an embedding [V, D] laid out as its head [D, V]
 
     def __getitem__(self, index) -> PanelWeight:
         return PanelWeight(self.panels[index], self.out_shape)
 
     def unpacked(self) -> jax.Array:
+        """The parameter as it was: [(L,) ...] (stacked, or a layer's slice of the stack's)."""
         w = unpanel(self[...])
-        return (w.T if self.transposed else w).reshape(self.shape)
+        if self.transposed:
+            return w.T
+        return w.reshape(*w.shape[:w.ndim - 1 - len(self.out_shape)], *self.shape)
 
     def rows(self, ids: jax.Array) -> jax.Array:
         """Rows ``ids`` [T] of a tied embedding -> [T, D]: each a column of its strip."""
@@ -60,7 +63,7 @@ def panel_for_cpu(model: nnx.Module, dtype, devices: int) -> int:
                 value = param[...]
                 stacked = value.ndim > _PER_LAYER_AXES.get(kind, 2)
                 if can_panel(value.shape[1:] if stacked else value.shape, out_axes):
-                    setattr(module, kind, PanelParam(panel(value, out_axes, stacked), value.shape))
+                    setattr(module, kind, PanelParam(panel(value, out_axes, stacked), value.shape[stacked:]))
                     count += 1
         embed = getattr(module, "embed_tokens", None)
         config = getattr(module, "config", None)

@@ -1,6 +1,7 @@
 """Checkpoints load straight into their shardings: a safetensors checkpoint in several files is
 read per device slice (never whole on the host), KV heads fewer than devices are repeated from
 slices, and the converted-weights cache of a GGUF restores each shard into place."""
+import functools
 import tracemalloc
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.models.gguf import load_gguf, read_gguf
 from jaxengine.models.mesh import make_mesh
+from jaxengine.models.panels import plain
 from jaxengine.models.weights import build_model, load_model
 from tests.conftest import make_checkpoint
 from tests.models.test_weights import write_gguf
@@ -33,7 +35,15 @@ KV_HEAD_AXIS = {"k_proj": 2, "v_proj": 2, "k_bias": 1, "v_bias": 1}     # stacke
 
 
 def params(model) -> dict[str, jax.Array]:
-    return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
+    """Every parameter by name, as the model made it (a weight laid out as panels for the CPU kernel
+    read back: ``models.panels``)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if path[-1] == "panels":
+            out[".".join(map(str, path[:-1]))] = plain(functools.reduce(getattr, path[:-1], model))
+        else:
+            out[".".join(map(str, path))] = var.get_value()
+    return out
 
 
 def expected_on_mesh(reference: dict[str, np.ndarray], repeats: int) -> dict[str, np.ndarray]:

@@ -150,9 +150,10 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const float *xp = x.typed_data(), *wp = panels.typed_data() + index * strips * strip_size;
   float* op = out->typed_data();
   jaxengine::ParallelFor(pool, blocks, [=](int64_t b) {
+    thread_local jaxengine::Rows rows;
+    rows.Fill(xp, k, m, k);
     for (int64_t s = b * per; s < std::min(strips, (b + 1) * per); ++s)
-      jaxengine::Gemm(xp, k, m, wp + s * strip_size, jaxengine::kPanel, k, jaxengine::kPanel,
-                      op + s * jaxengine::kPanel, n);
+      jaxengine::Gemm(rows, wp + s * strip_size, jaxengine::kPanel, jaxengine::kPanel, op + s * jaxengine::kPanel, n);
   });
   return ffi::Error::Success();
 }

@@ -24,8 +24,8 @@
 // Several weights against the same x (a layer's q, k and v projections; its gate and up) can be one
 // call (``...Matmuls``: q, scale and offset per weight, one result each): x's terms are written once
 // and every product's chunks go to the threads as one job.
-// More rows (a prefill): each thread dequantises its column block to f32 once and hands it to
-// OpenBLAS's sgemm, whose blocking serves many rows better than the loop above.
+// More rows (a prefill): each thread dequantises its column block to f32, a strip of 32 columns at
+// a time, and multiplies the strip into every row from registers (cpu_gemm.h).
 //
 // The grouped form (a mixture of experts' projections): q [L, E, K/P, N], scale and offset
 // [L, E, K/G, N], group_sizes [E] s32; rows of x sorted by expert, group e's rows times expert e's
@@ -45,7 +45,7 @@
 #define JAXENGINE_VNNI 1
 #endif
 
-#include "cblas.h"
+#include "cpu_gemm.h"
 #include "cpu_pool.h"
 #include "fp8.h"
 #include "xla/ffi/api/ffi.h"
@@ -54,7 +54,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kFusedRows = 8;        // up to this many rows: the fused loop, else dequantise + sgemm
+constexpr int64_t kFusedRows = 8;        // up to this many rows: the fused loop, else dequantised strips
 constexpr int64_t kFewRowBlocks = 32;    // column blocks of a few rows' product not taken as bytes, at most
 constexpr int64_t kFewRowColumns = 1536; // ... and at least this many columns each where there are enough
 constexpr int64_t kFewRowChunks = 8;     // chunks of groups of a few rows' product as bytes, at most
@@ -522,16 +522,21 @@ void Dequantize(const Weights<S>& w, float* buf, int64_t first, int64_t last) {
   }
 }
 
-// Columns [first, last) of out [m, n] = x [m, k] @ the weight's f32 block that ``dequantize``
-// writes into a buffer of the thread's own ([k, last - first]), by OpenBLAS's sgemm.
+// Columns [first, last) of out [m, n] = x [m, k] @ the weight's f32 values, a strip of
+// jaxengine::kPanel columns at a time: ``dequantize(buf, c, end)`` writes columns [c, end) into a
+// buffer of the thread's own ([k, end - c], in the core's cache), which cpu_gemm.h multiplies.
 template <typename Fill>
 void DequantizedProduct(const float* x, int64_t m, int64_t k, int64_t n, float* out, int64_t first, int64_t last,
                         Fill dequantize) {
   thread_local std::vector<float> buf;
-  buf.resize(k * (last - first));
-  dequantize(buf.data());
-  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, last - first, k, 1.0f, x, k, buf.data(),
-                    last - first, 0.0f, out + first, n);
+  thread_local jaxengine::Rows rows;
+  buf.resize(k * jaxengine::kPanel);
+  rows.Fill(x, k, m, k);
+  for (int64_t c = first; c < last; c += jaxengine::kPanel) {
+    const int64_t end = std::min(last, c + jaxengine::kPanel);
+    dequantize(buf.data(), c, end);
+    jaxengine::Gemm(rows, buf.data(), end - c, end - c, out + c, n);
+  }
 }
 
 // ``rows``: x's FewRows when m <= kFusedRows (nullptr: computed here).
@@ -545,12 +550,8 @@ void MultiplyColumns(const float* x, const Weights<S>& w, float* out, int64_t m,
     own.Fill(x, m, w.k, w.group);
     return FusedColumns<V, S>(x, w, own, out, m, first, last);
   }
-  DequantizedProduct(x, m, w.k, w.n, out, first, last, [&](float* buf) { Dequantize<V, S>(w, buf, first, last); });
-}
-
-void SetSingleThreaded() {
-  static std::once_flag once;
-  std::call_once(once, [] { scipy_openblas_set_num_threads(1); });
+  DequantizedProduct(x, m, w.k, w.n, out, first, last,
+                     [&](float* buf, int64_t c, int64_t end) { Dequantize<V, S>(w, buf, c, end); });
 }
 
 #ifdef JAXENGINE_VNNI
@@ -691,7 +692,7 @@ void DequantizeTiles(const Tiles<S>& w, float* buf, int64_t first, int64_t last)
 // outs[j] = x @ ws[j] for m rows, every ws[j] tiled with the same k and group. A few rows whose
 // bytes ``rows`` holds: each product's tiles in ``threads`` runs, one job for the calling thread
 // and HotPool's helpers. Otherwise (more rows, or an inf or a NaN in x): each product's column
-// blocks dequantised and multiplied by OpenBLAS.
+// blocks dequantised a strip at a time and multiplied (DequantizedProduct).
 template <int V, typename S>
 void TiledProducts(ffi::ThreadPool& pool, const float* xp, int64_t m, const Tiles<S>* ws, float* const* outs,
                    int64_t count) {
@@ -722,13 +723,13 @@ void TiledProducts(ffi::ThreadPool& pool, const float* xp, int64_t m, const Tile
       const int64_t first = std::min(w.n, b * width), last = std::min(w.n, (b + 1) * width);
       if (last <= first) return;
       DequantizedProduct(xp, m, w.k, w.n, outs[j], first, last,
-                         [&](float* buf) { DequantizeTiles<V, S>(w, buf, first, last); });
+                         [&](float* buf, int64_t c, int64_t end) { DequantizeTiles<V, S>(w, buf, c, end); });
     });
   }
 }
 #endif
 
-// out [m, n] = x [m, k] @ w, shapes checked: a few rows by the fused loop, more by dequantise + sgemm.
+// out [m, n] = x [m, k] @ w, shapes checked: a few rows by the fused loop, more by dequantised strips.
 template <int V, typename S>
 void Multiply(ffi::ThreadPool& pool, const float* xp, int64_t m, const Weights<S>& w, float* op) {
   const int64_t k = w.k, n = w.n;
@@ -789,7 +790,6 @@ template <int V, typename QBuffer, ffi::DataType SType, typename S>
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QBuffer q,
                                ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
                                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
-  SetSingleThreaded();
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("cpu quantized matmul: x [M, K], q [L, K/P, N], scale [L, K/G, N], one layer");
@@ -814,7 +814,6 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QB
 template <int V, ffi::DataType SType, typename S>
 ffi::Error QuantizedMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  SetSingleThreaded();
   auto xd = x.dimensions();
   const size_t count = rets.size();
   if (xd.size() != 2 || layer.element_count() != 1 || count == 0 || args.size() != 3 * count)
@@ -856,7 +855,6 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
                                       ffi::Buffer<SType> scale, ffi::Buffer<SType> offset,
                                       ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
                                       ffi::ResultBuffer<ffi::F32> out) {
-  SetSingleThreaded();
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 4 || sd.size() != 4 || layer.element_count() != 1 ||
       group_sizes.element_count() != static_cast<size_t>(qd[1]))
@@ -925,7 +923,6 @@ ffi::Error TiledMatmulsOf(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int64_
 ffi::Error TiledMatmulsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, int64_t bits,
                             int64_t scale_bytes, bool offset, int64_t group, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
-  SetSingleThreaded();
   if (x.dimensions().size() != 2 || layer.element_count() != 1 || rets.size() == 0 || args.size() != rets.size())
     return ffi::Error::InvalidArgument("cpu tiled matmuls: x [M, K], one layer, then one weight's tiles per result");
   const int64_t index = layer.typed_data()[0];
