@@ -106,8 +106,8 @@ SHORT, LONG = (0, 3, 70, 12, 41, 95, 130), (0, 3, 700, 12, 410, 95, 130)
     (3, 3, 64, 16, {"sinks": 1.0, "sliding_window": 9}, LONG),
 ])
 def test_the_cpu_decode_kernel_matches_the_jnp_loop(kv_heads, group, head_size, page_size, extras, contexts):
-    """Decodes of many lengths beside a prompt chunk and padding rows: the kernel's decode
-    outputs equal the jnp loop's and the dense result; padding tokens stay zero. Short rows are
+    """Decodes of many lengths beside a prompt chunk and padding rows: the kernel's outputs (every
+    token's, the prompt chunk's too) equal the jnp loop's and the dense result; padding tokens stay zero. Short rows are
     read by the calling thread alone, long ones by the pool's threads too."""
     rows = [(c, 1) for c in contexts] + [(5, 20)]
     q, kc, vc, md, full = make_batch(np.random.default_rng(7), rows, page_size, kv_heads, group, 40, 10,

@@ -142,11 +142,29 @@ inline __m512 LaneSums16(const __m512* v) {
                        _mm512_shuffle_f32x4(c01, c23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// acc[0..16 C) = correction acc + sum_t w[t] v[t][0..16 C) over count tokens, token_stride apart:
+// the C vectors' sums interleaved token by token (one chain of multiply-adds per vector would
+// wait on its own latency at every token).
+template <int C>
+inline void AccumulateValues(float* acc, const float* v, const float* w, int64_t count, int64_t token_stride,
+                             float correction) {
+  __m512 o[C];
+  for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), _mm512_set1_ps(correction));
+  for (int64_t t = 0; t < count; ++t) {
+    const __m512 wt = _mm512_set1_ps(w[t]);
+    for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(v + t * token_stride + 16 * c), o[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
+}
+
 // n tokens of a page (k and v at its first, token_stride apart) for query heads [head_first,
 // head_last): the scores, the running maxima m and sums l, and the unnormalised outputs in out.
+// VECTORS: hs / 16 known when compiled (0: read from hs), so that a token's dot product is
+// unrolled and the 16 tokens' products stay in registers.
+template <int VECTORS>
 void AttendPage16(const float* q, const float* k, const float* v, int64_t n, int64_t head_first, int64_t head_last,
                   int64_t g_size, int64_t hs, int64_t token_stride, float* m, float* l, float* out) {
-  const int64_t vectors = hs / 16;
+  const int64_t vectors = VECTORS > 0 ? VECTORS : hs / 16;
   const float minus_inf = -std::numeric_limits<float>::infinity();
   alignas(64) float w[16];
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -156,12 +174,9 @@ void AttendPage16(const float* q, const float* k, const float* v, int64_t n, int
       const float* qh = q + head * hs;
       const float* kh = k + t0 * token_stride + (head / g_size) * hs;
       __m512 dots[16];
-      for (int64_t t = 0; t < 16; ++t) {
-        if (t >= count) {
-          dots[t] = _mm512_setzero_ps();
-          continue;
-        }
-        const float* kt = kh + t * token_stride;
+#pragma GCC unroll 16
+      for (int64_t t = 0; t < 16; ++t) {            // tokens past count read the last one's (masked below)
+        const float* kt = kh + std::min<int64_t>(t, count - 1) * token_stride;
         __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kt));
         for (int64_t c = 1; c < vectors; ++c) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), _mm512_loadu_ps(kt + 16 * c), d);
         dots[t] = d;
@@ -175,12 +190,9 @@ void AttendPage16(const float* q, const float* k, const float* v, int64_t n, int
       _mm512_store_ps(w, e);
       float* acc = out + head * hs;
       const float* vh = v + t0 * token_stride + (head / g_size) * hs;
-      for (int64_t c = 0; c < vectors; ++c) {
-        __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), _mm512_set1_ps(correction));
-        for (int64_t t = 0; t < count; ++t)
-          o = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_loadu_ps(vh + t * token_stride + 16 * c), o);
-        _mm512_storeu_ps(acc + 16 * c, o);
-      }
+      int64_t c = 0;
+      for (; c + 4 <= vectors; c += 4) AccumulateValues<4>(acc + 16 * c, vh + 16 * c, w, count, token_stride, correction);
+      for (; c < vectors; ++c) AccumulateValues<1>(acc + 16 * c, vh + 16 * c, w, count, token_stride, correction);
     }
   }
 }
@@ -222,14 +234,19 @@ void attend(const Problem& p, const Item& item) {
     if (p.fp8) k_buf.resize(page_stride), v_buf.resize(page_stride);
     const float* k = cache_floats(p, p.k_cache, at, n * token_stride, k_buf.data());
     const float* v = cache_floats(p, p.v_cache, at, n * token_stride, v_buf.data());
-    if ((page + kPrefetchPages) * p.page_size < len) {
+    if (kPrefetchPages > 0 && (page + kPrefetchPages) * p.page_size < len) {
       const int64_t next = p.tables[row * p.width + page + kPrefetchPages], item = p.fp8 ? 1 : sizeof(float);
       prefetch_page(static_cast<const char*>(p.k_cache) + next * page_stride * item,
                     static_cast<const char*>(p.v_cache) + next * page_stride * item, page_stride * item);
     }
 #ifdef __AVX512F__
     if (hs % 16 == 0 && p.soft_cap == 0.0f) {
-      AttendPage16(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
+      if (hs == 64)
+        AttendPage16<4>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
+      else if (hs == 128)
+        AttendPage16<8>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
+      else
+        AttendPage16<0>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
       continue;
     }
 #endif

@@ -1,9 +1,11 @@
 """Paged attention in plain jnp, organised for speed on the CPU (the engine's CPU path).
 
-The reference reads every context page once per query token. Here the tokens of short rows (a
-decode, a decode with its speculative draft tokens: at most ``SHORT_ROW`` queries) go one by one,
-compacted, through ``cpu_decode``'s compiled kernel where it serves the layer (the jnp loop below
-otherwise), each attending to its own causal length; longer (prefill) rows are cut into query
+The reference reads every context page once per query token. Where ``cpu_decode``'s compiled
+kernel serves the layer, every token goes through it, compacted, each attending to its own causal
+length with its row's pages read in place (a prompt's later tokens find them in the core's cache:
+about 2x faster than the query tiles below for a 512-token prompt, BENCHMARKS.md). Otherwise the
+tokens of short rows (a decode, a decode with its speculative draft tokens: at most ``SHORT_ROW``
+queries) go one by one through the jnp loop below, and longer (prefill) rows are cut into query
 tiles of ``q_tile`` tokens that read each page once per tile. Whichever part a step does
 not need is skipped at run time (``lax.cond``). Tested against ``reference.paged_attention``.
 
@@ -51,10 +53,13 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     attend = dict(k_cache=k_cache, v_cache=v_cache, md=md, sliding_window=sliding_window, soft_cap=soft_cap,
                   sinks=sinks, pages_per_step=pages_per_step, group_size=group_size)
 
-    # Short rows' tokens: one query per tile, at most min(T, B * SHORT_ROW) of them.
-    short = (q_lens >= 1) & (q_lens <= SHORT_ROW)
+    # Short rows' tokens: one query per tile, at most min(T, B * SHORT_ROW) of them. Where the
+    # compiled kernel serves, every row's tokens go so, a prompt's too: each token over its own
+    # causal length, its row's pages read in place (in the core's cache for the row's later tokens).
+    short_row = num_tokens if serves else SHORT_ROW
+    short = (q_lens >= 1) & (q_lens <= short_row)
     is_decode = jnp.repeat(short, q_lens, total_repeat_length=num_tokens)
-    dec_idx = jnp.nonzero(is_decode, size=min(num_tokens, num_rows * SHORT_ROW), fill_value=num_tokens)[0]
+    dec_idx = jnp.nonzero(is_decode, size=min(num_tokens, num_rows * short_row), fill_value=num_tokens)[0]
     if serves:
         decode = functools.partial(_decode_in_place, qg, dec_idx, k_cache, v_cache, md,
                                    sliding_window=sliding_window, soft_cap=soft_cap,
@@ -62,6 +67,8 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     else:
         decode = lambda o: _scatter(o, *_attend(qg, dec_idx[:, None], **attend))     # noqa: E731
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)
+    if serves:
+        return out[:num_tokens].reshape(num_tokens, num_heads, head_size).astype(q.dtype)
 
     # Prefill rows: tiles of q_tile consecutive queries of one row.
     tiles_per_row = jnp.where(q_lens > SHORT_ROW, (q_lens + q_tile - 1) // q_tile, 0)
