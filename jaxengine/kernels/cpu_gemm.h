@@ -2,8 +2,7 @@
 // (float weights laid out as panels, and quantized weights dequantised a strip at a time for many
 // rows); the callers split the columns among threads.
 //
-// x is first written as blocks of kRows rows, each [k][rows] (``Rows``), once for all the strips a
-// thread multiplies. A strip of kColumns columns of w is then multiplied into a block of rows at a
+// A strip of kColumns columns of w is multiplied into a block of up to kRows rows of x at a
 // time, its sums in registers for the whole of k: each step of k loads the strip's vectors once and
 // broadcasts each row's x into a fused multiply-add with each. The strip, read from memory by the
 // first block of rows, is in the core's cache for the others. The sum over k runs in order, one
@@ -12,8 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
-#include <vector>
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -53,15 +50,15 @@ inline Vec Broadcast(float s) {
 #endif
 }
 
-// R rows (a block of x as ``Rows`` writes it: [k][R]) times V vectors of columns of w, into out.
+// R rows of x (ldx apart) times V vectors of columns of w, into out.
 template <int R, int V>
-inline void Block(const float* x, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo) {
+inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo) {
   Vec sum[R][V] = {};
-  for (int64_t kk = 0; kk < k; ++kk, x += R, w += ldw) {
+  for (int64_t kk = 0; kk < k; ++kk, w += ldw) {
     Vec col[V];
     for (int v = 0; v < V; ++v) col[v] = Load(w + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const Vec a = Broadcast(x[r]);
+      const Vec a = Broadcast(x[r * ldx + kk]);
       for (int v = 0; v < V; ++v) sum[r][v] += a * col[v];
     }
   }
@@ -69,64 +66,43 @@ inline void Block(const float* x, const float* w, int64_t ldw, int64_t k, float*
     for (int v = 0; v < V; ++v) Store(out + r * ldo + v * kLanes, sum[r][v]);
 }
 
-// The last block's R (< kRows) rows.
-template <int V, int R = kRows - 1>
-inline void LastBlock(int64_t rows, const float* x, const float* w, int64_t ldw, int64_t k, float* out,
-                      int64_t ldo) {
+// Block<rows, V> for rows in 1..R.
+template <int V, int R = kRows>
+inline void BlockOf(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out,
+                    int64_t ldo) {
   if constexpr (R > 0) {
-    if (rows == R) return Block<R, V>(x, w, ldw, k, out, ldo);
-    LastBlock<V, R - 1>(rows, x, w, ldw, k, out, ldo);
+    if (rows == R) return Block<R, V>(x, ldx, w, ldw, k, out, ldo);
+    BlockOf<V, R - 1>(rows, x, ldx, w, ldw, k, out, ldo);
+  }
+}
+
+// x's m rows times a strip of V vectors of columns, in blocks of at most kRows rows, as even as they
+// go (64 rows: 11, 11, 11, 11, 10, 10, not five of 12 and a weaker one of 4).
+template <int V>
+inline void Strip(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw, int64_t k, float* out,
+                  int64_t ldo) {
+  const int64_t blocks = (m + kRows - 1) / kRows;
+  for (int64_t b = 0, r = 0; b < blocks; ++b) {
+    const int64_t rows = m / blocks + (b < m % blocks ? 1 : 0);
+    BlockOf<V>(rows, x + r * ldx, ldx, w, ldw, k, out + r * ldo, ldo);
+    r += rows;
   }
 }
 
 }  // namespace gemm
 
-// x [m, k] (row-major, ldx apart) as blocks of gemm::kRows rows, each block [k][its rows]: what
-// Gemm reads.
-class Rows {
- public:
-  void Fill(const float* x, int64_t ldx, int64_t m, int64_t k) {
-    m_ = m;
-    k_ = k;
-    data_.resize(m * k);
-    for (int64_t r0 = 0; r0 < m; r0 += gemm::kRows) {
-      const int64_t rows = std::min<int64_t>(gemm::kRows, m - r0);
-      float* block = data_.data() + r0 * k;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t kk = 0; kk < k; ++kk) block[kk * rows + r] = x[(r0 + r) * ldx + kk];
-    }
-  }
-  int64_t m() const { return m_; }
-  int64_t k() const { return k_; }
-  const float* block(int64_t r0) const { return data_.data() + r0 * k_; }
-
- private:
-  std::vector<float> data_;
-  int64_t m_ = 0, k_ = 0;
-};
-
-// out [m, n] (ldo apart) = x @ w [k, n] (ldw apart), x as ``Rows``.
-inline void Gemm(const Rows& x, const float* w, int64_t ldw, int64_t n, float* out, int64_t ldo) {
+// out [m, n] (ldo apart) = x [m, k] (ldx apart) @ w [k, n] (ldw apart).
+inline void Gemm(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w, int64_t ldw, int64_t n,
+                 float* out, int64_t ldo) {
   using namespace gemm;
-  const int64_t m = x.m(), k = x.k();
-  auto strip = [&](auto vectors, const float* ws, float* os) {
-    constexpr int V = decltype(vectors)::value;
-    int64_t r = 0;
-    for (; r + kRows <= m; r += kRows) Block<kRows, V>(x.block(r), ws, ldw, k, os + r * ldo, ldo);
-    LastBlock<V>(m - r, x.block(r), ws, ldw, k, os + r * ldo, ldo);
-  };
   int64_t c = 0;
-  for (; c + kColumns <= n; c += kColumns) strip(std::integral_constant<int, kVectors>{}, w + c, out + c);
-  for (; c + kLanes <= n; c += kLanes) strip(std::integral_constant<int, 1>{}, w + c, out + c);
+  for (; c + kColumns <= n; c += kColumns) Strip<kVectors>(x, ldx, m, w + c, ldw, k, out + c, ldo);
+  for (; c + kLanes <= n; c += kLanes) Strip<1>(x, ldx, m, w + c, ldw, k, out + c, ldo);
   for (; c < n; ++c)                     // columns past the last whole vector (none at the models' sizes)
-    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, m - r0);
-      const float* xb = x.block(r0);
-      for (int64_t r = 0; r < rows; ++r) {
-        float sum = 0.0f;
-        for (int64_t kk = 0; kk < k; ++kk) sum += xb[kk * rows + r] * w[kk * ldw + c];
-        out[(r0 + r) * ldo + c] = sum;
-      }
+    for (int64_t r = 0; r < m; ++r) {
+      float sum = 0.0f;
+      for (int64_t kk = 0; kk < k; ++kk) sum += x[r * ldx + kk] * w[kk * ldw + c];
+      out[r * ldo + c] = sum;
     }
 }
 

@@ -150,23 +150,26 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const float *xp = x.typed_data(), *wp = panels.typed_data() + index * strips * strip_size;
   float* op = out->typed_data();
   jaxengine::ParallelFor(pool, blocks, [=](int64_t b) {
-    thread_local jaxengine::Rows rows;
-    rows.Fill(xp, k, m, k);
     for (int64_t s = b * per; s < std::min(strips, (b + 1) * per); ++s)
-      jaxengine::Gemm(rows, wp + s * strip_size, jaxengine::kPanel, jaxengine::kPanel, op + s * jaxengine::kPanel, n);
+      jaxengine::Gemm(xp, k, m, k, wp + s * strip_size, jaxengine::kPanel, jaxengine::kPanel,
+                      op + s * jaxengine::kPanel, n);
   });
   return ffi::Error::Success();
 }
 
+// x, a weight (row-major or panels), the layer index -> out: the dense products' arguments.
+auto DenseBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuMatmul, MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuMatmul, MatmulImpl, DenseBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuGroupedMatmul, GroupedMatmulImpl,
                               ffi::Ffi::Bind()
@@ -177,10 +180,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuGroupedMatmul, GroupedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuPanelMatmul, PanelMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuPanelMatmul, PanelMatmulImpl, DenseBinding());

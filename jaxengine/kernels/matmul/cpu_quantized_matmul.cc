@@ -529,13 +529,11 @@ template <typename Fill>
 void DequantizedProduct(const float* x, int64_t m, int64_t k, int64_t n, float* out, int64_t first, int64_t last,
                         Fill dequantize) {
   thread_local std::vector<float> buf;
-  thread_local jaxengine::Rows rows;
-  buf.resize(k * jaxengine::kPanel);
-  rows.Fill(x, k, m, k);
+  if (static_cast<int64_t>(buf.size()) < k * jaxengine::kPanel) buf.resize(k * jaxengine::kPanel);
   for (int64_t c = first; c < last; c += jaxengine::kPanel) {
     const int64_t end = std::min(last, c + jaxengine::kPanel);
     dequantize(buf.data(), c, end);
-    jaxengine::Gemm(rows, buf.data(), end - c, end - c, out + c, n);
+    jaxengine::Gemm(x, k, m, k, buf.data(), end - c, end - c, out + c, n);
   }
 }
 
