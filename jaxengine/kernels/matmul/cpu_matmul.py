@@ -78,8 +78,7 @@ def panel_dense(x: jax.Array, w: PanelWeight, layer: jax.Array | None = None) ->
     """x [T, K] @ w (w[layer] when stacked) -> [T, ..output axes..], through the kernel on a CPU,
     else XLA's dot on the weight laid back out."""
     if not (jax.default_backend() == "cpu" and x.ndim == 2 and x.dtype == jnp.float32 and available()):
-        weight = unpanel(w)
-        return jnp.tensordot(x, weight if layer is None else weight[layer], axes=1)
+        return xla_dense(x, w, layer)
     stacked = w.panels if layer is not None else w.panels[None]
     call = jax.ffi.ffi_call(PANEL_TARGET, jax.ShapeDtypeStruct((x.shape[0], stacked.shape[1] * PANEL), jnp.float32),
                             vmap_method="sequential")

@@ -21,8 +21,6 @@ and made the decode attention about a quarter slower (BENCHMARKS.md, "Where a st
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -53,22 +51,23 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     attend = dict(k_cache=k_cache, v_cache=v_cache, md=md, sliding_window=sliding_window, soft_cap=soft_cap,
                   sinks=sinks, pages_per_step=pages_per_step, group_size=group_size)
 
-    # Short rows' tokens: one query per tile, at most min(T, B * SHORT_ROW) of them. Where the
-    # compiled kernel serves, every row's tokens go so, a prompt's too: each token over its own
-    # causal length, its row's pages read in place (in the core's cache for the row's later tokens).
-    short_row = num_tokens if serves else SHORT_ROW
-    short = (q_lens >= 1) & (q_lens <= short_row)
+    if serves:
+        # Every token through the compiled kernel, a prompt's too, each over its own causal length
+        # with its row's pages read in place (in the core's cache for the row's later tokens);
+        # padding tokens (in no row) attend to nothing and come out zero.
+        real = md.token_rows < num_rows
+        rows = jnp.minimum(md.token_rows, num_rows - 1)
+        got = cpu_decode.paged_decode(qg.reshape(num_tokens, -1, head_size), k_cache, v_cache, md.block_tables[rows],
+                                      jnp.where(real, md.positions + 1, 0), sliding_window=sliding_window,
+                                      soft_cap=soft_cap, sinks=None if sinks is None else sinks.reshape(-1))
+        return got.reshape(num_tokens, num_heads, head_size).astype(q.dtype)
+
+    # Short rows' tokens: one query per tile, at most min(T, B * SHORT_ROW) of them.
+    short = (q_lens >= 1) & (q_lens <= SHORT_ROW)
     is_decode = jnp.repeat(short, q_lens, total_repeat_length=num_tokens)
-    dec_idx = jnp.nonzero(is_decode, size=min(num_tokens, num_rows * short_row), fill_value=num_tokens)[0]
-    if serves:
-        decode = functools.partial(_decode_in_place, qg, dec_idx, k_cache, v_cache, md,
-                                   sliding_window=sliding_window, soft_cap=soft_cap,
-                                   sinks=None if sinks is None else sinks.reshape(-1))
-    else:
-        decode = lambda o: _scatter(o, *_attend(qg, dec_idx[:, None], **attend))     # noqa: E731
+    dec_idx = jnp.nonzero(is_decode, size=min(num_tokens, num_rows * SHORT_ROW), fill_value=num_tokens)[0]
+    decode = lambda o: _scatter(o, *_attend(qg, dec_idx[:, None], **attend))     # noqa: E731
     out = jax.lax.cond(jnp.any(is_decode), decode, lambda o: o, out)
-    if serves:
-        return out[:num_tokens].reshape(num_tokens, num_heads, head_size).astype(q.dtype)
 
     # Prefill rows: tiles of q_tile consecutive queries of one row.
     tiles_per_row = jnp.where(q_lens > SHORT_ROW, (q_lens + q_tile - 1) // q_tile, 0)
@@ -81,19 +80,6 @@ def paged_attention_tiled(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     idx = jnp.where((tile < ends[-1])[:, None] & (idx < md.query_start_loc[row + 1][:, None]), idx, num_tokens)
     out = jax.lax.cond(ends[-1] > 0, lambda o: _scatter(o, *_attend(qg, idx, **attend)), lambda o: o, out)
     return out[:num_tokens].reshape(num_tokens, num_heads, head_size).astype(q.dtype)
-
-
-def _decode_in_place(qg: jax.Array, dec_idx: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                     md: AttentionMetadata, out: jax.Array, **kw) -> jax.Array:
-    """The short rows' tokens dec_idx [n] (index T = none) through the compiled kernel, their rows'
-    pages read in place, each token over its own causal length."""
-    num_tokens = qg.shape[0]
-    safe = jnp.minimum(dec_idx, num_tokens - 1)
-    rows = jnp.minimum(md.token_rows[safe], md.block_tables.shape[0] - 1)
-    lens = jnp.where(dec_idx < num_tokens, md.positions[safe] + 1, 0)
-    got = cpu_decode.paged_decode(qg[safe].reshape(safe.shape[0], -1, qg.shape[-1]), k_cache, v_cache,
-                                  md.block_tables[rows], lens, **kw)
-    return out.at[dec_idx].set(got.reshape(-1, *qg.shape[1:]))
 
 
 def _scatter(out: jax.Array, idx: jax.Array, tiles: jax.Array) -> jax.Array:
