@@ -104,13 +104,16 @@ SHORT, LONG = (0, 3, 70, 12, 41, 95, 130), (0, 3, 700, 12, 410, 95, 130)
     (4, 1, 32, 64, {}, SHORT),
     (2, 4, 64, 16, {"sinks": 2.0}, SHORT),
     (3, 3, 64, 16, {"sinks": 1.0, "sliding_window": 9}, LONG),
+    (2, 8, 128, 16, {}, SHORT),                            # blocks of 8 prompt rows, heads of 8 vectors
+    (1, 16, 16, 8, {"sliding_window": 20}, SHORT),         # blocks of 4 rows, heads of one vector
 ])
 def test_the_cpu_decode_kernel_matches_the_jnp_loop(kv_heads, group, head_size, page_size, extras, contexts):
     """Decodes of many lengths beside a prompt chunk and padding rows: the kernel's outputs (every
     token's, the prompt chunk's too) equal the jnp loop's and the dense result; padding tokens stay zero. Short rows are
-    read by the calling thread alone, long ones by the pool's threads too."""
-    rows = [(c, 1) for c in contexts] + [(5, 20)]
-    q, kc, vc, md, full = make_batch(np.random.default_rng(7), rows, page_size, kv_heads, group, 40, 10,
+    read by the calling thread alone, long ones by the pool's threads too; the prompt chunk's 70
+    tokens go in blocks of rows (the last block part-filled) where the CPU has AVX-512."""
+    rows = [(c, 1) for c in contexts] + [(5, 70)]
+    q, kc, vc, md, full = make_batch(np.random.default_rng(7), rows, page_size, kv_heads, group, 90, 10,
                                      head_size=head_size)
     scale = head_size ** -0.5
     extras = with_sinks(extras, kv_heads * group, 7)

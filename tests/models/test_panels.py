@@ -32,7 +32,8 @@ def test_a_float32_model_laid_out_as_panels_computes_as_the_row_major_one(tmp_pa
     np.testing.assert_array_equal(laid.embed(ids), rows.embed(ids))
     for ids in PROMPTS[1:3]:
         ours = run_chunks(laid, cfg, ids, [len(ids)])
-        np.testing.assert_allclose(ours, run_chunks(rows, cfg, ids, [len(ids)]), atol=2e-5, rtol=0)
+        # the strips sum in their own order (AVX2's and AVX-512's differ from OpenBLAS's): f32 rounding
+        np.testing.assert_allclose(ours, run_chunks(rows, cfg, ids, [len(ids)]), atol=5e-5, rtol=0)
         np.testing.assert_allclose(ours, oracle_logits(hf_model, ids), atol=1e-4, rtol=0)
         assert (ours.argmax(-1) == oracle_logits(hf_model, ids).argmax(-1)).all()
     assert panel_for_cpu(rows, np.float32, devices=2) == 0 and panel_for_cpu(rows, jnp.bfloat16, devices=1) == 0

@@ -5,6 +5,9 @@
 // online softmax per query head, as jaxengine/kernels/paged_attention/reference.py defines the result.
 // Where the CPU has AVX-512 and a head is a whole number of 16-float vectors (no soft cap), a page's
 // tokens go 16 at a time: a query head's 16 scores as one vector, its softmax update and exp on it.
+// With AVX-512 or AVX2 (a whole number of vectors to a head, no soft cap), a prompt's tokens (at least
+// block::kRunRows rows of one sequence at consecutive positions, recognised by their lens and tables)
+// go in blocks of queries, one query per lane, that read each key and value once (block::Attend).
 // The caches are f32 or float8_e4m3fn, or its bytes as uint8 (an FP8 KV cache, its scales applied outside): an fp8 page is
 // converted to f32 once, into a buffer of the thread's, then read as an f32 one.
 //
@@ -196,10 +199,229 @@ void AttendPage16(const float* q, const float* k, const float* v, int64_t n, int
     }
   }
 }
+
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// A prompt's tokens (a run of rows of one sequence at consecutive positions) in blocks of up to
+// kBlockQueries queries (the block's rows times one KV head's query heads), held transposed, one
+// query per lane, so that each key and value read from a page serves the whole block. A token's
+// scores against the block are whole vectors (no sums across lanes), and the online softmax runs on
+// them. The vectors: AVX-512's 16 floats, or AVX2's 8.
+#define JAXENGINE_BLOCKS 1
+namespace block {
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+using V = __m512;
+inline V Load(const float* p) { return _mm512_loadu_ps(p); }
+inline void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
+inline V Set(float x) { return _mm512_set1_ps(x); }
+inline V Zero() { return _mm512_setzero_ps(); }
+inline V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V Add(V a, V b) { return _mm512_add_ps(a, b); }
+inline V Sub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V Max(V a, V b) { return _mm512_max_ps(a, b); }
+inline V Exp(V x) { return Exp16(x); }
+// x where lo <= pos <= hi, else ``fill``; and x where ``keep`` != -inf, else 0.
+inline V Within(V pos, V lo, V hi, V x, V fill) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, hi, _CMP_LE_OQ) & _mm512_cmp_ps_mask(pos, lo, _CMP_GE_OQ), fill, x);
+}
+inline V WhereFinite(V keep, V x) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(keep, Set(-INFINITY), _CMP_NEQ_OQ), x); }
+constexpr int kTokens = 4;      // tokens per pass of the scores
+constexpr int kMaxVectors = 4;  // query vectors per block
+#else
+constexpr int kW = 8;
+using V = __m256;
+inline V Load(const float* p) { return _mm256_loadu_ps(p); }
+inline void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
+inline V Set(float x) { return _mm256_set1_ps(x); }
+inline V Zero() { return _mm256_setzero_ps(); }
+inline V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V Add(V a, V b) { return _mm256_add_ps(a, b); }
+inline V Sub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V Max(V a, V b) { return _mm256_max_ps(a, b); }
+// exp_nonpositive on 8 lanes: the same reduction and polynomial, 2^k by its exponent bits.
+inline V Exp(V x) {
+  x = _mm256_max_ps(x, Set(-87.0f));
+  const V k = _mm256_round_ps(_mm256_mul_ps(x, Set(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm256_fnmadd_ps(k, Set(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, Set(-2.12194440e-4f), r);
+  V y = Set(1.0f / 720);
+  y = Fma(y, r, Set(1.0f / 120));
+  y = Fma(y, r, Set(1.0f / 24));
+  y = Fma(y, r, Set(1.0f / 6));
+  y = Fma(y, r, Set(0.5f));
+  y = Fma(y, r, Set(1.0f));
+  y = Fma(y, r, Set(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+inline V Within(V pos, V lo, V hi, V x, V fill) {
+  return _mm256_blendv_ps(fill, x, _mm256_and_ps(_mm256_cmp_ps(pos, hi, _CMP_LE_OQ), _mm256_cmp_ps(pos, lo, _CMP_GE_OQ)));
+}
+inline V WhereFinite(V keep, V x) { return _mm256_and_ps(_mm256_cmp_ps(keep, Set(-INFINITY), _CMP_NEQ_OQ), x); }
+constexpr int kTokens = 3;
+constexpr int kMaxVectors = 4;
+#endif
+constexpr int64_t kRunRows = 8;                          // runs of at least this many rows go in blocks
+constexpr int64_t kBlockQueries = kW * kMaxVectors;     // 64 with AVX-512, 32 with AVX2
+constexpr int64_t kMaxHeadVectors = 128 / kW;           // head sizes served: whole vectors, up to 128
+
+// s[t][..] (rows of kW * NQV floats) = the scores of n tokens (k, token_stride apart) against the
+// NQV query vectors of qt ([hs][kW * NQV]), kTokens tokens at a time.
+template <int NQV>
+void Scores(const float* qt, const float* k, int64_t n, int64_t hs, int64_t token_stride, float* s) {
+  constexpr int64_t stride = kW * NQV;
+  int64_t t = 0;
+  for (; t + kTokens <= n; t += kTokens) {
+    V acc[kTokens][NQV];
+    for (int j = 0; j < kTokens; ++j)
+      for (int v = 0; v < NQV; ++v) acc[j][v] = Zero();
+    const float* kt = k + t * token_stride;
+    for (int64_t h = 0; h < hs; ++h)
+      for (int j = 0; j < kTokens; ++j) {
+        const V kb = Set(kt[j * token_stride + h]);
+        for (int v = 0; v < NQV; ++v) acc[j][v] = Fma(Load(qt + h * stride + kW * v), kb, acc[j][v]);
+      }
+    for (int j = 0; j < kTokens; ++j)
+      for (int v = 0; v < NQV; ++v) Store(s + (t + j) * stride + kW * v, acc[j][v]);
+  }
+  for (; t < n; ++t) {
+    V acc[NQV];
+    for (int v = 0; v < NQV; ++v) acc[v] = Zero();
+    const float* kt = k + t * token_stride;
+    for (int64_t h = 0; h < hs; ++h) {
+      const V kb = Set(kt[h]);
+      for (int v = 0; v < NQV; ++v) acc[v] = Fma(Load(qt + h * stride + kW * v), kb, acc[v]);
+    }
+    for (int v = 0; v < NQV; ++v) Store(s + t * stride + kW * v, acc[v]);
+  }
+}
+
+// acc[q] = corr[q] acc[q] + sum_t p[t][q] v[t] for queries [0, queries) (heads of hs floats, acc's
+// rows hs apart, p's p_stride apart): C vectors of a head for QB queries at a time.
+template <int C, int QB>
+void Values(float* acc, const float* p, const float* corr, const float* v, int64_t n, int64_t queries, int64_t hs,
+            int64_t p_stride, int64_t token_stride) {
+  for (int64_t c0 = 0; c0 < hs; c0 += C * kW)
+    for (int64_t q0 = 0; q0 < queries; q0 += QB) {
+      const int64_t qb = std::min<int64_t>(QB, queries - q0);
+      V o[QB][C];
+      for (int64_t i = 0; i < QB; ++i)
+        for (int c = 0; c < C; ++c)
+          o[i][c] = i < qb ? Mul(Load(acc + (q0 + i) * hs + c0 + kW * c), Set(corr[q0 + i])) : Zero();
+      for (int64_t t = 0; t < n; ++t) {
+        V vt[C];
+        for (int c = 0; c < C; ++c) vt[c] = Load(v + t * token_stride + c0 + kW * c);
+        for (int64_t i = 0; i < QB; ++i) {
+          const V w = Set(p[t * p_stride + std::min<int64_t>(q0 + i, queries - 1)]);
+          for (int c = 0; c < C; ++c) o[i][c] = Fma(w, vt[c], o[i][c]);
+        }
+      }
+      for (int64_t i = 0; i < qb; ++i)
+        for (int c = 0; c < C; ++c) Store(acc + (q0 + i) * hs + c0 + kW * c, o[i][c]);
+    }
+}
+
+using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
+using ValuesFn = void (*)(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+inline ScoresFn scores_for(int64_t nqv) {
+  static constexpr ScoresFn fns[] = {Scores<1>, Scores<2>, Scores<3>, Scores<4>};
+  return fns[nqv - 1];
+}
+
+// Vectors of a head at a time, and queries at a time: about 16 sums held (AVX-512's 32
+// registers), or 8 (AVX2's 16).
+inline ValuesFn values_for(int64_t vectors) {
+  constexpr bool wide = kW == 16;
+  if (vectors % 4 == 0) return wide ? Values<4, 4> : Values<4, 2>;
+  if (vectors % 2 == 0) return wide ? Values<2, 6> : Values<2, 4>;
+  return wide ? Values<1, 8> : Values<1, 6>;
+}
+
+struct Item {
+  int64_t row_first, row_last, kv;   // rows [row_first, row_last) of one run, one KV head
+};
+
+// One block: its queries against every key its last row attends to (a page at a time, the
+// causal and sliding-window limits masked per query), with the first row's table.
+void Attend(const Problem& p, const Item& item) {
+  const int64_t kh = p.kv_heads, g_size = p.num_heads / kh, hs = p.head_size, heads = p.num_heads;
+  const int64_t r0 = item.row_first, rows = item.row_last - item.row_first;
+  const int64_t queries = rows * g_size, nqv = (queries + kW - 1) / kW, stride = kW * nqv;
+  const int64_t token_stride = kh * hs, page_stride = p.page_size * token_stride;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<float> qt, s, acc, k_buf, v_buf;
+  qt.assign(hs * stride, 0.0f);
+  s.resize(p.page_size * stride);
+  acc.assign(queries * hs, 0.0f);
+  alignas(64) float m[kBlockQueries], l[kBlockQueries], corr[kBlockQueries], lo[kBlockQueries], hi[kBlockQueries];
+  for (int64_t q = 0; q < stride; ++q) {                  // padding lanes: no key is theirs
+    m[q] = minus_inf;
+    l[q] = lo[q] = 0.0f;
+    hi[q] = -1.0f;
+  }
+  for (int64_t q = 0; q < queries; ++q) {                 // query q: row q / G, head kv G + q % G
+    const int64_t row = r0 + q / g_size, head = item.kv * g_size + q % g_size;
+    const float* qh = p.q + (row * heads + head) * hs;
+    for (int64_t h = 0; h < hs; ++h) qt[h * stride + q] = qh[h];
+    hi[q] = static_cast<float>(p.lens[row] - 1);         // its own position: the last key it sees
+    lo[q] = p.sliding_window > 0 ? static_cast<float>(std::max<int64_t>(0, p.lens[row] - p.sliding_window)) : 0.0f;
+    m[q] = p.sinks[head];                                 // the sink: a first key of value 0
+    l[q] = p.sinks[head] == minus_inf ? 0.0f : 1.0f;
+  }
+  const int64_t len = p.lens[item.row_last - 1], first = static_cast<int64_t>(lo[0]);
+  const int32_t* table = p.tables + r0 * p.width;
+  const ScoresFn scores = scores_for(nqv);
+  const ValuesFn values = values_for(hs / kW);
+  const V fill = Set(minus_inf);
+  for (int64_t page = first / p.page_size; page * p.page_size < len; ++page) {
+    const int64_t t0 = std::max(first, page * p.page_size), t1 = std::min(len, (page + 1) * p.page_size);
+    const int64_t n = t1 - t0, at = table[page] * page_stride + (t0 - page * p.page_size) * token_stride;
+    if (p.fp8) k_buf.resize(page_stride), v_buf.resize(page_stride);
+    const float* k = cache_floats(p, p.k_cache, at, p.fp8 ? n * token_stride : 0, k_buf.data()) + item.kv * hs;
+    const float* v = cache_floats(p, p.v_cache, at, p.fp8 ? n * token_stride : 0, v_buf.data()) + item.kv * hs;
+    scores(qt.data(), k, n, hs, token_stride, s.data());
+    for (int64_t vq = 0; vq < nqv; ++vq) {                 // the online softmax, kW queries at a time
+      float* sv = s.data() + kW * vq;
+      const V lo_v = Load(lo + kW * vq), hi_v = Load(hi + kW * vq), m_old = Load(m + kW * vq);
+      V m_new = m_old;
+      for (int64_t t = 0; t < n; ++t) {
+        const V x = Within(Set(static_cast<float>(t0 + t)), lo_v, hi_v, Load(sv + t * stride), fill);
+        Store(sv + t * stride, x);
+        m_new = Max(m_new, x);
+      }
+      const V c = WhereFinite(m_old, Exp(Sub(m_old, m_new)));
+      const V base = WhereFinite(m_new, m_new);          // lanes that have seen no key yet: 0
+      V sum = Zero();
+      for (int64_t t = 0; t < n; ++t) {
+        const V x = Load(sv + t * stride), e = WhereFinite(x, Exp(Sub(x, base)));
+        Store(sv + t * stride, e);
+        sum = Add(sum, e);
+      }
+      Store(l + kW * vq, Fma(Load(l + kW * vq), c, sum));
+      Store(m + kW * vq, m_new);
+      Store(corr + kW * vq, c);
+    }
+    values(acc.data(), s.data(), corr, v, n, queries, hs, stride, token_stride);
+  }
+  for (int64_t q = 0; q < queries; ++q) {
+    const int64_t row = r0 + q / g_size, head = item.kv * g_size + q % g_size;
+    const float inv = l[q] > 0.0f ? 1.0f / l[q] : 0.0f;
+    float* out = p.out + (row * heads + head) * hs;
+    for (int64_t h = 0; h < hs; ++h) out[h] = acc[q * hs + h] * inv;
+  }
+}
+}  // namespace block
 #endif
 
 struct Item {
   int64_t row, kv_first, kv_last;   // KV heads [kv_first, kv_last) of one row
+  int64_t row_last = -1;            // > row: rows [row, row_last) of one run as a block (one KV head)
+  int64_t cost = 0;                 // queries times keys, for the order
 };
 
 // One item: its KV heads' G query heads each against every key the row attends to, a page at a
@@ -302,26 +524,59 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const Problem problem{q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), tables.typed_data(),
                         lens.typed_data(), sinks.typed_data(), out->typed_data(), num_heads, kv_heads, head_size, kd[1],
                         td[1], sliding_window, soft_cap, fp8};
-  std::vector<int64_t> order(rows);
-  std::iota(order.begin(), order.end(), 0);
   const int32_t* len = lens.typed_data();
-  std::stable_sort(order.begin(), order.end(), [len](int64_t a, int64_t b) { return len[a] > len[b]; });
+  const int32_t* table = tables.typed_data();
+  const int64_t page_size = kd[1], width = td[1], g_size = num_heads / kv_heads;
+  // Runs: rows of one sequence at consecutive positions (a prompt's tokens), their tables alike
+  // as far as the later row reads.
+  auto continues = [&](int64_t r) {
+    const int64_t pages = std::min<int64_t>(width, (len[r] + page_size - 1) / page_size);
+    return len[r - 1] > 0 && len[r] == len[r - 1] + 1 &&
+           std::equal(table + (r - 1) * width, table + (r - 1) * width + pages, table + r * width);
+  };
+  bool blocks = false;
+  int64_t block_rows = 0;
+#ifdef JAXENGINE_BLOCKS
+  blocks = head_size % block::kW == 0 && head_size / block::kW <= block::kMaxHeadVectors && soft_cap == 0.0f &&
+           g_size <= block::kBlockQueries;
+  block_rows = std::max<int64_t>(1, block::kBlockQueries / g_size);
+  constexpr int64_t kRunRows = block::kRunRows;
+#else
+  constexpr int64_t kRunRows = 1;
+#endif
   // Few rows: one item per KV head, so that a single long row still keeps every core busy.
   const int64_t live = std::count_if(len, len + rows, [](int32_t n) { return n > 0; });
   const bool split = live < 2 * std::max<int64_t>(pool.num_threads(), 1);
-  std::vector<Item> items;        // longest rows first
-  for (int64_t r : order)
-    for (int64_t h = 0; h < kv_heads; h += split ? 1 : kv_heads)
-      items.push_back(Item{r, h, split ? h + 1 : kv_heads});
+  std::vector<Item> items;
+  for (int64_t r = 0, end; r < rows; r = end) {
+    for (end = r + 1; blocks && end < rows && continues(end);) ++end;
+    if (blocks && end - r >= kRunRows) {
+      for (int64_t b = r; b < end; b += block_rows) {
+        const int64_t b_end = std::min(end, b + block_rows);
+        for (int64_t h = 0; h < kv_heads; ++h)
+          items.push_back(Item{b, h, h + 1, b_end, (b_end - b) * g_size * len[b_end - 1]});
+      }
+      continue;
+    }
+    for (int64_t i = r; i < end; ++i)
+      for (int64_t h = 0; h < kv_heads; h += split ? 1 : kv_heads)
+        items.push_back(Item{i, h, split ? h + 1 : kv_heads, -1, (split ? g_size : num_heads) * std::max(len[i], 0)});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  auto run = [&](const Item& item) {
+#ifdef JAXENGINE_BLOCKS
+    if (item.row_last > item.row) return block::Attend(problem, block::Item{item.row, item.row_last, item.kv_first});
+#endif
+    attend(problem, item);
+  };
   // Little to read (a decode of one short row): on the calling thread, as waking a pool thread
   // costs about what the work does.
   const int64_t keys = std::accumulate(len, len + rows, int64_t{0}, [](int64_t a, int32_t n) { return a + std::max(n, 0); });
   if (keys * kv_heads * head_size * 2 * (fp8 ? 1 : 4) < kSoloBytes) {
-    for (const Item& item : items) attend(problem, item);
+    for (const Item& item : items) run(item);
     return ffi::Error::Success();
   }
-  jaxengine::ParallelFor(pool, static_cast<int64_t>(items.size()),
-                         [&](int64_t i) { attend(problem, items[i]); });
+  jaxengine::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) { run(items[i]); });
   return ffi::Error::Success();
 }
 
