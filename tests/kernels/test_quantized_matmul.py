@@ -197,7 +197,7 @@ def test_the_cpu_kernel_reads_every_fp8_byte_exactly_subnormals_included():
 @needs_compiler
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4-f32"])
 def test_a_decode_rows_bytes_keep_float32s_accuracy_and_its_infs_and_nans(fmt):
-    """Up to 8 rows multiply as bytes on a CPU with AVX-512 VNNI, x written as three int8 terms per
+    """Up to 8 rows multiply as bytes on a CPU with AVX-512 VNNI (tiled weights: AVX2 too), x written as three int8 terms per
     group of 32 (each value within 6.2e-8 of its group's largest |x|): the product is within that
     and float32's rounding of the f64 one however the group's values spread (here over e^16),
     zero and subnormal groups included, and an inf or a NaN in x reaches the output as in float32
@@ -245,7 +245,7 @@ def test_decode_rows_multiplied_from_several_threads_at_once_each_get_their_own_
 @pytest.fixture
 def tiles():
     if not tiles_available():
-        pytest.skip("the tiled layout serves a CPU with AVX-512 VNNI and VBMI only")
+        pytest.skip("the tiled layout serves a CPU with AVX2 or AVX-512 VNNI and VBMI only")
 
 
 @pytest.mark.parametrize("fmt, group, offset", [("int4", 32, True), ("int8", 16, False), ("int4-f32", 16, True),

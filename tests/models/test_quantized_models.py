@@ -75,7 +75,7 @@ def test_projections_laid_out_as_tiles_compute_as_the_row_major_ones(llama, sche
     summed in another order) give the row-major model's logits within float32's rounding, and the
     same greedy tokens. Not laid out on a mesh or for a bfloat16 model."""
     if not tiles_available():
-        pytest.skip("the tiled layout serves a CPU with AVX-512 VNNI and VBMI only")
+        pytest.skip("the tiled layout serves a CPU with AVX2 or AVX-512 VNNI and VBMI only")
     folder, hf_model = llama
     tiled, cfg = load_model(folder, quantization=scheme)
     monkeypatch.setattr("jaxengine.models.weights.tile_for_cpu", lambda *a: 0)

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -43,6 +44,9 @@
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define JAXENGINE_VNNI 1
+#endif
+#if defined(JAXENGINE_VNNI) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define JAXENGINE_TILES 1        // tiled weights multiplied as bytes: VPDPBUSD, or AVX2's VPMADDUBSW
 #endif
 
 #include "cpu_gemm.h"
@@ -217,13 +221,10 @@ void FusedColumnsOf(const float* x, const Weights<S>& w, const float* sums, floa
   for (; c < last; ++c) FusedColumn<V, S>(x, w, sums, out, M, c);
 }
 
-#ifdef JAXENGINE_VNNI
-// ---------------------------------------------------------------- AVX-512 VNNI: bytes times bytes
+#ifdef JAXENGINE_TILES
+// ---------------------------------------------------------------- bytes times bytes
 constexpr int kTerms = 3;                // int8 terms per activation: a + b / 254 + c / 254^2
 constexpr float kTermScale = 1.0f / 254.0f;
-constexpr int64_t kPrefetchRows = 16;   // q rows read ahead of the loop
-constexpr int64_t kWideColumns = 4096;  // from this many columns, the same rows' next columns instead
-constexpr int64_t kPrefetchColumns = 512;
 
 // Rows of q consumed per step (4), and the k values they hold: 8 for int4, 4 for int8.
 template <int V>
@@ -250,10 +251,13 @@ struct Activations {
     qsum.assign(m * kTerms * groups, 0);
     thread_local std::vector<int8_t> terms;
     terms.resize(kTerms * k);
+#ifdef JAXENGINE_VNNI
     const __m512 lowest = _mm512_set1_ps(-127.0f), highest = _mm512_set1_ps(127.0f), next = _mm512_set1_ps(254.0f);
+#endif
     for (int64_t r = 0; r < m; ++r) {
       const float* row = x + r * k;
       for (int64_t g = 0; g < groups; ++g) {
+#ifdef JAXENGINE_VNNI
         const int64_t begin = g * group, end = begin + group, vectors = begin + group / 16 * 16;
         __m512 top16 = _mm512_setzero_ps();
         __mmask16 not_finite = 0;
@@ -286,6 +290,48 @@ struct Activations {
           }
         }
         for (int t = 0; t < kTerms; ++t) sums[t * groups] += _mm512_reduce_add_epi32(term_sums[t]);
+#else
+        const int64_t begin = g * group, end = begin + group, vectors = begin + group / 8 * 8;
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 top8 = _mm256_setzero_ps(), not_finite = _mm256_setzero_ps();
+        for (int64_t i = begin; i < vectors; i += 8) {
+          const __m256 v = _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude);
+          not_finite = _mm256_or_ps(not_finite, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
+          top8 = _mm256_max_ps(top8, v);
+        }
+        if (_mm256_movemask_ps(not_finite)) return false;
+        alignas(32) float tops[8];
+        _mm256_store_ps(tops, top8);
+        float top = *std::max_element(tops, tops + 8);
+        for (int64_t i = vectors; i < end; ++i) {
+          if (!std::isfinite(row[i])) return false;
+          top = std::max(top, std::fabs(row[i]));
+        }
+        const float d = top / 127.0f;
+        unit[r * groups + g] = d;
+        const float inv = d > 0.0f && std::isfinite(1.0f / d) ? 1.0f / d : 0.0f;   // subnormal groups: 0
+        int32_t* sums = qsum.data() + r * kTerms * groups + g;
+        const __m256 lowest = _mm256_set1_ps(-127.0f), highest = _mm256_set1_ps(127.0f), next = _mm256_set1_ps(254.0f);
+        __m256i term_sums[kTerms];
+        for (int t = 0; t < kTerms; ++t) term_sums[t] = _mm256_setzero_si256();
+        for (int64_t i = begin; i < vectors; i += 8) {
+          __m256 rest = _mm256_mul_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(inv));
+          for (int t = 0; t < kTerms; ++t) {
+            const __m256 q = _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(rest, lowest), highest),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i qi = _mm256_cvtps_epi32(q);
+            const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(terms.data() + t * k + i), _mm_packs_epi16(words, words));
+            term_sums[t] = _mm256_add_epi32(term_sums[t], qi);
+            rest = _mm256_mul_ps(_mm256_sub_ps(rest, q), next);
+          }
+        }
+        for (int t = 0; t < kTerms; ++t) {
+          alignas(32) int32_t lanes[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), term_sums[t]);
+          sums[t * groups] += std::accumulate(lanes, lanes + 8, 0);
+        }
+#endif
         for (int64_t i = vectors; i < end; ++i) {
           float rest = row[i] * inv;
           for (int t = 0; t < kTerms; ++t) {
@@ -317,6 +363,13 @@ struct Activations {
     return true;
   }
 };
+
+#endif  // JAXENGINE_TILES
+
+#ifdef JAXENGINE_VNNI
+constexpr int64_t kPrefetchRows = 16;   // q rows read ahead of the loop
+constexpr int64_t kWideColumns = 4096;  // from this many columns, the same rows' next columns instead
+constexpr int64_t kPrefetchColumns = 512;
 
 // 16 scales or offsets of a group as floats.
 inline __m512 Scales16(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -449,31 +502,39 @@ inline float GroupSum(const float* x, int64_t n) {
   return s;
 }
 
+// Whether a few rows' product with a row-major weight multiplies bytes (VNNI's VPERMB turns its rows
+// into words as it goes); tiled weights are multiplied as bytes wherever JAXENGINE_TILES is.
+#ifdef JAXENGINE_VNNI
+constexpr bool kRowMajorBytes = true;
+#else
+constexpr bool kRowMajorBytes = false;
+#endif
+
 // What a few rows' product needs of x besides x, computed once per call: x summed over each group
-// (the offsets' factor) and, where the CPU multiplies bytes, x's int8 terms.
+// (the offsets' factor) and, where the product multiplies bytes (``as_bytes``), x's int8 terms.
 template <int V>
 struct FewRows {
   std::vector<float> sums;
-#ifdef JAXENGINE_VNNI
+#ifdef JAXENGINE_TILES
   Activations<V> bytes;
   bool has_bytes = false;
 #endif
 
   bool AsBytes() const {
-#ifdef JAXENGINE_VNNI
+#ifdef JAXENGINE_TILES
     return has_bytes;
 #else
     return false;
 #endif
   }
 
-  void Fill(const float* x, int64_t m, int64_t k, int64_t group) {
+  void Fill(const float* x, int64_t m, int64_t k, int64_t group, bool as_bytes = kRowMajorBytes) {
     const int64_t groups = k / group;
     sums.resize(m * groups);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < groups; ++g) sums[r * groups + g] = GroupSum(x + r * k + g * group, group);
-#ifdef JAXENGINE_VNNI
-    has_bytes = V != kFp8 && group % kStepK<V> == 0 && bytes.Fill(x, m, k, group);
+#ifdef JAXENGINE_TILES
+    has_bytes = as_bytes && V != kFp8 && group % kStepK<V> == 0 && bytes.Fill(x, m, k, group);
 #endif
   }
 };
@@ -595,6 +656,9 @@ void BytesProducts(jaxengine::HotPool& hot, int64_t pool_threads, int64_t m, con
   }
 }
 
+#endif  // JAXENGINE_VNNI
+
+#ifdef JAXENGINE_TILES
 // ---------------------------------------------------------------- tiles: the decode layout
 // A weight laid out for the products above, one block after the other in the order they are
 // read: for each tile of 16 columns and each group of rows (``[N / 16][K / G][block]`` bytes per
@@ -613,6 +677,7 @@ struct Tiles {
 
 constexpr int64_t kTilePrefetch = 2560;  // bytes read ahead of a tile's stream (measured: 1280-5120 alike)
 
+#ifdef JAXENGINE_VNNI
 // Rows [0, M) x tiles [t_first, t_last) of x @ w, written whole.
 template <int V, int M, typename S>
 void TiledColumnsOf(const Activations<V>& a, const Tiles<S>& w, const float* sums, float* out, int64_t t_first,
@@ -641,6 +706,80 @@ void TiledColumnsOf(const Activations<V>& a, const Tiles<S>& w, const float* sum
   }
 }
 
+#else
+// AVX2 (no VPDPBUSD): a tile's word as two halves of 8 columns; VPMADDUBSW multiplies a half's
+// unsigned bytes by 4 of x's signed ones into pairs of 16-bit sums and VPMADDWD adds the pairs into
+// the columns' 32-bit sums. No pair overflows 16 bits: int4 values are 0..15 (the low and high
+// nibbles' pairs added: at most 2 x 2 x 15 x 127), and int8 values go in as |q| with x taking q's
+// sign (at most 2 x 128 x 127).
+inline __m256 Scales8(const _Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 Scales8(const float* p) { return _mm256_loadu_ps(p); }
+
+// acc[r * kTerms + u] += a half word (8 columns' 4 bytes) times row r's term u of x at ``step``.
+template <int V, int M>
+inline void MultiplyHalf(const Activations<V>& a, __m256i bytes, int64_t step, __m256i* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (V == kInt4) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i low = _mm256_and_si256(bytes, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    for (int r = 0; r < M; ++r)
+      for (int u = 0; u < kTerms; ++u) {
+        const int32_t* xw = a.words.data() + ((r * kTerms + u) * a.steps + step) * 2;
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(xw[0])),
+                                               _mm256_maddubs_epi16(high, _mm256_set1_epi32(xw[1])));
+        acc[r * kTerms + u] = _mm256_add_epi32(acc[r * kTerms + u], _mm256_madd_epi16(pairs, ones));
+      }
+  } else {
+    const __m256i magnitude = _mm256_sign_epi8(bytes, bytes);                  // |q|, -128 as 128
+    for (int r = 0; r < M; ++r)
+      for (int u = 0; u < kTerms; ++u) {
+        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(a.words[(r * kTerms + u) * a.steps + step]), bytes);
+        acc[r * kTerms + u] = _mm256_add_epi32(acc[r * kTerms + u], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+      }
+  }
+}
+
+// Row r's int32 sums of group g (its terms at acc[u]) as x's part of the group's product.
+template <int V>
+inline __m256 GroupProduct8(const Activations<V>& a, const __m256i* acc, int r, int64_t g) {
+  __m256 v = _mm256_setzero_ps();
+  for (int u = kTerms - 1; u >= 0; --u) v = _mm256_fmadd_ps(v, _mm256_set1_ps(kTermScale), _mm256_cvtepi32_ps(acc[u]));
+  return _mm256_mul_ps(v, _mm256_set1_ps(a.unit[r * a.groups + g]));
+}
+
+// Rows [0, M) x tiles [t_first, t_last) of x @ w, written whole: each group's words a half at a time.
+template <int V, int M, typename S>
+void TiledColumnsOf(const Activations<V>& a, const Tiles<S>& w, const float* sums, float* out, int64_t t_first,
+                    int64_t t_last) {
+  const int64_t groups = a.groups, steps_per_group = w.group / kStepK<V>;
+  for (int64_t t = t_first; t < t_last; ++t) {
+    const uint8_t* b = w.p + t * groups * w.block;
+    __m256 res[M][2];
+    for (int r = 0; r < M; ++r) res[r][0] = res[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, b += w.block) {
+      const S* sc = reinterpret_cast<const S*>(b + steps_per_group * 64);
+      for (int h = 0; h < 2; ++h) {
+        __m256i acc[M * kTerms];
+        for (int i = 0; i < M * kTerms; ++i) acc[i] = _mm256_setzero_si256();
+        for (int64_t s = 0; s < steps_per_group; ++s) {
+          if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(b + kTilePrefetch + 64 * s), _MM_HINT_T0);
+          MultiplyHalf<V, M>(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h)),
+                             g * steps_per_group + s, acc);
+        }
+        const __m256 scale = Scales8(sc + 8 * h), offset = w.offset ? Scales8(sc + 16 + 8 * h) : _mm256_setzero_ps();
+        for (int r = 0; r < M; ++r) {
+          res[r][h] = _mm256_fmadd_ps(scale, GroupProduct8<V>(a, acc + r * kTerms, r, g), res[r][h]);
+          if (w.offset) res[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sums[r * groups + g]), res[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * w.n + 16 * t + 8 * h, res[r][h]);
+  }
+}
+#endif
+
 template <int V, typename S>
 using TiledFn = void (*)(const Activations<V>&, const Tiles<S>&, const float*, float*, int64_t, int64_t);
 
@@ -652,6 +791,7 @@ TiledFn<V, S> TiledColumnsFor(int64_t m) {
   return kByRows[m - 1];
 }
 
+#ifdef JAXENGINE_VNNI
 // Columns [first, last) (multiples of 16) of a tiled w as f32 [K, last - first]: each word turned
 // back into 4 rows of 16 bytes by one VPERMB.
 template <int V, typename S>
@@ -687,6 +827,49 @@ void DequantizeTiles(const Tiles<S>& w, float* buf, int64_t first, int64_t last)
     }
 }
 
+#else
+// Columns [first, last) (multiples of 16) of a tiled w as f32 [K, last - first]: each word turned
+// back into 4 rows of 16 bytes (a shuffle within each 4 columns, then a 4 x 4 transpose of their
+// 32-bit parts).
+template <int V, typename S>
+void DequantizeTiles(const Tiles<S>& w, float* buf, int64_t first, int64_t last) {
+  const int64_t cols = last - first, groups = w.k / w.group, steps_per_group = w.group / kStepK<V>;
+  const __m128i by_row = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int64_t t = first / 16; t < last / 16; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* b = w.p + (t * groups + g) * w.block;
+      const S* sc = reinterpret_cast<const S*>(b + steps_per_group * 64);
+      const __m256 scale[2] = {Scales8(sc), Scales8(sc + 8)};
+      const __m256 offset[2] = {w.offset ? Scales8(sc + 16) : _mm256_setzero_ps(),
+                                w.offset ? Scales8(sc + 24) : _mm256_setzero_ps()};
+      for (int64_t s = 0; s < steps_per_group; ++s) {
+        __m128i y[4];                    // y[c]'s 32-bit part i: row i at columns 4c .. 4c + 3
+        for (int c = 0; c < 4; ++c)
+          y[c] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * s + 16 * c)), by_row);
+        const __m128i t0 = _mm_unpacklo_epi32(y[0], y[1]), t1 = _mm_unpackhi_epi32(y[0], y[1]);
+        const __m128i t2 = _mm_unpacklo_epi32(y[2], y[3]), t3 = _mm_unpackhi_epi32(y[2], y[3]);
+        const __m128i rows[4] = {_mm_unpacklo_epi64(t0, t2), _mm_unpackhi_epi64(t0, t2), _mm_unpacklo_epi64(t1, t3),
+                                 _mm_unpackhi_epi64(t1, t3)};
+        for (int i = 0; i < 4; ++i) {
+          const int64_t kk = (4 * (g * steps_per_group + s) + i) * kPack<V>;       // the row of w
+          float* o = buf + kk * cols + (16 * t - first);
+          for (int h = 0; h < 2; ++h) {
+            const __m128i eight = h == 0 ? rows[i] : _mm_unpackhi_epi64(rows[i], rows[i]);   // its columns 8h ..
+            if constexpr (V == kInt4) {
+              const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(eight, _mm_set1_epi8(15))));
+              const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(eight, 4), _mm_set1_epi8(15))));
+              _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(scale[h], low, offset[h]));
+              _mm256_storeu_ps(o + cols + 8 * h, _mm256_fmadd_ps(scale[h], high, offset[h]));
+            } else {
+              _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(scale[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), offset[h]));
+            }
+          }
+        }
+      }
+    }
+}
+#endif
+
 // outs[j] = x @ ws[j] for m rows, every ws[j] tiled with the same k and group. A few rows whose
 // bytes ``rows`` holds: each product's tiles in ``threads`` runs, one job for the calling thread
 // and HotPool's helpers. Otherwise (more rows, or an inf or a NaN in x): each product's column
@@ -698,7 +881,7 @@ void TiledProducts(ffi::ThreadPool& pool, const float* xp, int64_t m, const Tile
   jaxengine::HotPool& hot = jaxengine::HotPool::Get(static_cast<int>(pool_threads) - 1);
   if (m <= kFusedRows) {
     thread_local FewRows<V> own;
-    own.Fill(xp, m, ws[0].k, ws[0].group);
+    own.Fill(xp, m, ws[0].k, ws[0].group, true);
     if (own.AsBytes()) {
       const FewRows<V>* rows = &own;                    // (a lambda names a thread_local of its own thread: pass it)
       int64_t bytes = 0;
@@ -893,7 +1076,7 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
 template <int V, typename S>
 ffi::Error TiledMatmulsOf(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int64_t index, bool offset, int64_t group,
                           ffi::RemainingArgs& args, ffi::RemainingRets& rets) {
-#ifdef JAXENGINE_VNNI
+#ifdef JAXENGINE_TILES
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], count = static_cast<int64_t>(rets.size());
   if (group <= 0 || k % group != 0 || group % kStepK<V> != 0)
     return ffi::Error::InvalidArgument("cpu tiled matmuls: the group must divide K and be a multiple of the step");
@@ -914,7 +1097,7 @@ ffi::Error TiledMatmulsOf(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int64_
   if (m > 0) TiledProducts<V, S>(pool, x.typed_data(), m, ws.data(), ops.data(), count);
   return ffi::Error::Success();
 #else
-  return ffi::Error::InvalidArgument("cpu tiled matmuls: this CPU lacks AVX-512 VNNI / VBMI (tiles are not made for it)");
+  return ffi::Error::InvalidArgument("cpu tiled matmuls: this CPU lacks AVX2 (tiles are not made for it)");
 #endif
 }
 
@@ -1001,7 +1184,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxengineCpuTiledMatmuls, TiledMatmulsImpl,
 // do not divide.
 extern "C" int JaxengineCpuTile(const uint8_t* q, const uint8_t* scale, const uint8_t* offset, int64_t layers,
                                 int64_t rows, int64_t n, int64_t groups, int64_t scale_bytes, uint8_t* out) {
-#ifdef JAXENGINE_VNNI
+#ifdef JAXENGINE_TILES
   if (n % 16 != 0 || groups <= 0 || rows % (4 * groups) != 0) return -1;
   const int64_t steps_per_group = rows / 4 / groups, sb = 16 * scale_bytes;
   const int64_t block = steps_per_group * 64 + sb * (offset ? 2 : 1);
@@ -1010,8 +1193,14 @@ extern "C" int JaxengineCpuTile(const uint8_t* q, const uint8_t* scale, const ui
     for (int64_t t = 0; t < n / 16; ++t)
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* b = out + ((l * (n / 16) + t) * groups + g) * block;
-        for (int64_t s = 0; s < steps_per_group; ++s)
+        for (int64_t s = 0; s < steps_per_group; ++s) {
+#ifdef JAXENGINE_VNNI
           _mm512_storeu_si512(b + 64 * s, ColumnWords(ql, n, 4 * (g * steps_per_group + s), 16 * t));
+#else
+          for (int64_t j = 0; j < 16; ++j)      // byte 4 j + i: row i's byte of column j
+            for (int64_t i = 0; i < 4; ++i) b[64 * s + 4 * j + i] = ql[(4 * (g * steps_per_group + s) + i) * n + 16 * t + j];
+#endif
+        }
         const int64_t at = ((l * groups + g) * n + 16 * t) * scale_bytes;
         std::memcpy(b + steps_per_group * 64, scale + at, sb);
         if (offset) std::memcpy(b + steps_per_group * 64 + sb, offset + at, sb);
@@ -1023,9 +1212,10 @@ extern "C" int JaxengineCpuTile(const uint8_t* q, const uint8_t* scale, const ui
 #endif
 }
 
-// 1 where this build multiplies bytes (AVX-512 VNNI and VBMI): the tiled layout serves only there.
+// 1 where this build multiplies tiled weights as bytes (AVX-512 VNNI and VBMI, or AVX2): the tiled
+// layout serves only there.
 extern "C" int JaxengineCpuTiles() {
-#ifdef JAXENGINE_VNNI
+#ifdef JAXENGINE_TILES
   return 1;
 #else
   return 0;

@@ -18,7 +18,7 @@ format; the bytes read per step are the quantized ones), elsewhere, and on a mes
 dequantised then multiplied (``xla_quantized_dense``). A mixture of experts' stacked experts
 ([E, K, N] per layer) go the same two ways through ``grouped_quantized_dense``: the CPU kernel reads
 only the experts some row chose; XLA dequantises the layer's experts and runs ``ragged_dot``.
-On a CPU whose kernel multiplies bytes (AVX-512 VNNI and VBMI), a loaded model's int8 / int4
+On a CPU whose kernel multiplies bytes (AVX-512 VNNI and VBMI, or AVX2), a loaded model's int8 / int4
 projections are laid out once as ``TiledWeight`` (``tile``): the blocks in the order the decode
 product reads them, each group's scales beside its values, so a thread's share of a product is one
 stream (``cpu_quantized_matmul.cc``, "tiles"). ``untile`` gives the ``QuantizedWeight`` back.
@@ -368,7 +368,7 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def tiles_available() -> bool:
     """Whether the CPU kernel multiplies tiled weights here (it is built for a CPU with AVX-512
-    VNNI and VBMI): the loader lays weights out as tiles only then."""
+    VNNI and VBMI, or with AVX2): the loader lays weights out as tiles only then."""
     if not available():
         return False
     return bool(_library().JaxengineCpuTiles()) and register_kernel(SOURCE, TILED_SYMBOL, TILED_TARGET,
