@@ -20,7 +20,10 @@
 // decode step's products of 5-40 us each. An LM head's rows (tens of thousands of columns) are
 // fetched ahead along the columns rather than down the rows. A loaded model's weights are laid out
 // once as tiles for these products (``JaxengineCpuTiledMatmuls``, "tiles" below): each thread's
-// share one stream, each group's scales beside its values.
+// share one stream, each group's scales beside its values. With AVX2 and no VNNI, tiled weights are
+// multiplied as bytes too: VPMADDUBSW and VPMADDWD do VPDPBUSD's work on a word's two halves of 8
+// columns (row-major weights take the float loop there: without VPERMB, turning rows into words as
+// the product goes costs more than it saves).
 // Several weights against the same x (a layer's q, k and v projections; its gate and up) can be one
 // call (``...Matmuls``: q, scale and offset per weight, one result each): x's terms are written once
 // and every product's chunks go to the threads as one job.

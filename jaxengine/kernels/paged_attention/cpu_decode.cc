@@ -3,9 +3,9 @@
 // Work items are rows (or, for a few rows, their KV heads), longest first, shared over XLA's
 // intra-op thread pool (cpu_pool.h). f32 throughout; a page at a time, an
 // online softmax per query head, as jaxengine/kernels/paged_attention/reference.py defines the result.
-// Where the CPU has AVX-512 and a head is a whole number of 16-float vectors (no soft cap), a page's
-// tokens go 16 at a time: a query head's 16 scores as one vector, its softmax update and exp on it.
-// With AVX-512 or AVX2 (a whole number of vectors to a head, no soft cap), a prompt's tokens (at least
+// Where the CPU has AVX-512 or AVX2 and a head is a whole number of vectors (16 floats, or 8; no soft
+// cap), a page's tokens go a vector at a time: a query head's scores as one vector, its softmax
+// update and exp on it (block::AttendPage). There too, a prompt's tokens (at least
 // block::kRunRows rows of one sequence at consecutive positions, recognised by their lens and tables)
 // go in blocks of queries, one query per lane, that read each key and value once (block::Attend).
 // The caches are f32 or float8_e4m3fn, or its bytes as uint8 (an FP8 KV cache, its scales applied outside): an fp8 page is
@@ -22,7 +22,7 @@
 #include <numeric>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -106,9 +106,6 @@ inline void prefetch_page(const char* k, const char* v, int64_t bytes) {
 }
 
 #ifdef __AVX512F__
-// Where the CPU has AVX-512 and a head is a whole number of 16-float vectors (no soft cap): a page's
-// tokens 16 at a time, each query head's 16 scores as one vector (the 16 dot products' lanes summed
-// together by a transpose), the softmax update and exp on that vector, then the values.
 
 // exp_nonpositive on 16 lanes (the same reduction and polynomial; 2^k applied by scalef).
 inline __m512 Exp16(__m512 x) {
@@ -145,64 +142,10 @@ inline __m512 LaneSums16(const __m512* v) {
                        _mm512_shuffle_f32x4(c01, c23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// acc[0..16 C) = correction acc + sum_t w[t] v[t][0..16 C) over count tokens, token_stride apart:
-// the C vectors' sums interleaved token by token (one chain of multiply-adds per vector would
-// wait on its own latency at every token).
-template <int C>
-inline void AccumulateValues(float* acc, const float* v, const float* w, int64_t count, int64_t token_stride,
-                             float correction) {
-  __m512 o[C];
-  for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), _mm512_set1_ps(correction));
-  for (int64_t t = 0; t < count; ++t) {
-    const __m512 wt = _mm512_set1_ps(w[t]);
-    for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(v + t * token_stride + 16 * c), o[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
-}
-
-// n tokens of a page (k and v at its first, token_stride apart) for query heads [head_first,
-// head_last): the scores, the running maxima m and sums l, and the unnormalised outputs in out.
-// VECTORS: hs / 16 known when compiled (0: read from hs), so that a token's dot product is
-// unrolled and the 16 tokens' products stay in registers.
-template <int VECTORS>
-void AttendPage16(const float* q, const float* k, const float* v, int64_t n, int64_t head_first, int64_t head_last,
-                  int64_t g_size, int64_t hs, int64_t token_stride, float* m, float* l, float* out) {
-  const int64_t vectors = VECTORS > 0 ? VECTORS : hs / 16;
-  const float minus_inf = -std::numeric_limits<float>::infinity();
-  alignas(64) float w[16];
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int64_t count = std::min<int64_t>(16, n - t0);
-    const __mmask16 live = static_cast<__mmask16>(count == 16 ? 0xFFFF : (1u << count) - 1);
-    for (int64_t head = head_first; head < head_last; ++head) {
-      const float* qh = q + head * hs;
-      const float* kh = k + t0 * token_stride + (head / g_size) * hs;
-      __m512 dots[16];
-#pragma GCC unroll 16
-      for (int64_t t = 0; t < 16; ++t) {            // tokens past count read the last one's (masked below)
-        const float* kt = kh + std::min<int64_t>(t, count - 1) * token_stride;
-        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kt));
-        for (int64_t c = 1; c < vectors; ++c) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), _mm512_loadu_ps(kt + 16 * c), d);
-        dots[t] = d;
-      }
-      const __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(minus_inf), LaneSums16(dots));
-      const float m_new = std::max(m[head], _mm512_reduce_max_ps(scores));
-      const float correction = m[head] == minus_inf ? 0.0f : exp_nonpositive(m[head] - m_new);
-      const __m512 e = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
-      l[head] = l[head] * correction + _mm512_reduce_add_ps(e);
-      m[head] = m_new;
-      _mm512_store_ps(w, e);
-      float* acc = out + head * hs;
-      const float* vh = v + t0 * token_stride + (head / g_size) * hs;
-      int64_t c = 0;
-      for (; c + 4 <= vectors; c += 4) AccumulateValues<4>(acc + 16 * c, vh + 16 * c, w, count, token_stride, correction);
-      for (; c < vectors; ++c) AccumulateValues<1>(acc + 16 * c, vh + 16 * c, w, count, token_stride, correction);
-    }
-  }
-}
-
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The vectors: AVX-512's 16 floats, or AVX2's 8, and what the kernels below do with them.
 // A prompt's tokens (a run of rows of one sequence at consecutive positions) in blocks of up to
 // kBlockQueries queries (the block's rows times one KV head's query heads), held transposed, one
 // query per lane, so that each key and value read from a page serves the whole block. A token's
@@ -228,6 +171,10 @@ inline V Within(V pos, V lo, V hi, V x, V fill) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, hi, _CMP_LE_OQ) & _mm512_cmp_ps_mask(pos, lo, _CMP_GE_OQ), fill, x);
 }
 inline V WhereFinite(V keep, V x) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(keep, Set(-INFINITY), _CMP_NEQ_OQ), x); }
+inline V LaneSums(const V* v) { return LaneSums16(v); }
+inline float HMax(V x) { return _mm512_reduce_max_ps(x); }
+inline float HSum(V x) { return _mm512_reduce_add_ps(x); }
+inline V Lanes() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 constexpr int kTokens = 4;      // tokens per pass of the scores
 constexpr int kMaxVectors = 4;  // query vectors per block
 #else
@@ -262,9 +209,87 @@ inline V Within(V pos, V lo, V hi, V x, V fill) {
   return _mm256_blendv_ps(fill, x, _mm256_and_ps(_mm256_cmp_ps(pos, hi, _CMP_LE_OQ), _mm256_cmp_ps(pos, lo, _CMP_GE_OQ)));
 }
 inline V WhereFinite(V keep, V x) { return _mm256_and_ps(_mm256_cmp_ps(keep, Set(-INFINITY), _CMP_NEQ_OQ), x); }
+// Lane i of the result: the sum of v[i]'s 8 lanes (pairs added within 128-bit halves, twice, then
+// the halves).
+inline V LaneSums(const V* v) {
+  const V u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const V u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline float HMax(V x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float HSum(V x) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+inline V Lanes() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
 constexpr int kTokens = 3;
 constexpr int kMaxVectors = 4;
 #endif
+// One row (a decode): a page's tokens kW at a time, each query head's kW scores as one vector (the
+// kW dot products' lanes summed together by a transpose), the softmax update and exp on that
+// vector, then the values.
+
+// acc[0..kW C) = correction acc + sum_t w[t] v[t][0..kW C) over count tokens, token_stride apart:
+// the C vectors' sums interleaved token by token (one chain of multiply-adds per vector would
+// wait on its own latency at every token).
+template <int C>
+inline void AccumulateValues(float* acc, const float* v, const float* w, int64_t count, int64_t token_stride,
+                             float correction) {
+  V o[C];
+  for (int c = 0; c < C; ++c) o[c] = Mul(Load(acc + kW * c), Set(correction));
+  for (int64_t t = 0; t < count; ++t) {
+    const V wt = Set(w[t]);
+    for (int c = 0; c < C; ++c) o[c] = Fma(wt, Load(v + t * token_stride + kW * c), o[c]);
+  }
+  for (int c = 0; c < C; ++c) Store(acc + kW * c, o[c]);
+}
+
+// n tokens of a page (k and v at its first, token_stride apart) for query heads [head_first,
+// head_last): the scores, the running maxima m and sums l, and the unnormalised outputs in out.
+// VECTORS: hs / kW known when compiled (0: read from hs), so that a token's dot product is
+// unrolled and the kW tokens' products stay in registers.
+template <int VECTORS>
+void AttendPage(const float* q, const float* k, const float* v, int64_t n, int64_t head_first, int64_t head_last,
+                int64_t g_size, int64_t hs, int64_t token_stride, float* m, float* l, float* out) {
+  const int64_t vectors = VECTORS > 0 ? VECTORS : hs / kW;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  const V fill = Set(minus_inf), lanes = Lanes();
+  alignas(64) float w[kW];
+  for (int64_t t0 = 0; t0 < n; t0 += kW) {
+    const int64_t count = std::min<int64_t>(kW, n - t0);
+    const V last = Set(static_cast<float>(count - 1));
+    for (int64_t head = head_first; head < head_last; ++head) {
+      const float* qh = q + head * hs;
+      const float* kh = k + t0 * token_stride + (head / g_size) * hs;
+      V dots[kW];
+#pragma GCC unroll 16
+      for (int64_t t = 0; t < kW; ++t) {            // tokens past count read the last one's (masked below)
+        const float* kt = kh + std::min<int64_t>(t, count - 1) * token_stride;
+        V d = Mul(Load(qh), Load(kt));
+        for (int64_t c = 1; c < vectors; ++c) d = Fma(Load(qh + kW * c), Load(kt + kW * c), d);
+        dots[t] = d;
+      }
+      const V scores = Within(lanes, Zero(), last, LaneSums(dots), fill);
+      const float m_new = std::max(m[head], HMax(scores));
+      const float correction = m[head] == minus_inf ? 0.0f : exp_nonpositive(m[head] - m_new);
+      const V e = WhereFinite(scores, Exp(Sub(scores, Set(m_new))));
+      l[head] = l[head] * correction + HSum(e);
+      m[head] = m_new;
+      Store(w, e);
+      float* acc = out + head * hs;
+      const float* vh = v + t0 * token_stride + (head / g_size) * hs;
+      int64_t c = 0;
+      for (; c + 4 <= vectors; c += 4) AccumulateValues<4>(acc + kW * c, vh + kW * c, w, count, token_stride, correction);
+      for (; c < vectors; ++c) AccumulateValues<1>(acc + kW * c, vh + kW * c, w, count, token_stride, correction);
+    }
+  }
+}
+
 constexpr int64_t kRunRows = 8;                          // runs of at least this many rows go in blocks
 constexpr int64_t kBlockQueries = kW * kMaxVectors;     // 64 with AVX-512, 32 with AVX2
 constexpr int64_t kMaxHeadVectors = 128 / kW;           // head sizes served: whole vectors, up to 128
@@ -461,14 +486,18 @@ void attend(const Problem& p, const Item& item) {
       prefetch_page(static_cast<const char*>(p.k_cache) + next * page_stride * item,
                     static_cast<const char*>(p.v_cache) + next * page_stride * item, page_stride * item);
     }
-#ifdef __AVX512F__
-    if (hs % 16 == 0 && p.soft_cap == 0.0f) {
-      if (hs == 64)
-        AttendPage16<4>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
-      else if (hs == 128)
-        AttendPage16<8>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
+#ifdef JAXENGINE_BLOCKS
+    if (hs % block::kW == 0 && p.soft_cap == 0.0f) {
+      using block::AttendPage;
+      constexpr int w = block::kW;
+      if (hs == 4 * w)
+        AttendPage<4>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
+      else if (hs == 8 * w)
+        AttendPage<8>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
+      else if (hs == 16 * w)
+        AttendPage<16>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
       else
-        AttendPage16<0>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
+        AttendPage<0>(q, k, v, n, head_first, head_last, g_size, hs, token_stride, m, l, out);
       continue;
     }
 #endif

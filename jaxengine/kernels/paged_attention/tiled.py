@@ -1,9 +1,9 @@
 """Paged attention in plain jnp, organised for speed on the CPU (the engine's CPU path).
 
 The reference reads every context page once per query token. Where ``cpu_decode``'s compiled
-kernel serves the layer, every token goes through it, compacted, each attending to its own causal
-length with its row's pages read in place (a prompt's later tokens find them in the core's cache:
-about 2x faster than the query tiles below for a 512-token prompt, BENCHMARKS.md). Otherwise the
+kernel serves the layer, every token goes through it, each attending to its own causal length
+with its row's pages read in place (a prompt's tokens in blocks of queries that read each key
+once, ``cpu_decode.cc``; BENCHMARKS.md). Otherwise the
 tokens of short rows (a decode, a decode with its speculative draft tokens: at most ``SHORT_ROW``
 queries) go one by one through the jnp loop below, and longer (prefill) rows are cut into query
 tiles of ``q_tile`` tokens that read each page once per tile. Whichever part a step does
