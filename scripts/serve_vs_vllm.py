@@ -1,10 +1,14 @@
-"""Both servers, one after the other, under vLLM's own load generator (``vllm bench serve``):
-jaxengine's ``python -m jaxengine.serve`` with no flags but ``--max-model-len`` and the port,
-and ``vllm serve`` on the same model (a Hugging Face folder) with the same limits, each alone
-with the client, at each ``--concurrency``. Prints and writes one JSON of the figures.
+"""The servers, one after the other, under vLLM's own load generator (``vllm bench serve``):
+jaxengine's ``python -m jaxengine.serve`` with no flags but ``--max-model-len`` and the port (the
+default model's int4 GGUF), the same with ``--quantization none`` (float32, vLLM's format), ``vllm
+serve`` on the same model (a Hugging Face folder) with the same limits, and, with
+``--llamacpp-bin``, llama.cpp's ``llama-server`` on the same GGUF with continuous batching and one
+slot per concurrent request, each alone with the client, at each ``--concurrency``. Prints and
+writes one JSON of the figures.
 
     python scripts/serve_vs_vllm.py --vllm-python V/bin/python --vllm-model HF_FOLDER \\
-        [--concurrency 16,1] [--num-prompts 64] [--result-file bench_results/serve_vs_vllm.json]
+        [--llamacpp-bin DIR] [--concurrency 16,1] [--num-prompts 64] \\
+        [--result-file bench_results/serve_vs_vllm.json]
 
 vLLM needs the venv described in BENCHMARKS.md ("Against vLLM on the same machine"), with a
 ``vllm-<version>.dist-info/METADATA`` naming the distribution ``vllm`` so that its CLI starts.
@@ -23,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from jaxengine.bench.vllm_baseline import vllm_env as peer_env
+from jaxengine.default_model import default_model_path
 
 PORT = 8011
 LOAD = ["--backend", "vllm", "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
@@ -32,9 +37,17 @@ FIGURES = ("completed", "failed", "output_throughput", "median_ttft_ms", "median
            "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "duration")
 
 
-def jaxengine_server() -> list[str]:
+def jaxengine_server(*extra: str) -> list[str]:
     return [sys.executable, "-m", "jaxengine.serve", "--max-model-len", str(LIMITS["max_model_len"]),
-            "--port", str(PORT), "--served-model-name", "model"]
+            "--port", str(PORT), "--served-model-name", "model", *extra]
+
+
+def llamacpp_server(bin_dir: str, gguf: Path, slots: int) -> list[str]:
+    """``llama-server`` on the GGUF: ``slots`` sequences at once, each with the others' context
+    length, continuous batching (its default), the machine's cores."""
+    return [str(Path(bin_dir) / "llama-server"), "-m", str(gguf), "--port", str(PORT), "--alias", "model",
+            "-np", str(slots), "-c", str(slots * LIMITS["max_model_len"]), "-b", str(LIMITS["max_num_batched_tokens"]),
+            "-t", str(os.cpu_count()), "--cont-batching"]
 
 
 def vllm_server(vllm_python: str, model: str, kv_bytes: int) -> list[str]:
@@ -101,9 +114,10 @@ def main() -> None:
     p.add_argument("--vllm-python", required=True)
     p.add_argument("--vllm-model", required=True, help="a Hugging Face folder of the default model")
     p.add_argument("--vllm-kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--llamacpp-bin", help="a folder holding llama.cpp's llama-server (BENCHMARKS.md: its build)")
     p.add_argument("--concurrency", default="16,1")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--only", choices=("jaxengine", "vllm"), default=None)
+    p.add_argument("--only", choices=("jaxengine", "jaxengine-f32", "vllm", "llama.cpp"), default=None)
     p.add_argument("--result-file", default="bench_results/serve_vs_vllm.json")   # beside the bench tool's
     args = p.parse_args()
     Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
@@ -112,12 +126,18 @@ def main() -> None:
     client_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     vllm_env = peer_env(args.vllm_python)
     result = {"load": LOAD, "num_prompts": args.num_prompts, "limits": LIMITS}
-    runs = {"jaxengine": (jaxengine_server(), dict(os.environ)),
-            "vllm": (vllm_server(args.vllm_python, args.vllm_model, args.vllm_kv_cache_bytes), vllm_env)}
-    for name, (server, env) in runs.items():
+    runs = {"jaxengine": [(jaxengine_server(), dict(os.environ), concurrency)],
+            "jaxengine-f32": [(jaxengine_server("--quantization", "none"), dict(os.environ), concurrency)],
+            "vllm": [(vllm_server(args.vllm_python, args.vllm_model, args.vllm_kv_cache_bytes), vllm_env, concurrency)]}
+    if args.llamacpp_bin:           # a server per concurrency: as many slots as requests at once
+        runs["llama.cpp"] = [(llamacpp_server(args.llamacpp_bin, default_model_path(), c), dict(os.environ), [c])
+                             for c in concurrency]
+    for name, servers in runs.items():
         if args.only in (None, name):
-            result[name] = measure(server, env, vllm, args.vllm_model, concurrency, args.num_prompts, client_env,
-                                   Path(args.result_file).with_suffix(f".{name}.log"))
+            result[name] = {}
+            for server, env, levels in servers:
+                result[name].update(measure(server, env, vllm, args.vllm_model, levels, args.num_prompts, client_env,
+                                            Path(args.result_file).with_suffix(f".{name}.log")))
             print(name, json.dumps(result[name], indent=1), flush=True)
     Path(args.result_file).write_text(json.dumps(result, indent=1))
 

@@ -233,11 +233,89 @@ constexpr float kTermScale = 1.0f / 254.0f;
 template <int V>
 constexpr int kStepK = 4 * kPack<V>;
 
+// The vector part [begin, vectors) of a group of a row of x, kFillLanes at a time: its largest |x|
+// (false: it holds an inf or a NaN), and its three int8 terms (x / d = a + b / 254 + c / 254^2,
+// ``inv`` = 1 / d) into terms[t * k + i], summed into sums[t * groups].
+#ifdef JAXENGINE_VNNI
+constexpr int64_t kFillLanes = 16;
+
+inline bool VectorTop(const float* row, int64_t begin, int64_t vectors, float* top) {
+  __m512 top16 = _mm512_setzero_ps();
+  __mmask16 not_finite = 0;
+  for (int64_t i = begin; i < vectors; i += 16) {
+    const __m512 v = _mm512_loadu_ps(row + i);
+    not_finite |= _mm512_fpclass_ps_mask(v, 0x99);     // a NaN or an infinity
+    top16 = _mm512_max_ps(top16, _mm512_abs_ps(v));
+  }
+  *top = _mm512_reduce_max_ps(top16);
+  return !not_finite;
+}
+
+inline void VectorTerms(const float* row, int64_t begin, int64_t vectors, float inv, int8_t* terms, int64_t k,
+                        int32_t* sums, int64_t groups) {
+  const __m512 lowest = _mm512_set1_ps(-127.0f), highest = _mm512_set1_ps(127.0f), next = _mm512_set1_ps(254.0f);
+  __m512i term_sums[kTerms];
+  for (int t = 0; t < kTerms; ++t) term_sums[t] = _mm512_setzero_si512();
+  for (int64_t i = begin; i < vectors; i += 16) {
+    __m512 rest = _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(inv));
+    for (int t = 0; t < kTerms; ++t) {
+      const __m512 q = _mm512_roundscale_ps(_mm512_min_ps(_mm512_max_ps(rest, lowest), highest),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i qi = _mm512_cvtps_epi32(q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(terms + t * k + i), _mm512_cvtepi32_epi8(qi));
+      term_sums[t] = _mm512_add_epi32(term_sums[t], qi);
+      rest = _mm512_mul_ps(_mm512_sub_ps(rest, q), next);
+    }
+  }
+  for (int t = 0; t < kTerms; ++t) sums[t * groups] += _mm512_reduce_add_epi32(term_sums[t]);
+}
+#else
+constexpr int64_t kFillLanes = 8;
+
+inline bool VectorTop(const float* row, int64_t begin, int64_t vectors, float* top) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 top8 = _mm256_setzero_ps(), not_finite = _mm256_setzero_ps();
+  for (int64_t i = begin; i < vectors; i += 8) {
+    const __m256 v = _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude);
+    not_finite = _mm256_or_ps(not_finite, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
+    top8 = _mm256_max_ps(top8, v);
+  }
+  alignas(32) float tops[8];
+  _mm256_store_ps(tops, top8);
+  *top = *std::max_element(tops, tops + 8);
+  return !_mm256_movemask_ps(not_finite);
+}
+
+inline void VectorTerms(const float* row, int64_t begin, int64_t vectors, float inv, int8_t* terms, int64_t k,
+                        int32_t* sums, int64_t groups) {
+  const __m256 lowest = _mm256_set1_ps(-127.0f), highest = _mm256_set1_ps(127.0f), next = _mm256_set1_ps(254.0f);
+  __m256i term_sums[kTerms];
+  for (int t = 0; t < kTerms; ++t) term_sums[t] = _mm256_setzero_si256();
+  for (int64_t i = begin; i < vectors; i += 8) {
+    __m256 rest = _mm256_mul_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(inv));
+    for (int t = 0; t < kTerms; ++t) {
+      const __m256 q = _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(rest, lowest), highest),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i qi = _mm256_cvtps_epi32(q);
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(terms + t * k + i), _mm_packs_epi16(words, words));
+      term_sums[t] = _mm256_add_epi32(term_sums[t], qi);
+      rest = _mm256_mul_ps(_mm256_sub_ps(rest, q), next);
+    }
+  }
+  for (int t = 0; t < kTerms; ++t) {
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), term_sums[t]);
+    sums[t * groups] += std::accumulate(lanes, lanes + 8, 0);
+  }
+}
+#endif
+
 // x's rows written for VPDPBUSD: per row and group, d (the group's max|x| / 127, its unit) and
 // per row, term and step of 4 q-rows, kPack<V> 32-bit words of 4 int8 values each: the k values
 // that meet the 4 bytes of a column's word (int4: the low nibbles are k = 8s, 8s+2, 8s+4, 8s+6,
-// the high ones 8s+1, 8s+3, ..; int8: k = 4s .. 4s+3). ``qsum``: the terms summed per group (int8
-// weights are offset by 128 to be unsigned, and this takes the offset back out).
+// the high ones 8s+1, 8s+3, ..; int8: k = 4s .. 4s+3). ``qsum``: the terms summed per group (with
+// VNNI, int8 weights are offset by 128 to be unsigned, and this takes the offset back out).
 template <int V>
 struct Activations {
   std::vector<float> unit;               // [m, groups]
@@ -254,23 +332,12 @@ struct Activations {
     qsum.assign(m * kTerms * groups, 0);
     thread_local std::vector<int8_t> terms;
     terms.resize(kTerms * k);
-#ifdef JAXENGINE_VNNI
-    const __m512 lowest = _mm512_set1_ps(-127.0f), highest = _mm512_set1_ps(127.0f), next = _mm512_set1_ps(254.0f);
-#endif
     for (int64_t r = 0; r < m; ++r) {
       const float* row = x + r * k;
       for (int64_t g = 0; g < groups; ++g) {
-#ifdef JAXENGINE_VNNI
-        const int64_t begin = g * group, end = begin + group, vectors = begin + group / 16 * 16;
-        __m512 top16 = _mm512_setzero_ps();
-        __mmask16 not_finite = 0;
-        for (int64_t i = begin; i < vectors; i += 16) {
-          const __m512 v = _mm512_loadu_ps(row + i);
-          not_finite |= _mm512_fpclass_ps_mask(v, 0x99);     // a NaN or an infinity
-          top16 = _mm512_max_ps(top16, _mm512_abs_ps(v));
-        }
-        if (not_finite) return false;
-        float top = _mm512_reduce_max_ps(top16);
+        const int64_t begin = g * group, end = begin + group, vectors = begin + group / kFillLanes * kFillLanes;
+        float top;
+        if (!VectorTop(row, begin, vectors, &top)) return false;
         for (int64_t i = vectors; i < end; ++i) {
           if (!std::isfinite(row[i])) return false;
           top = std::max(top, std::fabs(row[i]));
@@ -279,62 +346,7 @@ struct Activations {
         unit[r * groups + g] = d;
         const float inv = d > 0.0f && std::isfinite(1.0f / d) ? 1.0f / d : 0.0f;   // subnormal groups: 0
         int32_t* sums = qsum.data() + r * kTerms * groups + g;
-        __m512i term_sums[kTerms];
-        for (int t = 0; t < kTerms; ++t) term_sums[t] = _mm512_setzero_si512();
-        for (int64_t i = begin; i < vectors; i += 16) {
-          __m512 rest = _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(inv));
-          for (int t = 0; t < kTerms; ++t) {
-            const __m512 q = _mm512_roundscale_ps(_mm512_min_ps(_mm512_max_ps(rest, lowest), highest),
-                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m512i qi = _mm512_cvtps_epi32(q);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(terms.data() + t * k + i), _mm512_cvtepi32_epi8(qi));
-            term_sums[t] = _mm512_add_epi32(term_sums[t], qi);
-            rest = _mm512_mul_ps(_mm512_sub_ps(rest, q), next);
-          }
-        }
-        for (int t = 0; t < kTerms; ++t) sums[t * groups] += _mm512_reduce_add_epi32(term_sums[t]);
-#else
-        const int64_t begin = g * group, end = begin + group, vectors = begin + group / 8 * 8;
-        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        __m256 top8 = _mm256_setzero_ps(), not_finite = _mm256_setzero_ps();
-        for (int64_t i = begin; i < vectors; i += 8) {
-          const __m256 v = _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude);
-          not_finite = _mm256_or_ps(not_finite, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
-          top8 = _mm256_max_ps(top8, v);
-        }
-        if (_mm256_movemask_ps(not_finite)) return false;
-        alignas(32) float tops[8];
-        _mm256_store_ps(tops, top8);
-        float top = *std::max_element(tops, tops + 8);
-        for (int64_t i = vectors; i < end; ++i) {
-          if (!std::isfinite(row[i])) return false;
-          top = std::max(top, std::fabs(row[i]));
-        }
-        const float d = top / 127.0f;
-        unit[r * groups + g] = d;
-        const float inv = d > 0.0f && std::isfinite(1.0f / d) ? 1.0f / d : 0.0f;   // subnormal groups: 0
-        int32_t* sums = qsum.data() + r * kTerms * groups + g;
-        const __m256 lowest = _mm256_set1_ps(-127.0f), highest = _mm256_set1_ps(127.0f), next = _mm256_set1_ps(254.0f);
-        __m256i term_sums[kTerms];
-        for (int t = 0; t < kTerms; ++t) term_sums[t] = _mm256_setzero_si256();
-        for (int64_t i = begin; i < vectors; i += 8) {
-          __m256 rest = _mm256_mul_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(inv));
-          for (int t = 0; t < kTerms; ++t) {
-            const __m256 q = _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(rest, lowest), highest),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m256i qi = _mm256_cvtps_epi32(q);
-            const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-            _mm_storel_epi64(reinterpret_cast<__m128i*>(terms.data() + t * k + i), _mm_packs_epi16(words, words));
-            term_sums[t] = _mm256_add_epi32(term_sums[t], qi);
-            rest = _mm256_mul_ps(_mm256_sub_ps(rest, q), next);
-          }
-        }
-        for (int t = 0; t < kTerms; ++t) {
-          alignas(32) int32_t lanes[8];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), term_sums[t]);
-          sums[t * groups] += std::accumulate(lanes, lanes + 8, 0);
-        }
-#endif
+        VectorTerms(row, begin, vectors, inv, terms.data(), k, sums, groups);
         for (int64_t i = vectors; i < end; ++i) {
           float rest = row[i] * inv;
           for (int t = 0; t < kTerms; ++t) {
