@@ -96,6 +96,7 @@ def measure(server: list[str], server_env: dict, vllm: str, tokenizer: str, conc
             with tempfile.TemporaryDirectory() as d:
                 subprocess.run([vllm, "bench", "serve", *LOAD, "--base-url", f"http://127.0.0.1:{PORT}",
                                 "--model", "model", "--tokenizer", tokenizer, "--num-prompts", str(num_prompts),
+                                "--seed", str(100 + c),      # prompts of their own: none in a prefix cache
                                 "--max-concurrency", str(c), "--save-result", "--result-dir", d,
                                 "--result-filename", "r.json"], check=True, env=client_env)
                 result = json.loads((Path(d) / "r.json").read_text())
