@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from jaxengine.config import EngineConfig
 from jaxengine.core.policy import POLICIES
 from jaxengine.engine import Engine
-from jaxengine.runner.fake_runner import HashRunner
+from jaxengine.testing.fake_runner import HashRunner
 from jaxengine.sampling_params import SamplingParams
 
 

@@ -14,7 +14,7 @@ from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, 
 from jaxengine.lora_request import LoRARequest
 from jaxengine.request import LatencyTargets, Request, RequestStatus, Sequence
 from jaxengine.sampling_params import SamplingParams
-from jaxengine.structured_output import StructuredOutputManager
+from jaxengine.core.structured_output import StructuredOutputManager
 from jaxengine.trace import StepTrace, TraceWriter, round_seconds
 
 

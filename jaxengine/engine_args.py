@@ -92,8 +92,13 @@ class EngineArgs:
         0.0, "wait this fraction of the last prompt's latency before admitting new prompts")
     attention_backend: str = _option(
         "auto", "paged attention: the Pallas kernels (auto picks them on CUDA GPUs of compute capability "
-                "8.0+; pallas-triton / pallas-mosaic force one) or the plain-jnp path (reference)",
-        choices=BACKENDS)
+                "8.0+; pallas-triton / pallas-mosaic force one), the compiled CPU kernel for the layers it serves "
+                "and the plain-jnp path for the others (cpu; auto elsewhere), or the plain-jnp path alone "
+                "(reference)", choices=BACKENDS)
+    cpu_matmul_kernels: bool = _option(
+        True, "on the CPU, the projections and LM head through the compiled matmul kernels (float32 weights laid "
+              "out as panels, quantized ones as tiles, OpenBLAS); off: XLA's dot on the weights as loaded. One "
+              "choice per process")
     latent_attention_form: str = _option(
         "absorbed", "how a model with multi-head latent attention (DeepSeek-V3) attends over its cache of "
                     "latents: absorbed (the query taken into the latent space, the cache read as it lies) or "

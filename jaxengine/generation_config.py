@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxengine.models.paths import read_json_object
+from jaxengine.paths import read_json_object
 from jaxengine.sampling_params import SamplingParams
 
 # generation_config.json's name -> SamplingParams' field

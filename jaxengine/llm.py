@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jaxengine.autopilot import attach_autopilot
 from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs, resolve_dtype
+from jaxengine.kernels.matmul.openblas import use_cpu_matmul_kernels
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.lora_request import LoRARequest
 from jaxengine.models.lora_weights import attach_lora
@@ -32,7 +33,7 @@ from jaxengine.request import LatencyTargets, Request
 from jaxengine.runner.kernel_check import check_model_kernels
 from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
-from jaxengine.structured_output import GrammarCompiler
+from jaxengine.core.structured_output import GrammarCompiler
 from jaxengine.tokenizer import apply_chat_template, load_tokenizer
 from jaxengine.trace import replica_trace_file
 
@@ -114,6 +115,7 @@ class LLM:
         """The first replica's model on its mesh, the engine configuration and its runner with
         the compiled steps (and, across processes, the channel to the others, warmed up)."""
         self.engine_args = args
+        use_cpu_matmul_kernels(args.cpu_matmul_kernels)       # before any model is built
         self._meshes = _replica_meshes(args.tensor_parallel_size, args.data_parallel_size)
         self.mesh = self._meshes[0]
         self._load(args, module, model_config, progress)

@@ -9,7 +9,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from jaxengine.models.paths import CheckpointFileError, converted_cache_path, read_json_object
+from jaxengine.paths import CheckpointFileError, converted_cache_path, read_json_object
 
 # The JSON files transformers reads for a tokenizer, in the order it reads them.
 TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

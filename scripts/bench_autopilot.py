@@ -38,7 +38,7 @@ from jaxengine.bench.launch import launched_server
 from jaxengine.bench.serve import RequestResult, request_body, stream_request
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lab import Workload, load_profile, simulate, tune
-from jaxengine.lab.step_shape import StepShape
+from jaxengine.costmodel.step_shape import StepShape
 from jaxengine.lab.workload import SimRequest
 from jaxengine.trace import read_trace
 
@@ -195,7 +195,7 @@ def host_cost(profile) -> dict:
     decode step at batch 64 (256-token contexts)."""
     from jaxengine.autopilot import attach_autopilot
     from jaxengine.engine import Engine
-    from jaxengine.runner.fake_runner import ConstantRunner
+    from jaxengine.testing.fake_runner import ConstantRunner
     from jaxengine.sampling_params import SamplingParams
 
     args = EngineArgs(slo_ttft_ms=3000, slo_itl_ms=200)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.bench.roofline import step_floor_seconds
+from jaxengine.costmodel.floors import step_floor_seconds
 from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention_tiled, write_kv
 from jaxengine.kernels.paged_attention.kernel import BlockSizes, block_sizes, paged_attention_pallas
 from jaxengine.kernels.paged_attention.kv_write import write_kv_pallas

@@ -21,7 +21,7 @@ import types
 
 from jaxengine.bench.__main__ import main as bench
 from jaxengine.bench.datasets import LengthSpec, random_requests
-from jaxengine.bench.roofline import flops_per_token, matmul_gflops
+from jaxengine.costmodel.floors import flops_per_token, matmul_gflops
 
 INPUT_LEN, OUTPUT_LEN, MAX_MODEL_LEN = "32:512", "32:256", 1024
 

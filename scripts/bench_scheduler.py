@@ -19,7 +19,7 @@ import time
 
 from jaxengine import EngineConfig, SamplingParams
 from jaxengine.engine import Engine
-from jaxengine.runner.fake_runner import ConstantRunner
+from jaxengine.testing.fake_runner import ConstantRunner
 
 CONFIGS = [  # (block size, prefix caching, async scheduling)
     (256, True, False), (256, True, True), (256, False, False), (256, False, True), (16, True, False),

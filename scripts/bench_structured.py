@@ -26,7 +26,7 @@ from pathlib import Path
 from jaxengine import LLM, SamplingParams
 from jaxengine.bench.report import write_result
 from jaxengine.sampling_params import StructuredOutputsParams
-from jaxengine.structured_output import Matcher
+from jaxengine.core.structured_output import Matcher
 
 
 class Timer:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxengine.bench.report import print_table, write_result
-from jaxengine.lab.profile import load_profile, trace_points
+from jaxengine.costmodel.profile import load_profile, trace_points
 from jaxengine.lab.simulate import simulate
 from jaxengine.lab.workload import Workload
 from jaxengine.trace import read_trace

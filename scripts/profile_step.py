@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.bench.roofline import matmul_gflops
+from jaxengine.costmodel.floors import matmul_gflops
 from jaxengine.default_model import default_model_path
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.forward import make_forward

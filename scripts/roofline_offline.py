@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from bench_offline import workload
 from flax import nnx
 
-from jaxengine.bench.roofline import floor_seconds, flops_per_token, kv_bytes_per_token, matmul_gflops
+from jaxengine.costmodel.floors import floor_seconds, flops_per_token, kv_bytes_per_token, matmul_gflops
 from jaxengine.default_model import default_model_path
 from jaxengine.models.weights import load_model
 

@@ -7,7 +7,7 @@ from jaxengine.config import EngineConfig
 from jaxengine.engine import Engine
 from jaxengine.core.scheduler_output import SchedulerOutput
 from jaxengine.request import Request
-from jaxengine.runner.fake_runner import HashRunner
+from jaxengine.testing.fake_runner import HashRunner
 from jaxengine.sampling_params import SamplingParams
 
 SMALL = dict(block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, watermark=0.0,

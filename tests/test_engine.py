@@ -2,7 +2,7 @@ import pytest
 
 from jaxengine import Engine, EngineConfig, SamplingParams
 from jaxengine.request import RequestStatus
-from jaxengine.runner.fake_runner import ConstantRunner, HashRunner
+from jaxengine.testing.fake_runner import ConstantRunner, HashRunner
 
 
 def test_engine_step_loop_with_the_hash_runner_and_traces():

@@ -1,7 +1,9 @@
-"""The package's imports run one way: doors -> engine -> runner -> core -> models/sample ->
-kernels -> types, never up and never in a circle, and the host-side floors (core, types)
-never import JAX. Read from the source with ``ast``: imports inside functions and under
-``TYPE_CHECKING`` count too (a lazy import hides a circle, it does not remove it)."""
+"""The package's folders are its layers, and imports run one way between them: doors -> cost
+model and autopilot -> engine -> runner -> core -> speculative decoding -> models/sample ->
+kernels -> types, never up and never in a circle (between modules, or between folders), and the
+host-side floors (core, types) never import JAX. Every folder and top-level module of the package
+is listed in exactly one layer. Read from the source with ``ast``: imports inside functions and
+under ``TYPE_CHECKING`` count too (a lazy import hides a circle, it does not remove it)."""
 from __future__ import annotations
 
 import ast
@@ -10,21 +12,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"jaxengine": "jaxengine"}
+PACKAGE = "jaxengine"
 
-# Lowest first. A module may import from its own layer or any layer below; the most specific
-# prefix decides a module's layer.
+# Lowest first: each layer's units, the package's folders and top-level modules ("" is the
+# package's own __init__). A module may import from its own layer or any layer below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("types", ("jaxengine.config", "jaxengine.sampling_params", "jaxengine.request", "jaxengine.lora_request", "jaxengine.outputs",
-               "jaxengine.trace", "jaxengine.models.config", "jaxengine.models.paths")),
-    ("kernels", ("jaxengine.kernels",)),
-    ("models", ("jaxengine.models", "jaxengine.sample")),
-    ("core", ("jaxengine.core", "jaxengine.structured_output", "jaxengine.spec_decode")),
-    ("runner", ("jaxengine.runner",)),
-    ("engine", ("jaxengine.engine", "jaxengine.engine_args", "jaxengine.output_processor", "jaxengine.parallel",
-                "jaxengine.default_model", "jaxengine.tokenizer")),
-    ("doors", ("jaxengine", "jaxengine.llm", "jaxengine.serve", "jaxengine.generate", "jaxengine.bench",
-               "jaxengine.lab", "jaxengine.demo", "jaxengine.logs", "jaxengine.multihost_worker")),
+    ("types", ("config", "sampling_params", "request", "lora_request", "outputs", "trace", "paths", "logs",
+               "generation_config")),
+    ("kernels", ("kernels",)),
+    ("models", ("models", "sample")),
+    ("spec_decode", ("spec_decode",)),
+    ("core", ("core",)),
+    ("runner", ("runner", "testing")),
+    ("engine", ("engine", "engine_args", "output_processor", "parallel", "default_model", "tokenizer")),
+    ("cost model", ("costmodel", "autopilot")),
+    ("doors", ("", "llm", "serve", "generate", "bench", "lab", "demo", "multihost_worker")),
 ]
 NO_JAX = ("types", "core")                 # host-side floors: plain Python (and numpy)
 JAX_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax")
@@ -32,12 +34,18 @@ JAX_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 def package_modules() -> dict[str, Path]:
     found = {}
-    for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            parts = parts[:-1] if parts[-1] == "__init__" else parts
-            found[".".join((package, *parts))] = path
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(ROOT / PACKAGE).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        found[".".join((PACKAGE, *parts))] = path
     return found
+
+
+def unit_of(module: str) -> str:
+    """The folder or top-level module of the package that ``module`` is or lies in ("": the
+    package's __init__)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def imported_names(module: str, path: Path) -> list[str]:
@@ -74,13 +82,17 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> int:
-    best, rank = "", None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
-                best, rank = prefix, i
-    assert rank is not None, f"{module} is in no layer: add it to LAYERS"
-    return rank
+    ranks = [i for i, (_, units) in enumerate(LAYERS) if unit_of(module) in units]
+    assert ranks, f"{unit_of(module)!r} ({module}) is in no layer: add it to LAYERS"
+    return ranks[0]
+
+
+def unit_graph() -> dict[str, set[str]]:
+    """Imports between the package's folders and top-level modules."""
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        graph.setdefault(unit_of(module), set()).update(unit_of(t) for t in targets if unit_of(t) != unit_of(module))
+    return graph
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -111,8 +123,18 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def test_every_folder_and_module_is_in_exactly_one_layer():
+    listed = [unit for _, units in LAYERS for unit in units]
+    assert len(listed) == len(set(listed))
+    assert sorted({unit_of(m) for m in package_modules()}) == sorted(listed)
+
+
 def test_the_package_has_no_import_circle():
     assert circles(import_graph()) == []
+
+
+def test_the_folders_have_no_import_circle():
+    assert circles(unit_graph()) == []
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
@@ -136,8 +158,9 @@ def test_the_checks_see_lazy_imports_and_catch_a_circle_and_an_upward_import():
         "jaxengine.request", source)}
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert layer_of("jaxengine.core.scheduler") < layer_of("jaxengine.runner.model_runner") < layer_of("jaxengine.llm")
-    assert layer_of("jaxengine.models.config") < layer_of("jaxengine.kernels.paged_attention") < layer_of(
-        "jaxengine.models.llama")
+    assert layer_of("jaxengine.paths") < layer_of("jaxengine.kernels.paged_attention") < layer_of(
+        "jaxengine.models.llama") == layer_of("jaxengine.models.config")
+    assert unit_of("jaxengine") == "" and unit_of("jaxengine.core.scheduler") == "core"
 
 
 @pytest.mark.parametrize("code, expected", [

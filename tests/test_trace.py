@@ -7,7 +7,7 @@ import pytest
 
 from jaxengine import Engine, EngineConfig, SamplingParams
 from jaxengine.parallel.data_parallel import DataParallelEngine
-from jaxengine.runner.fake_runner import HashRunner
+from jaxengine.testing.fake_runner import HashRunner
 from jaxengine.trace import StepTrace, TraceWriter, read_trace, replica_trace_file
 from tests.conftest import make_checkpoint
 

@@ -50,7 +50,7 @@ from jaxengine.autopilot.cost import OnlineCost
 from jaxengine.config import AutopilotConfig, SchedulerConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import SchedulerOutput, StepKnobs, StepLimits
-from jaxengine.lab.step_shape import StepShape
+from jaxengine.costmodel.step_shape import StepShape
 from jaxengine.request import LatencyTargets, Request, RequestStatus
 
 OVERLOAD_MARGIN = 1.25      # a new request is turned away when predicted to take this x its TTFT target

@@ -15,9 +15,9 @@ import math
 import statistics
 from collections import deque
 
-from jaxengine.lab.profile import CostProfile
-from jaxengine.lab.roofline import RooflineProfile
-from jaxengine.lab.step_shape import StepShape
+from jaxengine.costmodel.profile import CostProfile
+from jaxengine.costmodel.roofline import RooflineProfile
+from jaxengine.costmodel.step_shape import StepShape
 
 CORRECTION_WINDOW = 16      # steps in the median that scales the profile
 SPREAD_WINDOW = 256         # steps in the percentile of measured / predicted

@@ -30,7 +30,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxengine.bench.report import print_table
-from jaxengine.bench.roofline import floor_seconds, flops_per_token, matmul_gflops
+from jaxengine.costmodel.floors import floor_seconds, flops_per_token, matmul_gflops
 from jaxengine.bench.throughput import model_info, start_engine
 from jaxengine.core.scheduler_output import NO_MOVES
 from jaxengine.engine_args import EngineArgs, comma_separated

@@ -32,7 +32,7 @@ from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, 
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
 from jaxengine.spec_decode.gate import SpeculationGate
 from jaxengine.spec_decode.ngram import NgramProposer
-from jaxengine.structured_output import StructuredOutputManager
+from jaxengine.core.structured_output import StructuredOutputManager
 
 RUNNING = RequestStatus.RUNNING
 SPEC_DECAY = 0.9          # weight of a sequence's earlier drafts in its acceptance

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from jaxengine.models.paths import cache_dir
+from jaxengine.paths import cache_dir
 
 try:
     import fcntl

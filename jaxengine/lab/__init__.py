@@ -10,8 +10,8 @@ tune the scheduling options for SLOs, and ask what-if questions of machines that
 """
 from jaxengine.lab.calibrate import CalibrationGrid, calibrate, calibrate_engine, rescale
 from jaxengine.lab.capacity import Capacity, capacity
-from jaxengine.lab.profile import CostProfile, StepShape, constant_profile, load_profile
-from jaxengine.lab.roofline import RooflineProfile, roofline_profile
+from jaxengine.costmodel.profile import CostProfile, StepShape, constant_profile, load_profile
+from jaxengine.costmodel.roofline import RooflineProfile, roofline_profile
 from jaxengine.lab.simulate import SimResult, simulate
 from jaxengine.lab.tune import SEARCH_SPACE, TuneResult, tune
 from jaxengine.lab.workload import SimRequest, Workload, from_bench_result, from_jsonl

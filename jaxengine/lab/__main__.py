@@ -135,7 +135,7 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
 
 
 def _whatif_args(p: argparse.ArgumentParser) -> None:
-    from jaxengine.lab.roofline import HARDWARE, MODELS
+    from jaxengine.costmodel.roofline import HARDWARE, MODELS
 
     _profile_arg(p, required=False)
     p.add_argument("--hardware", choices=sorted(HARDWARE), help="a roofline model of this accelerator")
@@ -177,7 +177,7 @@ def _options(args: argparse.Namespace) -> dict:
 
 def run_calibrate(args: argparse.Namespace) -> dict:
     from jaxengine.lab.calibrate import SPEED_CHECK_GRID, CalibrationGrid, calibrate, rescale
-    from jaxengine.lab.profile import CostProfile, load_profile, machine_description
+    from jaxengine.costmodel.profile import CostProfile, load_profile, machine_description
     from jaxengine.trace import read_trace
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -220,7 +220,7 @@ def _grid(args: argparse.Namespace, default):
 
 
 def run_simulate(args: argparse.Namespace) -> dict:
-    from jaxengine.lab.profile import load_profile
+    from jaxengine.costmodel.profile import load_profile
     from jaxengine.lab.simulate import simulate
 
     result = simulate(_workload(args), load_profile(args.profile), slos=dict(args.slo), noise=args.noise,
@@ -233,7 +233,7 @@ def run_simulate(args: argparse.Namespace) -> dict:
 
 
 def run_tune(args: argparse.Namespace) -> dict:
-    from jaxengine.lab.profile import load_profile
+    from jaxengine.costmodel.profile import load_profile
     from jaxengine.lab.tune import tune
 
     if not args.slo:
@@ -252,8 +252,8 @@ def run_tune(args: argparse.Namespace) -> dict:
 
 def run_whatif(args: argparse.Namespace) -> dict:
     from jaxengine.lab.capacity import capacity
-    from jaxengine.lab.profile import load_profile
-    from jaxengine.lab.roofline import roofline_profile
+    from jaxengine.costmodel.profile import load_profile
+    from jaxengine.costmodel.roofline import roofline_profile
 
     if not args.slo:
         raise ValueError("whatif: give at least one --slo")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from jaxengine.engine import Engine
-from jaxengine.lab.measure import SPEED_CHECK_GRID, CalibrationGrid, calibrate_engine, measure_engine
-from jaxengine.lab.profile import CostProfile
+from jaxengine.costmodel.measure import SPEED_CHECK_GRID, CalibrationGrid, calibrate_engine, measure_engine
+from jaxengine.costmodel.profile import CostProfile
 
 __all__ = ["SPEED_CHECK_GRID", "CalibrationGrid", "calibrate", "calibrate_engine", "rescale"]
 

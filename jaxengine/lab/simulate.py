@@ -20,8 +20,8 @@ from jaxengine.config import EngineConfig
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs
-from jaxengine.lab.profile import CostProfile, StepShape
-from jaxengine.lab.roofline import RooflineProfile
+from jaxengine.costmodel.profile import CostProfile, StepShape
+from jaxengine.costmodel.roofline import RooflineProfile
 from jaxengine.lab.workload import SimRequest, Workload
 from jaxengine.lora_request import LoRARequest
 from jaxengine.sampling_params import SamplingParams

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from jaxengine.kernels.matmul.quantized import FORMATS
 from jaxengine.models.config import ModelConfig, YarnScaling
-from jaxengine.models.paths import CheckpointFileError, converted_cache_path
+from jaxengine.paths import CheckpointFileError, converted_cache_path
 from jaxengine.models.quantization import kind_of
 from jaxengine.models.weight_cache import cached_config, restore_converted, save_converted
 

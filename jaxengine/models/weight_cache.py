@@ -22,7 +22,7 @@ from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.hf_tensors import KV_HEAD_AXIS, ArraySource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
-from jaxengine.models.paths import publish
+from jaxengine.paths import publish
 from jaxengine.models.quantization import param_dtype
 from jaxengine.models.registry import abstract_model
 

@@ -26,7 +26,7 @@ from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.gguf import gguf_dtype, load_gguf
 from jaxengine.models.hf_tensors import ArraySource, Index, TensorSource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mtp import MTPTensors, mtp_config
-from jaxengine.models.paths import CheckpointFileError, read_json_object
+from jaxengine.paths import CheckpointFileError, read_json_object
 from jaxengine.models.mesh import (check_expert_parallel, flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
                                    mesh_size)
 from jaxengine.models.panels import panel_for_cpu

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax
 
-from jaxengine.models.paths import cache_dir
+from jaxengine.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 MAX_BYTES = 16 << 30          # far above the step programs of the models one machine serves

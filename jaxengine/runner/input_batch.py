@@ -20,7 +20,7 @@ from jaxengine.models.lora_weights import lora_rows
 from jaxengine.runner.buckets import step_bucket
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sampling_params import MAX_LOGIT_BIAS
-from jaxengine.structured_output import ALL_ALLOWED, bitmask_words
+from jaxengine.core.structured_output import ALL_ALLOWED, bitmask_words
 
 
 @jax.tree_util.register_dataclass

@@ -410,7 +410,7 @@ class ModelRunner:
         tolist = tokens.tolist()
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
         if out.draft_token_ids:
-            sampled = verify_drafts(out, sampled)
+            sampled = verify_drafts(out.seq_ids, out.draft_token_ids, sampled)
         if self.drafter is not None:
             self.drafter.note_verified(out, first, sampled)
         self.batch.record_samples(out, slots, sampled)

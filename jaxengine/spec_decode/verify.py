@@ -10,7 +10,7 @@ x_j". So the output is the target's: greedy rows token for token, and sampled ro
 output position draws with the stream it would have used), not only in distribution."""
 from __future__ import annotations
 
-from jaxengine.core.scheduler_output import SchedulerOutput
+from collections.abc import Mapping, Sequence
 
 
 def accepted_tokens(draft: list[int], sampled: list[int]) -> list[int]:
@@ -22,8 +22,9 @@ def accepted_tokens(draft: list[int], sampled: list[int]) -> list[int]:
     return sampled[:n + 1]
 
 
-def verify_drafts(out: SchedulerOutput, sampled: list[list[int]]) -> list[list[int]]:
-    """Each row's output tokens: a row with a draft keeps ``accepted_tokens`` of its samples."""
-    drafts = out.draft_token_ids
+def verify_drafts(seq_ids: Sequence[int], drafts: Mapping[int, list[int]],
+                  sampled: list[list[int]]) -> list[list[int]]:
+    """Each row's output tokens (rows in ``seq_ids``' order): a row whose sequence has a draft
+    keeps ``accepted_tokens`` of its samples."""
     return [accepted_tokens(drafts[seq_id], row) if seq_id in drafts else row
-            for seq_id, row in zip(out.seq_ids, sampled)]
+            for seq_id, row in zip(seq_ids, sampled)]

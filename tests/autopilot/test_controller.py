@@ -11,7 +11,7 @@ from jaxengine.engine_args import EngineArgs
 from jaxengine.lab import CostProfile, Workload, simulate
 from jaxengine.lab.simulate import SimClock, SimRunner, engine_config
 from jaxengine.runner.buckets import token_buckets
-from jaxengine.runner.fake_runner import HashRunner
+from jaxengine.testing.fake_runner import HashRunner
 from jaxengine.sampling_params import SamplingParams
 
 ITL_MS = 60

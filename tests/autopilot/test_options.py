@@ -6,9 +6,9 @@ from jaxengine.config import AutopilotConfig
 from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lab import constant_profile
-from jaxengine.lab.roofline import roofline_profile
+from jaxengine.costmodel.roofline import roofline_profile
 from jaxengine.request import LatencyTargets
-from jaxengine.runner.fake_runner import HashRunner
+from jaxengine.testing.fake_runner import HashRunner
 
 
 def test_a_target_turns_the_autopilot_on_unless_it_is_turned_off():

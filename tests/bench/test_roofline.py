@@ -2,7 +2,7 @@
 (chosen so that each is exact in floating point)."""
 from types import SimpleNamespace
 
-from jaxengine.bench.roofline import attention_flops, floor_seconds, kv_bytes_per_token, step_floor_seconds
+from jaxengine.costmodel.floors import attention_flops, floor_seconds, kv_bytes_per_token, step_floor_seconds
 
 # 2 layers, 4 query heads, 2 KV heads of 8
 MODEL = SimpleNamespace(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)

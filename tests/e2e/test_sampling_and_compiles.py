@@ -285,7 +285,7 @@ def test_the_autopilots_budgets_compile_nothing_after_start_up(llm):
     compiled at start-up; outputs are those of the same requests without it."""
     from jaxengine.autopilot import Autopilot, OnlineCost
     from jaxengine.config import AutopilotConfig
-    from jaxengine.lab.profile import FEATURES, CostProfile
+    from jaxengine.costmodel.profile import FEATURES, CostProfile
 
     class KnownCost(OnlineCost):
         def observe(self, shape, measured_s):

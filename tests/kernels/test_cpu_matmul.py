@@ -115,3 +115,48 @@ def test_panels_refuse_a_width_off_the_strips_and_a_layer_out_of_range():
     bf16 = jnp.ones((2, 8), jnp.bfloat16)                     # not the kernel's: XLA's dot on the weight laid back
     assert cpu_matmul.PANEL_TARGET not in jax.jit(dense).lower(bf16, laid, jnp.int32(0)).as_text()
     np.testing.assert_array_equal(dense(bf16, laid, jnp.int32(1)), np.full((2, 32), 8.0))
+
+
+def test_the_choice_of_matmul_holds_for_the_whole_process(monkeypatch):
+    from jaxengine.kernels.matmul import openblas
+
+    monkeypatch.setattr(openblas, "_choice", None)
+    assert openblas.cpu_matmul_kernels_chosen() is True          # reading it fixes the default
+    openblas.use_cpu_matmul_kernels(True)                         # the same choice again: fine
+    with pytest.raises(ValueError, match="cpu_matmul_kernels: this process already runs its models with "
+                                         "cpu_matmul_kernels=True"):
+        openblas.use_cpu_matmul_kernels(False)
+
+
+@needs_compiler
+def test_the_option_off_keeps_xla_dot_on_the_weights_as_loaded(tmp_path):
+    """``LLM(cpu_matmul_kernels=False)`` (``--no-cpu-matmul-kernels``), in a process of its own:
+    no weight laid out as panels, no call to the kernels in a step, the same greedy tokens."""
+    import subprocess
+    import sys
+
+    from tests.conftest import make_checkpoint
+
+    make_checkpoint(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    code = f"""
+import jax
+from flax import nnx
+from jaxengine import LLM, SamplingParams
+from jaxengine.models.panels import PanelParam
+llm = LLM({str(tmp_path)!r}, cpu_matmul_kernels={{flag}}, skip_tokenizer_init=True, max_model_len=64,
+          max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=16, progress=False)
+panels = sum(isinstance(node, PanelParam) for _, node in nnx.iter_graph(llm.model))
+out = llm.generate([{{"prompt_token_ids": [3, 17, 42, 9]}}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                   use_tqdm=False)
+print("RESULT", panels, list(out[0].outputs[0].token_ids))
+"""
+    results = {}
+    for flag in (True, False):
+        run = subprocess.run([sys.executable, "-c", code.replace("{flag}", str(flag))], capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT"))
+        panels, tokens = line.split(" ", 2)[1:]
+        results[flag] = int(panels), tokens
+    assert results[True][0] > 0 and results[False][0] == 0
+    assert results[True][1] == results[False][1]

@@ -159,7 +159,9 @@ def test_backend_choice(monkeypatch):
 
     cpu = jax.devices("cpu")[0]
     assert select_attention("auto", cpu) is paged_attention_tiled
-    assert select_attention("reference", cpu) is paged_attention_tiled
+    assert select_attention("cpu", cpu) is paged_attention_tiled
+    reference = select_attention("reference", cpu)          # the plain-jnp path alone: no compiled kernel
+    assert (reference.func, reference.keywords) == (paged_attention_tiled, {"decode_kernel": False})
     assert select_attention("pallas", cpu) is paged_attention_pallas
     assert select_attention("pallas-triton", cpu) is paged_attention_pallas
     assert select_attention("pallas-mosaic", cpu) is paged_attention_mosaic

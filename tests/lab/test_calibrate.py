@@ -7,8 +7,8 @@ import pytest
 
 from jaxengine.lab.__main__ import main
 from jaxengine.lab.calibrate import CalibrationGrid, calibrate
-from jaxengine.lab.measure import _prefill_sizes
-from jaxengine.lab.profile import load_profile
+from jaxengine.costmodel.measure import _prefill_sizes
+from jaxengine.costmodel.profile import load_profile
 from jaxengine.lab.simulate import simulate
 from jaxengine.lab.workload import Workload
 

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from jaxengine.lab.__main__ import main
-from jaxengine.lab.profile import CostProfile
-from jaxengine.lab.roofline import roofline_profile
+from jaxengine.costmodel.profile import CostProfile
+from jaxengine.costmodel.roofline import roofline_profile
 
 PROFILE = CostProfile({16: [0.01, 0, 1e-4, 1e-6, 0], 256: [0.02, 0, 1e-4, 2e-6, 0], 512: [0.2, 0, 0, 0, 0]},
                       num_gpu_blocks=2000)
@@ -100,7 +100,7 @@ def test_calibrate_fits_a_recorded_trace(tmp_path):
 
 def test_calibrate_scales_a_profile_to_a_servers_trace(tmp_path, profile_file):
     from jaxengine.engine_args import EngineArgs
-    from jaxengine.lab.profile import StepShape, load_profile
+    from jaxengine.costmodel.profile import StepShape, load_profile
     from jaxengine.trace import StepTrace, TraceWriter
 
     shapes = [StepShape(r, r, 100 + i, 100 * r) for i, r in enumerate([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4])]

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxengine.lab.profile import CostProfile, StepShape, load_profile, nonnegative_lstsq
+from jaxengine.costmodel.profile import CostProfile, StepShape, load_profile, nonnegative_lstsq
 from jaxengine.trace import StepTrace
 
 TRUE = {16: [0.002, 0.003, 0.0001, 1e-6, 0.0, 0.0], 64: [0.004, 0.0, 0.0001, 4e-6, 0.0, 0.0]}

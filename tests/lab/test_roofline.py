@@ -2,8 +2,8 @@
 labelled a model, saved and read back as one."""
 import pytest
 
-from jaxengine.lab.profile import StepShape, load_profile
-from jaxengine.lab.roofline import RooflineProfile, roofline_profile
+from jaxengine.costmodel.profile import StepShape, load_profile
+from jaxengine.costmodel.roofline import RooflineProfile, roofline_profile
 
 
 def test_roofline_profile_of_llama_3_8b_on_h200():

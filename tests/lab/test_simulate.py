@@ -6,12 +6,12 @@ import math
 import pytest
 
 from jaxengine.engine import Engine
-from jaxengine.lab.profile import CostProfile, StepShape, constant_profile
+from jaxengine.costmodel.profile import CostProfile, StepShape, constant_profile
 from jaxengine.lab.simulate import engine_config, simulate
 from jaxengine.lab.workload import SimRequest, Workload, from_bench_result, from_jsonl
 from jaxengine.engine_args import EngineArgs
 from jaxengine.runner.buckets import step_row_buckets, token_buckets
-from jaxengine.runner.fake_runner import HashRunner
+from jaxengine.testing.fake_runner import HashRunner
 from jaxengine.sampling_params import SamplingParams
 
 STEP = 0.010

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from jaxengine.lab.profile import CostProfile
+from jaxengine.costmodel.profile import CostProfile
 from jaxengine.lab.simulate import goodput, simulate
 from jaxengine.lab.tune import pareto_front, tune
 from jaxengine.lab.workload import Workload

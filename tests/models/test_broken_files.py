@@ -9,7 +9,7 @@ from safetensors import SafetensorError
 
 from jaxengine.generation_config import generation_defaults
 from jaxengine.llm import LLM
-from jaxengine.models.paths import CheckpointFileError, converted_cache_path
+from jaxengine.paths import CheckpointFileError, converted_cache_path
 from jaxengine.models.weights import checkpoint_dtype, load_model, read_safetensors_folder
 from jaxengine.tokenizer import load_tokenizer
 

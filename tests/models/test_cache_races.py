@@ -93,7 +93,7 @@ def test_the_converted_weights_are_saved_once_whole_when_processes_start_togethe
     from flax import nnx
 
     from jaxengine.models.gguf import read_gguf
-    from jaxengine.models.paths import converted_cache_path
+    from jaxengine.paths import converted_cache_path
     from jaxengine.models.weights import build_model
     from tests.conftest import make_checkpoint
     from tests.models.test_weights import write_gguf

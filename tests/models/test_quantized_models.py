@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from jaxengine.kernels.matmul.quantized import TiledWeight, dequantize_reference, quantize, tiles_available, untile
 from jaxengine.models.gguf import load_gguf
-from jaxengine.models.paths import converted_cache_path
+from jaxengine.paths import converted_cache_path
 from jaxengine.models.quantization import QuantizedParam, TILED_KINDS, kind_of, online_plan, tile_for_cpu
 from jaxengine.models.weights import load_model
 

@@ -12,7 +12,7 @@ from gguf import quants
 
 from jaxengine.models.gguf import load_gguf, read_gguf, unpermute_rope_rows
 from jaxengine.models.registry import get_model_class
-from jaxengine.models.paths import converted_cache_path
+from jaxengine.paths import converted_cache_path
 from jaxengine.models.weights import build_model, load_model, read_safetensors_folder
 
 from tests.conftest import make_checkpoint

@@ -11,7 +11,7 @@ import pytest
 from jaxengine import Engine, EngineConfig, SamplingParams
 from jaxengine.parallel.data_parallel import DataParallelEngine, choose_replica, closeness_bound
 from jaxengine.request import RequestStatus
-from jaxengine.runner.fake_runner import HashRunner
+from jaxengine.testing.fake_runner import HashRunner
 
 
 # ---- the router ----

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from jaxengine.core.scheduler_output import NewSequenceData, SchedulerOutput
 from jaxengine.request import PLACEHOLDER, RequestStatus
-from jaxengine.runner.fake_runner import HashRunner
+from jaxengine.testing.fake_runner import HashRunner
 from jaxengine.runner.input_batch import InputBatch
 from jaxengine.sampling_params import SamplingParams
 

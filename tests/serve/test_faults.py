@@ -215,7 +215,7 @@ def _fake_async_engine():
     from types import SimpleNamespace
 
     from jaxengine import Engine, EngineConfig
-    from jaxengine.runner.fake_runner import HashRunner
+    from jaxengine.testing.fake_runner import HashRunner
     from jaxengine.serve.async_engine import AsyncEngine
 
     cfg = EngineConfig().replace(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, max_num_seqs=8)
@@ -248,7 +248,7 @@ def run_engine(k: int | None, async_scheduling: bool):
     table, so a survivor whose cache or state was disturbed would change its tokens); the
     k-th step fails and the requests it touched are aborted. -> (engine, runner, outputs, failed)."""
     from jaxengine import Engine, EngineConfig, SamplingParams
-    from jaxengine.runner.fake_runner import HashRunner
+    from jaxengine.testing.fake_runner import HashRunner
 
     cfg = EngineConfig().replace(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=24, max_num_seqs=6)
     runner = FailingRunner(HashRunner(64, 0, 4), k or 0)

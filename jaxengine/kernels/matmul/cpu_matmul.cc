@@ -57,20 +57,12 @@ void MultiplyFewRows(const float* x, const float* w, float* out, int64_t m, int6
     }
 }
 
-int64_t FewRowsLimit() {
-  static const int64_t limit = [] {
-    const char* env = std::getenv("JAXENGINE_FEW_ROWS");
-    return env ? std::atoll(env) : kFewRows;
-  }();
-  return limit;
-}
-
 void MultiplyColumns(const float* x, const float* w, float* out, int64_t m, int64_t k, int64_t n,
                      int64_t first, int64_t last) {
   const int64_t cols = last - first;
   if (cols <= 0) return;
   const float* block = w + first;           // columns first..last of w [K, N]
-  if (m > 1 && m <= FewRowsLimit())
+  if (m > 1 && m <= kFewRows)
     MultiplyFewRows(x, w, out, m, k, n, first, last);
   else if (m == 1)
     scipy_cblas_sgemv(CblasRowMajor, CblasTrans, k, cols, 1.0f, block, n, x, 1, 0.0f, out + first, 1);

@@ -4,9 +4,9 @@ weight matrix) at a third to a half of OpenBLAS's speed (BENCHMARKS.md, "the mat
 through OpenBLAS"). OpenBLAS comes from the ``scipy-openblas32`` wheel, the build NumPy and SciPy
 are built against, with its headers.
 
-The kernel is built on first use (``kernels.cpu_build``). Without a compiler or the wheel, or with
-``JAXENGINE_CPU_MATMUL_KERNEL=0``, ``available()`` is False and XLA's dot serves (a warning says
-why, once). It serves f32 on a CPU backend only; a sharded model keeps XLA's dot, whose partitioner
+The kernel is built on first use (``kernels.cpu_build``). Without a compiler or the wheel, or with the
+engine option ``cpu_matmul_kernels`` off (``openblas.use_cpu_matmul_kernels``), ``available()`` is
+False and XLA's dot serves (a warning says why, once). It serves f32 on a CPU backend only; a sharded model keeps XLA's dot, whose partitioner
 splits it over the mesh (``models.mesh.shard_kernels``).
 """
 from __future__ import annotations

@@ -4,16 +4,38 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 logger = logging.getLogger(__name__)
+
+
+_choice: bool | None = None     # the process's: the compiled CPU matmul kernels (True) or XLA's dot
+
+
+def use_cpu_matmul_kernels(enabled: bool) -> None:
+    """The process's choice of matmul on the CPU (the engine option ``cpu_matmul_kernels``, set at
+    start-up before a model is built): the compiled kernels, or XLA's dot. A model's weights are
+    laid out for the one chosen, so the choice holds for the whole process: another one after the
+    first use is a ValueError."""
+    global _choice
+    if _choice is not None and _choice != bool(enabled):
+        raise ValueError(f"cpu_matmul_kernels: this process already runs its models with "
+                         f"cpu_matmul_kernels={_choice}; the choice holds for the whole process")
+    _choice = bool(enabled)
+
+
+def cpu_matmul_kernels_chosen() -> bool:
+    """The process's choice (True until one is made; reading it fixes it)."""
+    global _choice
+    if _choice is None:
+        _choice = True
+    return _choice
 
 
 @functools.cache
 def openblas_build() -> dict | None:
     """The compiler's include and link arguments for OpenBLAS, or None (a warning says why, once)
-    without the wheel or with ``JAXENGINE_CPU_MATMUL_KERNEL=0``: the callers keep XLA's dot."""
-    if os.environ.get("JAXENGINE_CPU_MATMUL_KERNEL", "1") == "0":
+    without the wheel or with ``cpu_matmul_kernels`` off: the callers keep XLA's dot."""
+    if not cpu_matmul_kernels_chosen():
         return None
     try:
         import scipy_openblas32 as openblas

@@ -1,4 +1,4 @@
-"""Which paged-attention implementation the model uses: ``auto | pallas | reference``, plus
+"""Which paged-attention implementation the model uses: ``auto | pallas | cpu | reference``, plus
 ``pallas-triton`` and ``pallas-mosaic`` to force one of the two Pallas kernels."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "pallas", "pallas-triton", "pallas-mosaic", "reference")
+BACKENDS = ("auto", "pallas", "pallas-triton", "pallas-mosaic", "cpu", "reference")
 
 # Whether ``pallas`` uses the Mosaic GPU kernel on Hopper for the layouts it serves (16-bit
 # caches, head size a multiple of 64). Off until scripts/gpu_check.sh has measured it faster than
@@ -19,20 +19,22 @@ MOSAIC_ON_HOPPER = False
 
 
 def select_attention(backend: str = "auto", device: jax.Device | None = None) -> Callable:
-    """``reference``: the plain-jnp path (tiled for the CPU, checked against the per-token
-    reference). ``pallas``: the ragged Pallas kernels (interpreted on the CPU, for tests): the
-    Triton-lowered one, or on Hopper the Mosaic GPU one where it serves the layout and
-    ``MOSAIC_ON_HOPPER``. ``auto``: ``pallas`` on a CUDA GPU of compute capability 8.0 or newer
-    (the Triton lowering's floor), else the reference."""
+    """``reference``: the plain-jnp path alone (tiled, checked against the per-token reference).
+    ``cpu``: the compiled CPU kernel (``cpu_decode``) for every layer it serves (an f32 or FP8
+    cache on a CPU), the plain-jnp path for the others. ``pallas``: the ragged Pallas kernels
+    (interpreted on the CPU, for tests): the Triton-lowered one, or on Hopper the Mosaic GPU one
+    where it serves the layout and ``MOSAIC_ON_HOPPER``. ``auto``: ``pallas`` on a CUDA GPU of
+    compute capability 8.0 or newer (the Triton lowering's floor), else ``cpu``."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend: must be one of {list(BACKENDS)}, got {backend!r}")
     device = device or jax.devices()[0]
     if backend == "auto":
-        backend = "pallas" if _capability(device) >= (8, 0) else "reference"
-    if backend == "reference":
+        backend = "pallas" if _capability(device) >= (8, 0) else "cpu"
+    if backend in ("cpu", "reference"):
         from jaxengine.kernels.paged_attention.tiled import paged_attention_tiled
 
-        return paged_attention_tiled
+        return paged_attention_tiled if backend == "cpu" else functools.partial(paged_attention_tiled,
+                                                                                 decode_kernel=False)
     from jaxengine.kernels.paged_attention.kernel import paged_attention_pallas
     from jaxengine.kernels.paged_attention.mosaic_kernel import paged_attention_mosaic
 

@@ -3,14 +3,13 @@
 shares the rows between the cores through XLA's own thread pool (BENCHMARKS.md, "decode attention
 read in place").
 
-It is built on first use (``kernels.cpu_build``). Without a compiler, or with
-``JAXENGINE_CPU_DECODE_KERNEL=0``, ``available()`` is False and the plain-jnp path serves (a
-warning says why, once).
+It is built on first use (``kernels.cpu_build``). Without a compiler ``available()`` is False and
+the plain-jnp path serves (a warning says why, once); ``attention_backend="reference"`` chooses
+that path outright.
 """
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import jax
@@ -36,8 +35,6 @@ def serves(q: jax.Array, k_cache: jax.Array) -> bool:
 
 @functools.cache
 def available() -> bool:
-    if os.environ.get("JAXENGINE_CPU_DECODE_KERNEL", "1") == "0":
-        return False
     return register_kernel(SOURCE, "JaxenginePagedDecode", TARGET, "CPU decode-attention")
 
 

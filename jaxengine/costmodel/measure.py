@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
-from jaxengine.bench.datasets import random_token_ids
+from jaxengine.costmodel.profile import CostProfile, machine_description, trace_points
 from jaxengine.engine import Engine
-from jaxengine.lab.profile import CostProfile, machine_description, trace_points
 from jaxengine.sampling_params import SamplingParams
 
 UNIQUE_TAIL = 16            # prompt tokens of each decode row of a scenario that are its own
@@ -116,4 +115,4 @@ def _prefill_sizes(buckets: list[int], rows: int) -> list[int]:
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return random_token_ids(rng, n, vocab, low=1)
+    return [rng.randrange(1, vocab) for _ in range(n)]

@@ -4,7 +4,7 @@ A step takes at least as long as reading its bytes at the memory bandwidth and a
 FLOPs at the peak rate, whichever is longer (``floor_seconds``). Every floor in the project comes
 from here: the bench tool's matmul baseline (``latency --baseline matmul``, the offline presets'
 share of the peak), the GPU benchmark's decode floor, the offline workload's lower bound and the
-lab's what-if profiles of machines that are not here (``jaxengine.lab.roofline``).
+lab's what-if profiles of machines that are not here (``jaxengine.costmodel.roofline``).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ that was not measured takes its coefficients by linear interpolation in the buck
 the nearest measured ones (linear extrapolation past the largest, the smallest's below it). The profile keeps the spread of
 measured / predicted times, which the simulator may draw from so that tails are not too tidy.
 
-``jaxengine.lab.roofline.RooflineProfile`` answers the same question from datasheet figures
+``jaxengine.costmodel.roofline.RooflineProfile`` answers the same question from datasheet figures
 (bandwidth, FLOP/s) for a machine that is not here: a model, not a measurement, and it says so.
 """
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxengine.lab.step_shape import StepShape, write_json
+from jaxengine.costmodel.step_shape import StepShape, write_json
 
 if TYPE_CHECKING:
-    from jaxengine.lab.roofline import RooflineProfile
+    from jaxengine.costmodel.roofline import RooflineProfile
 
 FEATURES = ("const", "prefill_step", "row_bucket", "max_context", "sum_context", "routed_pairs")
 NOISE_QUANTILES = 41          # measured/predicted ratios kept: the 0th, 2.5th, ..., 100th percentiles
@@ -259,7 +259,7 @@ def machine_description() -> dict:
 
 def load_profile(path: str | Path) -> CostProfile | RooflineProfile:
     """A profile JSON written by ``calibrate`` (or ``save``), measured or a roofline model."""
-    from jaxengine.lab.roofline import RooflineProfile
+    from jaxengine.costmodel.roofline import RooflineProfile
 
     try:
         d = json.loads(Path(path).read_text())

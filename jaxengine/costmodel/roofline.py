@@ -1,13 +1,13 @@
 """What-if profiles: a step's time on a machine that is not here, from datasheet figures
-(bandwidth, FLOP/s) and the bench tool's roofline (``jaxengine.bench.roofline``). A model, not a
+(bandwidth, FLOP/s) and the bench tool's roofline (``jaxengine.costmodel.floors``). A model, not a
 measurement, and it says so. It answers the simulator's questions as a ``CostProfile`` does."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jaxengine.bench.roofline import kv_bytes_per_token, step_floor_seconds
-from jaxengine.lab.step_shape import StepShape, write_json
+from jaxengine.costmodel.floors import kv_bytes_per_token, step_floor_seconds
+from jaxengine.costmodel.step_shape import StepShape, write_json
 
 
 @dataclass(frozen=True)
