@@ -138,14 +138,27 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     return ffi::Error::InvalidArgument("cpu panel matmul: layer index out of range");
   if (m == 0 || strips == 0) return ffi::Error::Success();
   const int64_t n = strips * jaxengine::kPanel, strip_size = k * jaxengine::kPanel;
-  const int64_t blocks = std::min<int64_t>(pool.num_threads(), strips), per = (strips + blocks - 1) / blocks;
   const float *xp = x.typed_data(), *wp = panels.typed_data() + index * strips * strip_size;
   float* op = out->typed_data();
-  jaxengine::ParallelFor(pool, blocks, [=](int64_t b) {
-    for (int64_t s = b * per; s < std::min(strips, (b + 1) * per); ++s)
-      jaxengine::Gemm(xp, k, m, k, wp + s * strip_size, jaxengine::kPanel, jaxengine::kPanel,
-                      op + s * jaxengine::kPanel, n);
-  });
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  auto strips_of = [=](int64_t blocks) {
+    const int64_t per = (strips + blocks - 1) / blocks;
+    return [=](int64_t b) {
+      for (int64_t s = b * per; s < std::min(strips, (b + 1) * per); ++s)
+        jaxengine::Gemm(xp, k, m, k, wp + s * strip_size, jaxengine::kPanel, jaxengine::kPanel,
+                        op + s * jaxengine::kPanel, n);
+    };
+  };
+  if (m <= kFewRows) {
+    // A decode's few rows: a step makes hundreds of these short products, so they go to HotPool's
+    // helpers, which stay awake between them (waking one of XLA's pool threads costs a good part of
+    // such a product), in two blocks of strips a thread.
+    const int64_t blocks = std::min<int64_t>(strips, 2 * threads);
+    jaxengine::HotPool::Get(static_cast<int>(threads) - 1).Run(blocks, strips_of(blocks));
+    return ffi::Error::Success();
+  }
+  const int64_t blocks = std::min<int64_t>(threads, strips);
+  jaxengine::ParallelFor(pool, blocks, strips_of(blocks));
   return ffi::Error::Success();
 }
 
