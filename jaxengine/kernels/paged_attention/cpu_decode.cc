@@ -469,7 +469,7 @@ void attend(const Problem& p, const Item& item) {
   const int64_t elem = p.fp8 ? 1 : sizeof(float), page_bytes = page_stride * elem;
   const char* k_cache = static_cast<const char*>(p.k_cache);
   const char* v_cache = static_cast<const char*>(p.v_cache);
-  {                                                    // the first page (the second comes with it)
+  {                                                    // the first page (the second is not prefetched)
     const int64_t block = p.tables[row * p.width + first / p.page_size];
     prefetch_page(k_cache + block * page_bytes, v_cache + block * page_bytes, 0, page_bytes);
   }
