@@ -94,9 +94,9 @@ class SpeculativeConfig:
     host, in the request's own tokens: the latest earlier occurrence of its last n tokens (n from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``) proposes the ``num_speculative_tokens``
     that followed it. ``draft_model``: ``model``, a smaller checkpoint with the model's vocabulary,
-    proposes them greedily on the device from its own KV cache (``runner/drafter.py``); ``eagle3``:
+    proposes them greedily on the device from its own KV cache (``spec_decode/drafter.py``); ``eagle3``:
     ``model``, an EAGLE-3 head checkpoint trained for the model, proposes them greedily from the
-    model's own hidden states (``runner/eagle_drafter.py``); ``mtp``: the model's own multi-token
+    model's own hidden states (``spec_decode/eagle_drafter.py``); ``mtp``: the model's own multi-token
     prediction layer (DeepSeek-V3's ``num_nextn_predict_layers``, ``models/mtp.py``), from its
     checkpoint, drafting as an EAGLE-3 head does. The target
     model verifies every proposal in the next step, so outputs are the target's own

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from jaxengine.config import MODEL_PROPOSERS, EngineConfig
+from jaxengine.config import EngineConfig
 from jaxengine.core.scheduler import Scheduler
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, StepLimits
 from jaxengine.lora_request import LoRARequest
@@ -130,10 +130,8 @@ class Engine:
         self.structured = StructuredOutputManager(grammar_compiler)     # None: structured output refused
         self.runner = runner
         self.eos_token_id = eos_token_id
-        spec = config.speculative
-        drafter = getattr(runner, "drafter", None) if spec is not None and spec.method in MODEL_PROPOSERS else None
-        self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock, speculative=spec,
-                                   token_buckets=getattr(runner, "token_buckets", None), proposer=drafter,
+        self.scheduler = Scheduler(config.scheduler, config.cache, clock=clock, speculative=config.speculative,
+                                   token_buckets=getattr(runner, "token_buckets", None),
                                    max_loras=0 if config.lora is None else config.lora.max_loras)
         self.clock = clock
         self.async_scheduling = async_scheduling
@@ -367,7 +365,7 @@ class Engine:
     def _can_run_ahead(self, out: SchedulerOutput) -> bool:
         # Speculative decoding: the next step's drafts start from this step's accepted tokens,
         # which a step launched ahead cannot know (it would carry no draft).
-        if not out.seq_ids or max(out.num_samples) > 1 or self.scheduler.proposer is not None:
+        if not out.seq_ids or max(out.num_samples) > 1 or self.scheduler.gate is not None:
             return False
         return not any(seq.request.needs_history for seq in out.scheduled_seqs)
 

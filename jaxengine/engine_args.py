@@ -354,7 +354,7 @@ class EngineArgs:
 
     def step_buckets(self) -> tuple[list[int], list[int]]:
         """The token and row buckets the runner compiles: those given, else its defaults."""
-        from jaxengine.runner.buckets import step_buckets
+        from jaxengine.buckets import step_buckets
 
         return step_buckets(self.max_num_batched_tokens, self.max_num_seqs, self.token_buckets, self.request_buckets)
 

@@ -10,7 +10,8 @@ launched before the previous one's tokens are known), which a speculating engine
 
 One engine serves every configuration (``--speculative-config`` with the largest k): its compiled
 buckets are the same for all, and k, or speculation itself, is switched between runs by giving
-the scheduler the proposer of that k (or none). The runs of one measurement go in turns.
+the runner the proposer of that k (or taking the scheduler's speculation gate away). The runs of
+one measurement go in turns.
 """
 from __future__ import annotations
 
@@ -48,18 +49,20 @@ FREE = [
 ASYNC_OFF = "off, async"        # speculation off, steps launched ahead (async scheduling)
 
 
-def run(llm: LLM, prompts: list[str], proposer, max_tokens: int, run_ahead: bool = False
+def run(llm: LLM, prompts: list[str], proposer, gate, max_tokens: int, run_ahead: bool = False
         ) -> tuple[float, list[list[int]], dict]:
     """Seconds, output tokens and speculation counts of one generate() call with ``proposer``
-    (``run_ahead``: with async scheduling)."""
+    (None: speculation off; ``gate``: the engine's speculation gate; ``run_ahead``: with async
+    scheduling)."""
     engine = llm.engine
-    engine.scheduler.proposer = proposer
+    engine.runner.ngram = proposer
+    engine.scheduler.gate = None if proposer is None else gate
     engine.async_scheduling = run_ahead
     counts = {"draft": 0, "accepted": 0, "steps": 0}
     record = Engine._record
 
-    def counting(self, launched, output):
-        record(self, launched, output)
+    def counting(self, launched, output, finished):
+        record(self, launched, output, finished)
         counts["draft"] += self.last_trace.num_draft_tokens
         counts["accepted"] += self.last_trace.num_accepted_tokens
         counts["steps"] += 1
@@ -77,7 +80,7 @@ def run(llm: LLM, prompts: list[str], proposer, max_tokens: int, run_ahead: bool
 
 def measure(llm: LLM, prompts: list[str], ks: list[int], batch: int, repeats: int, max_tokens: int) -> dict:
     """Each configuration ``repeats`` times in turns; the best time of each."""
-    cfg = llm.config.speculative
+    cfg, gate = llm.config.speculative, llm.engine.scheduler.gate
     proposers = {"off": None, ASYNC_OFF: None,
                  **{f"k={k}": NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min) for k in ks}}
     batch_prompts = (prompts * (batch // len(prompts) + 1))[:batch] if batch > 1 else prompts
@@ -85,16 +88,16 @@ def measure(llm: LLM, prompts: list[str], ks: list[int], batch: int, repeats: in
     tokens: dict[str, list] = {}
     counts: dict[str, dict] = {}
     for name, proposer in proposers.items():    # untimed: each configuration's first run pays first-use costs
-        run(llm, batch_prompts[:1], proposer, 8, name == ASYNC_OFF)
+        run(llm, batch_prompts[:1], proposer, gate, 8, name == ASYNC_OFF)
     for _ in range(repeats):
         for name, proposer in proposers.items():
             if batch == 1:                           # one request at a time
-                results = [run(llm, [p], proposer, max_tokens, name == ASYNC_OFF) for p in batch_prompts]
+                results = [run(llm, [p], proposer, gate, max_tokens, name == ASYNC_OFF) for p in batch_prompts]
                 seconds = sum(r[0] for r in results)
                 out = [t for r in results for t in r[1]]
                 c = {key: sum(r[2][key] for r in results) for key in ("draft", "accepted", "steps")}
             else:
-                seconds, out, c = run(llm, batch_prompts, proposer, max_tokens, name == ASYNC_OFF)
+                seconds, out, c = run(llm, batch_prompts, proposer, gate, max_tokens, name == ASYNC_OFF)
             best[name] = min(best.get(name, float("inf")), seconds)
             tokens[name], counts[name] = out, c
     num_tokens = sum(map(len, tokens["off"]))

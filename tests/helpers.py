@@ -34,7 +34,8 @@ class Harness:
                                           lora=lora)
         cache = self.config.cache
         self.clock = clock or Clock()
-        self.runner = HashRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size)
+        self.runner = HashRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size,
+                                 speculative=speculative)
         self.engine = Engine(self.config, self.runner, clock=self.clock, async_scheduling=async_scheduling)
         self.scheduler = self.engine.scheduler
         self.kv = self.scheduler.kv

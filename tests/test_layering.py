@@ -18,7 +18,7 @@ PACKAGE = "jaxengine"
 # package's own __init__). A module may import from its own layer or any layer below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("types", ("config", "sampling_params", "request", "lora_request", "outputs", "trace", "paths", "logs",
-               "generation_config")),
+               "generation_config", "buckets")),
     ("kernels", ("kernels",)),
     ("models", ("models", "sample")),
     ("spec_decode", ("spec_decode",)),

@@ -10,7 +10,7 @@ from jaxengine.autopilot.cost import OnlineCost
 from jaxengine.engine import Engine
 from jaxengine.costmodel.measure import CalibrationGrid, calibrate_engine
 from jaxengine.costmodel.profile import CostProfile, load_profile
-from jaxengine.runner.buckets import step_buckets
+from jaxengine.buckets import step_buckets
 
 __all__ = ["OVERLOAD_MARGIN", "STARTUP_GRID", "startup_grid", "Autopilot", "OnlineCost", "Outlook", "StepPlan", "attach_autopilot"]
 

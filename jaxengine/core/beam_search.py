@@ -177,11 +177,13 @@ def decide(group: Request) -> BeamStep:
                        [search.candidates.pop(s.seq_id) for s in beams])
 
 
-def apply_step(group: Request, step: BeamStep, fork_seq: Callable[[Sequence, int], Sequence]) -> list[Sequence]:
+def apply_step(group: Request, step: BeamStep, fork_seq: Callable[[Sequence, int], Sequence],
+               intake: Callable[..., object]) -> list[Sequence]:
     """The step applied to the group's sequences: a beam continued once extends in place, one
     continued several ways forks (``fork_seq(parent, sample_index)`` makes a child sharing its
-    blocks, the partial last one copied on write). Returns the beams not continued, for the
-    caller to free."""
+    blocks, the partial last one copied on write); they take their tokens through the
+    scheduler's ``intake(beams, tokens, searched=True)``. Returns the beams not continued, for
+    the caller to free."""
     beams = group.live_seqs
     parents_taken: set[int] = set()
     next_beams = []
@@ -196,10 +198,8 @@ def apply_step(group: Request, step: BeamStep, fork_seq: Callable[[Sequence, int
             parents_taken.add(c.beam)
             next_beams.append((parent, c))
     dropped = [seq for b, seq in enumerate(beams) if b not in parents_taken]
+    intake([seq for seq, _ in next_beams], [[c.token] for _, c in next_beams], searched=True)
     for seq, c in next_beams:
-        if seq.grammar is not None:
-            seq.grammar.accept(c.token)    # the candidates came through its mask
-        seq.token_ids.append(c.token)
         seq.logprobs.append((c.logprob, c.top))
         seq.cumulative_logprob = c.cumulative_logprob
         seq.is_new = True                  # the runner learns the chosen token with the sequence

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jaxengine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from jaxengine.config import MODEL_PROPOSERS, CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxengine.core import beam_search
 from jaxengine.core.beam_search import BeamSearch
 from jaxengine.core.kv_cache_manager import AllocStatus, ComputedBlocks, KVCacheManager, cdiv
@@ -31,7 +31,6 @@ from jaxengine.core.scheduler_output import ModelRunnerOutput, NewSequenceData, 
     StepLimits
 from jaxengine.request import PLACEHOLDER, Request, RequestStatus, Sequence, check_stop
 from jaxengine.spec_decode.gate import SpeculationGate
-from jaxengine.spec_decode.ngram import NgramProposer
 from jaxengine.core.structured_output import StructuredOutputManager
 
 RUNNING = RequestStatus.RUNNING
@@ -60,24 +59,24 @@ class StepState:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
                  clock: Callable[[], float] = time.monotonic, speculative: SpeculativeConfig | None = None,
-                 token_buckets: list[int] | None = None, proposer=None, max_loras: int = 0) -> None:
-        """``token_buckets``: the runner's (the speculation gate prices a draft by the bucket it
-        moves the step to; default: every token count its own). ``proposer``: the draft model's
-        (``runner.drafter.Drafter``: ``propose_rows``), for method draft_model. ``max_loras``: most
-        distinct LoRA adapters running at once (0: no adapters), so every step's fit the device's
-        slots; a request whose adapter would pass it waits at the head of the queue, and is the
-        first admitted once an adapter's last request ends (nothing overtakes it: no starvation)."""
+                 token_buckets: list[int] | None = None, max_loras: int = 0) -> None:
+        """``speculative``: the runner proposes drafts after each step for the sequences the
+        scheduler names (``SchedulerOutput.propose``) and hands them back in its output; the
+        scheduler budgets them into the next step. ``token_buckets``: the runner's (the
+        speculation gate prices a draft by the bucket it moves the step to; default: every token
+        count its own). ``max_loras``: most distinct LoRA adapters running at once (0: no
+        adapters), so every step's fit the device's slots; a request whose adapter would pass it
+        waits at the head of the queue, and is the first admitted once an adapter's last request
+        ends (nothing overtakes it: no starvation)."""
         self.config = config
         self.max_loras = max_loras
-        self.proposer = self.gate = None
+        self.gate = None
+        self.proposals: dict[int, list[int]] = {}     # the runner's drafts from the last step, by seq_id
+        self._lookahead = False                         # a proposal writes KV: its slots come with the step
         if speculative is not None:
-            if speculative.method == "draft_model" and proposer is None:
-                raise ValueError("speculative_config.method: draft_model needs the runner's draft model (a model "
-                                 "runner built with it)")
-            self.proposer = proposer or NgramProposer(speculative.num_speculative_tokens,
-                                                      speculative.prompt_lookup_max, speculative.prompt_lookup_min)
             self.gate = SpeculationGate(speculative.num_speculative_tokens,
                                         token_buckets or list(range(1, config.max_num_batched_tokens + 1)))
+            self._lookahead = speculative.method in MODEL_PROPOSERS
         self.kv = KVCacheManager(cache_config)
         self.block_size = cache_config.block_size
         self.clock = clock
@@ -203,7 +202,7 @@ class Scheduler:
                 self._schedule_by_rank(step, passed_delay)
             else:
                 self._schedule_in_arrival_order(step, passed_delay)
-        if self.proposer is not None:
+        if self.gate is not None:
             self._add_drafts(step)
         out = self._finalize(step)
         self._step = None
@@ -290,79 +289,62 @@ class Scheduler:
                 step.num_partial += self._leaves_partial(group.live_seqs)
 
     def _add_drafts(self, step: StepState) -> None:
-        """Speculative decoding: extend the step's decode rows by their proposer's draft tokens,
-        with the budget the step's other rows left (a draft displaces no prompt token: where
-        prompts fill the budget, a rejected draft token would be work thrown away that a prompt
-        token could have done) and within its row limit (every draft token is a sample row). A
-        row gets a draft only when the host knows all its tokens (no placeholder) and its request
-        does not search beams (a grammar's row keeps the part of its draft the grammar allows),
-        and the draft's KV slots can be had without preempting anyone; the gate
+        """Speculative decoding: extend the step's decode rows by the drafts the runner proposed
+        for them after the last step (``proposals``), then name the rows it proposes for after
+        this one. Drafts take the budget the step's other rows left (a draft displaces no prompt
+        token: where prompts fill the budget, a rejected draft token would be work thrown away that
+        a prompt token could have done) and stay within its row limit (every draft token is a
+        sample row). A row drafts only when the host knows all its tokens (no placeholder) and
+        its request does not search beams (a grammar's row keeps the part of its draft the grammar
+        allows), and the draft's KV slots can be had without preempting anyone; the gate
         (``spec_decode.gate``) plans each row's draft length by what pays this step, or switches
         speculation off."""
         out = step.out
-        candidates = []                             # (row, sequence, the most draft tokens it may take)
+        candidates, nexts = [], []           # (row, sequence, the most draft tokens it may take now / next step)
         for i, seq in enumerate(out.scheduled_seqs):
-            if out.num_scheduled_tokens[i] != 1 or out.num_samples[i] != 1 or out.previous_sample_rows[i] >= 0:
+            if out.num_samples[i] != 1 or out.previous_sample_rows[i] >= 0 or seq.request.beam is not None:
                 continue
-            if seq.request.beam is None:
-                # The decode's own sample is one more output token: drafts beyond max_tokens are waste.
-                candidates.append((i, seq, seq.request.max_output_tokens - seq.num_output_tokens - 1))
-        if not candidates:
-            return
+            # The row's own sample is one more output token: drafts beyond max_tokens are waste.
+            most = seq.request.max_output_tokens - seq.num_output_tokens - 1
+            if out.num_scheduled_tokens[i] == 1:
+                candidates.append((i, seq, most))
+            if most > 1:
+                nexts.append((i, seq, most - 1))
         room = step.limits.max_num_seqs - sum(out.num_samples)      # sample rows the row bucket has left
-        if getattr(self.proposer, "needs_slots", False):
-            self._add_model_drafts(step, candidates, room)
-            return
-        proposals = []
-        for i, seq, most in candidates:
-            draft = self.proposer.propose(seq.token_ids, most)
-            if draft and seq.grammar is not None:
-                draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
-            if draft:
-                proposals.append((i, seq, draft))
-        lengths = self.gate.plan(sum(out.num_scheduled_tokens), _sampling_rows(out),
-                                 [(len(d), self._acceptance(seq)) for _, seq, d in proposals],
-                                 max(0, min(step.budget, room)))
-        for (i, seq, draft), n in zip(proposals, lengths):
-            draft = draft[:min(n, step.budget, room)]
-            if draft and self._draft_slots(step, seq, len(draft)):
-                self._take_draft(step, i, seq, draft)
-                room -= len(draft)
-
-    def _add_model_drafts(self, step: StepState, candidates: list, room: int) -> None:
-        """A draft model's drafts: the gate's length first, then the slots, then the proposals
-        (the draft model writes its KV at the draft positions)."""
-        out, k_max = step.out, self.proposer.k
-        if out.blocks_to_swap_out or out.blocks_to_swap_in or self.kv.pending_copies:
-            return            # its proposal runs now, before the step's block moves: none this step
-        lengths = self.gate.plan(sum(out.num_scheduled_tokens), _sampling_rows(out),
-                                 [(max(0, min(k_max, most)), self._acceptance(seq)) for _, seq, most in candidates],
-                                 max(0, min(step.budget, room)))
-        rows = []
-        for (i, seq, _), n in zip(candidates, lengths):
-            n = min(n, step.budget, room)
-            if n > 0 and self._draft_slots(step, seq, n):
-                rows.append((i, seq, n))
-                step.budget -= n
-                room -= n
-        if not rows:
-            return
-        drafts = self.proposer.propose_rows([(seq, n) for _, seq, n in rows])
-        for (i, seq, n), draft in zip(rows, drafts):
-            step.budget += n                        # charged again by _take_draft, as kept
-            if seq.grammar is not None:
-                draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
-            if len(draft) < n:                      # cut, or none proposed: the slots past it go back
-                self.kv.trim(seq, cdiv(seq.num_computed_tokens + len(draft), self.block_size))
-            if draft:
-                self._take_draft(step, i, seq, draft)
+        base = (sum(out.num_scheduled_tokens), _sampling_rows(out), max(0, min(step.budget, room)))
+        # Who proposes after this step, and how far: a proposer with a KV cache of its own (a draft
+        # model, a head) runs only where the gate would take its drafts (the step as now is the
+        # guess of the next), and writes its KV in slots allocated here; prompt lookup costs nothing.
+        k = self.gate.k
+        wanted = [(i, seq, min(k, most)) for i, seq, most in nexts]
+        if self._lookahead and wanted:
+            lengths = self.gate.plan(*base[:2], [(n, self._acceptance(seq)) for _, seq, n in wanted], base[2])
+            wanted = [(i, seq, n) for (i, seq, _), n in zip(wanted, lengths)]
+        if candidates:
+            proposals = []
+            for i, seq, most in candidates:
+                draft = self.proposals.get(seq.seq_id, ())[:most]
+                if draft and seq.grammar is not None:
+                    draft = draft[:seq.grammar.valid_prefix(draft)]      # what the grammar allows
+                if draft:
+                    proposals.append((i, seq, draft))
+            lengths = self.gate.plan(*base[:2], [(len(d), self._acceptance(seq)) for _, seq, d in proposals], base[2])
+            for (i, seq, draft), n in zip(proposals, lengths):
+                draft = draft[:min(n, step.budget, room)]
+                if draft and self._draft_slots(step, seq, len(draft)):
+                    self._take_draft(step, i, seq, draft)
+                    room -= len(draft)
+        for i, seq, n in wanted:
+            if n > 0 and (not self._lookahead or self._draft_slots(step, seq, n)):
+                out.propose[seq.seq_id] = n
 
     def _acceptance(self, seq: Sequence) -> float:
         """The sequence's acceptance as the gate estimates it."""
         return self.gate.row_alpha(seq.spec_accepted, seq.spec_trials)
 
     def _draft_slots(self, step: StepState, seq: Sequence, n: int) -> bool:
-        """KV slots for ``n`` draft tokens after the decode's (never by preempting anyone)."""
+        """KV slots for ``n`` more positions after the row's (drafts, or a proposal's; never by
+        preempting anyone)."""
         blocks = len(seq.block_table)
         if not self.kv.allocate_slots(seq, n):
             return False
@@ -679,6 +661,7 @@ class Scheduler:
                 seq.num_computed_tokens -= out.num_scheduled_tokens[i]
                 step.budget += out.num_scheduled_tokens[i]
                 out.draft_token_ids.pop(seq.seq_id, None)
+                out.propose.pop(seq.seq_id, None)
         for values in (out.seq_ids, out.num_scheduled_tokens, out.num_samples, out.scheduled_seqs,
                        out.num_computed_tokens, out.previous_sample_rows):
             values[:] = [values[i] for i in keep]   # in place: the decode pass holds these lists
@@ -764,25 +747,80 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens, apply stop checks, free finished sequences. Returns the
         requests that finished since the last call (including aborted and ignored ones)."""
-        kv, bs, caching = self.kv, self.block_size, self.kv.enable_caching
         now = self.clock()
         searching = self._num_beam_searches > 0
-        any_finished = False
         if result.logprobs is not None:
             self._record_logprobs(out, result.logprobs)
         if result.prompt_logprobs is not None:
             for seq, row in zip(out.scheduled_seqs, result.prompt_logprobs):
                 for position, entry in row or ():
                     seq.request.prompt_logprobs[position] = entry     # by position: recompute-safe
-        drafts = out.draft_token_ids
-        for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids):
-            if drafts and seq.seq_id in drafts:
-                if seq.status is RUNNING and tokens:
-                    any_finished |= self._apply_verified(seq, len(drafts[seq.seq_id]), tokens, now)
-                continue
-            if seq.status is RUNNING:
+        any_finished = self._intake(out.scheduled_seqs, result.sampled_token_ids, now, out.draft_token_ids,
+                                    skip_beams=searching)
+        if out.draft_token_ids or (self._lookahead and out.propose):
+            any_finished |= self._take_verified(out, result, now)
+        self.proposals = result.draft_token_ids
+        if searching:
+            for group in beam_search.take_candidates(out, result):
+                self._beam_step(group)
+                any_finished |= group.is_finished
+        if any_finished:
+            self.running = [g for g in self.running if g.status is RUNNING]
+        finished, self._finished = self._finished, []
+        return finished
+
+    # ------------------------------------------------------------------ beam search
+    def _beam_step(self, group: Request) -> None:
+        """One step of the group's search (``core/beam_search.py`` decides and extends the
+        beams); the beams it drops give their blocks back. When the search ends the group
+        finishes with its hypotheses as its sequences."""
+        group.forked = True
+        step = beam_search.decide(group)
+        if step.done:
+            self._finish_beam_search(group)
+            return
+        for seq in beam_search.apply_step(group, step, self._fork_seq, self._intake):
+            self.kv.free(seq)
+            seq.status = RequestStatus.FINISHED_ABORTED
+            self._finished_seq_ids.append(seq.seq_id)
+
+    def _finish_beam_search(self, group: Request) -> None:
+        for seq in group.live_seqs:
+            self._free_seq(seq, RequestStatus.FINISHED_ABORTED)
+        group.seqs = beam_search.hypothesis_seqs(group)
+        status = group.seqs[0].status if group.seqs else RequestStatus.FINISHED_LENGTH
+        self.running.remove(group)
+        self._mark_finished(group, status, None)
+        self._finished.append(group)
+
+    # ------------------------------------------------------------------ tokens
+    def _intake(self, seqs: list[Sequence], token_lists: list[list[int]], now: float | None = None, drafts=None,
+                *, skip_beams: bool = False, searched: bool = False) -> bool:
+        """The one way output tokens join sequences: one token per row (``seqs[i]`` gets
+        ``token_lists[i][0]``), for a step's rows (a decode's token, the first of a verified run,
+        whose later tokens come back through here a position at a time, ``_take_verified``; at a
+        fork the n samples, one to each of the n sequences, again through here; the token of a
+        sequence preempted meanwhile) and for a beam search's chosen tokens. The token fills the
+        sequence's oldest placeholder (async scheduling) or is appended, then goes through the stop
+        checks, then through its grammar; a token that ends the output finishes the sequence.
+        ``drafts``: the step's (a row with one is rolled back to its accepted tokens first);
+        ``skip_beams``: a beam's row is left to its search; ``searched``: a beam search's tokens,
+        checked against its own stop rules and taken through its grammar's mask, so only appended
+        and fed to the grammar. Returns whether a group finished.
+
+        One call per step and one token per row: a call per row, or a loop over a row's tokens,
+        would cost the engine loop a tenth of its host time (scripts/bench_scheduler.py)."""
+        kv, bs, caching, grammars = self.kv, self.block_size, self.kv.enable_caching, self.num_structured > 0
+        any_finished = False
+        for seq, tokens in zip(seqs, token_lists):
+            drafted = drafts and seq.seq_id in drafts
+            running = seq.status is RUNNING
+            if running:
+                if drafted:
+                    if tokens:
+                        self._roll_back(seq, len(drafts[seq.seq_id]), len(tokens) - 1)
                 # Cheap pre-filter (most steps fill no block); cache_full_blocks checks the known tokens.
-                if caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                elif caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
                     kv.cache_full_blocks(seq)
                 if not tokens:
                     continue                               # mid-prefill: nothing sampled
@@ -798,95 +836,84 @@ class Scheduler:
             request = seq.request
             if request.times.first_token is None:
                 request.times.first_token = now
-            if seq.status is not RUNNING:
-                self._fill_preempted(seq, tokens[0])       # keep the token it got
-                continue
-            if searching and request.beam is not None:
-                continue                                   # the search picks its tokens (below)
-            if len(tokens) > 1:
-                self._fork(request, seq, tokens)
+            if len(tokens) > 1 and running and not drafted:
+                self._fork(request, seq, tokens, now)
                 any_finished |= request.is_finished
                 continue
-            token = tokens[0]
-            token_ids, pending = seq.token_ids, seq.num_pending
-            if pending:                                    # async scheduling: fill the oldest placeholder
+            if skip_beams and request.beam is not None:
+                continue                                   # the search picks its tokens (``_beam_step``)
+            token, token_ids = tokens[0], seq.token_ids
+            pending = seq.num_pending
+            if pending:
                 token_ids[len(token_ids) - pending] = token
                 seq.num_pending = pending = pending - 1
             else:
                 token_ids.append(token)
+            if searched:
+                if seq.grammar is not None:
+                    seq.grammar.accept(token)
+                continue
+            status = reason = None
             # Cheap pre-filter on the hot path: most tokens can stop nothing.
             if (token in request.stop_token_set
                     or len(token_ids) - pending - seq.num_prompt_tokens >= request.max_output_tokens):
                 status = check_stop(request, seq, token)
-                if status is not None:
-                    self._finish_seq(request, seq, status)
-                    any_finished |= request.is_finished
-        if self.num_structured:
-            any_finished |= self._end_by_grammar(StructuredOutputManager.advance(out, result.sampled_token_ids))
-        if searching:
-            for group in beam_search.take_candidates(out, result):
-                self._beam_step(group)
-                any_finished |= group.is_finished
-        if any_finished:
-            self.running = [g for g in self.running if g.status is RUNNING]
-        finished, self._finished = self._finished, []
-        return finished
+            if status is None and grammars and seq.grammar is not None:
+                status, reason = StructuredOutputManager.take_token(seq, token) or (None, None)
+            if status is None:
+                continue
+            if running:
+                self._finish_seq(request, seq, status, reason)
+                any_finished |= request.is_finished
+            elif len(request.live_seqs) > 1:              # preempted by the step run ahead
+                self._free_seq(seq, status)
+            else:
+                self._finish_request(request, status, reason)
+        return any_finished
 
-    # ------------------------------------------------------------------ structured output
-    def _end_by_grammar(self, ended: list[tuple[Sequence, RequestStatus, str | None]]) -> bool:
-        """Finish the sequences their grammar ended (``StructuredOutputManager.advance``);
-        returns whether a group finished."""
-        finished = False
-        for seq, status, reason in ended:
-            group = seq.request
-            self._finish_seq(group, seq, status, reason)
-            finished |= group.is_finished
-        return finished
+    def _take_verified(self, out: SchedulerOutput, result: ModelRunnerOutput, now: float) -> bool:
+        """The rows with a draft (their first token went in with the step's): the rest of each
+        verified run, a position at a time through ``_intake`` (a token that ends the output
+        drops those after it); then each speculative row's cleanup (``_after_speculation``).
+        Returns whether a group finished."""
+        drafts, proposed = out.draft_token_ids, out.propose if self._lookahead else {}
+        runs = [(seq, tokens) for seq, tokens in zip(out.scheduled_seqs, result.sampled_token_ids)
+                if tokens and seq.seq_id in drafts]
+        any_finished = False
+        for position in range(1, max((len(tokens) for _, tokens in runs), default=0)):
+            going = [(seq, [tokens[position]]) for seq, tokens in runs if len(tokens) > position and not seq.is_finished]
+            any_finished |= self._intake([seq for seq, _ in going], [token for _, token in going], now)
+        for seq in out.scheduled_seqs:
+            drafted = seq.seq_id in drafts
+            if drafted or seq.seq_id in proposed:
+                self._after_speculation(seq, drafted, seq.status is RUNNING)
+        return any_finished
 
-    # ------------------------------------------------------------------ beam search
-    def _beam_step(self, group: Request) -> None:
-        """One step of the group's search (``core/beam_search.py`` decides and extends the
-        beams); the beams it drops give their blocks back. When the search ends the group
-        finishes with its hypotheses as its sequences."""
-        group.forked = True
-        step = beam_search.decide(group)
-        if step.done:
-            self._finish_beam_search(group)
-            return
-        for seq in beam_search.apply_step(group, step, self._fork_seq):
-            self.kv.free(seq)
-            seq.status = RequestStatus.FINISHED_ABORTED
-            self._finished_seq_ids.append(seq.seq_id)
+    def _roll_back(self, seq: Sequence, num_draft: int, accepted: int) -> None:
+        """A row that carried ``num_draft`` draft tokens kept ``accepted`` of them (its output is
+        those and the target's next token; ``spec_decode.verify``): the rejected drafts' KV is
+        rolled back, so the computed tokens end at the last accepted one."""
+        seq.num_computed_tokens -= num_draft - accepted
+        # Its own acceptance (decayed: a request's text changes), for the gate's plan.
+        seq.spec_accepted = SPEC_DECAY * seq.spec_accepted + accepted
+        seq.spec_trials = SPEC_DECAY * seq.spec_trials + accepted + (accepted < num_draft)
 
-    def _finish_beam_search(self, group: Request) -> None:
-        for seq in group.live_seqs:
-            self._free_seq(seq, RequestStatus.FINISHED_ABORTED)
-        group.seqs = beam_search.hypothesis_seqs(group)
-        status = group.seqs[0].status if group.seqs else RequestStatus.FINISHED_LENGTH
-        self.running.remove(group)
-        self._mark_finished(group, status, None)
-        self._finished.append(group)
-
-    # ------------------------------------------------------------------ tokens
-    def _fill_preempted(self, seq: Sequence, token: int) -> None:
-        """Async scheduling: a sequence swapped out or sent back to waiting by the step scheduled
-        ahead still gets the token its previous step sampled (discarding it could livelock: a
-        group swapped in and preempted again each step would never progress)."""
-        seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
-        seq.num_pending -= 1
-        request = seq.request
-        status = check_stop(request, seq, token)
-        if status is None:
-            return
-        if len(request.live_seqs) > 1:
-            self._free_seq(seq, status)
-        else:
-            self._finish_request(request, status, None)
+    def _after_speculation(self, seq: Sequence, drafted: bool, running: bool) -> None:
+        """After a speculative row's tokens went in: a draft's logprobs beyond the tokens kept go
+        (a stop inside the accepted run ends the output there), and a running sequence gives
+        back the blocks past its tokens (rejected drafts' slots, a proposal's), so no block table
+        or prefix-cache hash ever holds a rejected token."""
+        if drafted and len(seq.logprobs) > seq.num_output_tokens:        # asked for: those of the kept tokens
+            del seq.logprobs[seq.num_output_tokens:]
+        if running:
+            self.kv.trim(seq, cdiv(len(seq.token_ids), self.block_size))
+            if self.kv.enable_caching:
+                self.kv.cache_full_blocks(seq)
 
     @staticmethod
     def _record_logprobs(out: SchedulerOutput, logprobs: list) -> None:
         """Before the fork: a fork row's samples go to the leader and then to its new siblings.
-        A row with a draft: one per token it outputs (``_apply_verified`` keeps those it keeps)."""
+        A row with a draft: one per token it outputs (``_after_speculation`` keeps those of the tokens kept)."""
         for seq, row in zip(out.scheduled_seqs, logprobs):
             if row and not seq.is_finished and seq.request.beam is None:   # None: not asked; []: nothing sampled
                 if seq.seq_id in out.draft_token_ids:
@@ -894,41 +921,6 @@ class Scheduler:
                     continue
                 seq.logprobs.append(row[0])
                 seq.request.fork_logprobs = row[1:]
-
-    def _apply_verified(self, seq: Sequence, num_draft: int, tokens: list[int], now: float) -> bool:
-        """A row that carried ``num_draft`` draft tokens output ``tokens`` (the accepted drafts,
-        then the target's next token; ``spec_decode.verify``). The rejected drafts' KV is rolled
-        back: the computed tokens end at the last accepted one and blocks past the sequence's
-        tokens are freed, so no block table or prefix-cache hash ever holds a rejected token. The
-        tokens go in one at a time through the stop checks and the grammar, so a stop token,
-        max_tokens or a complete constraint inside an accepted run ends the output exactly where
-        it would end without speculation. Returns whether its group finished."""
-        request = seq.request
-        if request.times.first_token is None:
-            request.times.first_token = now
-        accepted = len(tokens) - 1
-        seq.num_computed_tokens -= num_draft - accepted
-        # Its own acceptance (decayed: a request's text changes), for the gate's plan.
-        seq.spec_accepted = SPEC_DECAY * seq.spec_accepted + accepted
-        seq.spec_trials = SPEC_DECAY * seq.spec_trials + accepted + (accepted < num_draft)
-        self.kv.trim(seq, cdiv(seq.num_tokens + len(tokens), self.block_size))
-        status = reason = None
-        for token in tokens:                       # as update_from_output takes one token: stop checks, then grammar
-            seq.token_ids.append(token)
-            status = check_stop(request, seq, token)
-            if status is None and seq.grammar is not None and \
-                    (end := StructuredOutputManager.take_token(seq, token)) is not None:
-                status, reason = end
-            if status is not None:
-                break
-        if len(seq.logprobs) > seq.num_output_tokens:        # asked for: keep those of the kept tokens
-            del seq.logprobs[seq.num_output_tokens:]
-        if self.kv.enable_caching:
-            self.kv.cache_full_blocks(seq)
-        if status is None:
-            return False
-        self._finish_seq(request, seq, status, reason)
-        return request.is_finished
 
     def _fork_seq(self, parent: Sequence, sample_index: int) -> Sequence:
         """A new running sequence with the parent's tokens and progress, sharing its blocks."""
@@ -938,17 +930,16 @@ class Scheduler:
         child.status = RUNNING
         return child
 
-    def _fork(self, request: Request, leader: Sequence, tokens: list[int]) -> None:
+    def _fork(self, request: Request, leader: Sequence, tokens: list[int], now: float) -> None:
         """The prompt is computed: the group becomes n sequences sharing the leader's blocks."""
         request.forked = True
         request.seqs.extend(self._fork_seq(leader, i) for i in range(1, len(tokens)))
         for seq, lp in zip(request.seqs[1:], request.fork_logprobs):
             seq.logprobs = list(leader.logprobs[:-1]) + [lp]
-        for seq, token in zip(request.seqs, tokens):
-            seq.token_ids.append(token)
-            status = check_stop(request, seq, token)
-            if status is not None:
-                self._finish_seq(request, seq, status)
+        if leader.grammar is not None:                  # each sibling follows a copy of the leader's matcher
+            for seq in request.seqs[1:]:
+                seq.grammar = leader.grammar.copy()
+        self._intake(request.seqs, [[token] for token in tokens], now)
 
     def _finish_seq(self, request: Request, seq: Sequence, status: RequestStatus, reason: str | None = None) -> None:
         self._free_seq(seq, status)

@@ -47,6 +47,10 @@ class SchedulerOutput:
     # Speculative decoding: seq_id -> the draft tokens its decode row carries after its input token
     # (the row has 1 + len(draft) tokens and samples each of them); rows without a draft are absent.
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Speculative decoding: seq_id -> the most draft tokens the runner proposes for the sequence
+    # once this step is sampled (for a proposer with a KV cache of its own, the slots of those
+    # positions are allocated); they come back in ``ModelRunnerOutput.draft_token_ids``.
+    propose: dict[int, int] = field(default_factory=dict)
     new_seqs: list[NewSequenceData] = field(default_factory=list)
     block_tables: dict[int, list[int]] = field(default_factory=dict)  # changed tables of known rows
     # Block moves to apply before the step, in this order: swap out, swap in, copy.
@@ -116,3 +120,5 @@ class ModelRunnerOutput:
     prompt_logprobs: list | None = None
     # A mixture of experts: tokens routed to each expert in the step, summed over the layers.
     expert_tokens: tuple[int, ...] = ()
+    # Speculative decoding: seq_id -> the draft proposed after this step (``SchedulerOutput.propose``).
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)

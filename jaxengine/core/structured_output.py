@@ -219,12 +219,13 @@ class StructuredOutputManager:
     (``WAITING_FOR_GRAMMAR``) while its grammar compiles on the compiler's worker thread; once
     it is ready the request leaves with its matcher (``take_ready``) for the scheduler. Each
     step, the manager fills the token bitmask of the rows that sample under a grammar
-    (``fill_bitmask``), and after it advances their matchers by the sampled tokens
-    (``advance``), saying which sequences that ends. ``compiler`` None: refused (no tokenizer).
+    (``fill_bitmask``); the scheduler's token intake feeds each output token to its sequence's
+    matcher (``take_token``), which says whether that ends it. ``compiler`` None: refused (no
+    tokenizer).
 
-    Writers of ``Sequence.grammar``: this manager (at admission, and a copy for each sibling at
-    a fork); beam search gives a forked beam a copy of its parent's and advances a beam by the
-    token the search chose (its rows are skipped here)."""
+    Writers of ``Sequence.grammar``: this manager (at admission); the scheduler gives each
+    sibling at a fork a copy of the leader's, and beam search a forked beam a copy of its
+    parent's."""
 
     def __init__(self, compiler: GrammarCompiler | None) -> None:
         self.compiler = compiler
@@ -291,28 +292,3 @@ class StructuredOutputManager:
         if seq.grammar.is_done:
             return RequestStatus.FINISHED_STOPPED, None
         return None
-
-    @staticmethod
-    def advance(out: SchedulerOutput, sampled: list) -> list[tuple[Sequence, RequestStatus, str | None]]:
-        """Each running sequence with a grammar takes in the token it got (the scheduler calls
-        this after its stop checks: a token that stopped a sequence is not fed). Returns the
-        sequences this ends: the grammar complete (stopped), or a token it refuses, which the
-        mask makes impossible (an error). At a fork the siblings start from copies of the
-        leader's matcher."""
-        ended = []
-        for seq, tokens in zip(out.scheduled_seqs, sampled):
-            if not tokens or seq.grammar is None or seq.status is not RequestStatus.RUNNING \
-                    or seq.request.beam is not None or seq.seq_id in out.draft_token_ids:
-                continue                                # a draft's tokens: taken in as they are kept
-            group = seq.request
-            if len(tokens) > 1:                         # a fork: the siblings are new
-                for sibling in group.seqs:
-                    if sibling.grammar is None:
-                        sibling.grammar = seq.grammar.copy()
-                pairs = [(s, s.token_ids[-1]) for s in group.seqs]
-            else:
-                pairs = [(seq, tokens[0])]
-            for s, token in pairs:
-                if not s.is_finished and (end := StructuredOutputManager.take_token(s, token)) is not None:
-                    ended.append((s, *end))
-        return ended

@@ -149,7 +149,7 @@ class CostProfile:
     def from_trace(cls, records, token_buckets: list[int], request_buckets: list[int], *, num_gpu_blocks: int,
                    skip: int = 1, **kwargs) -> "CostProfile":
         """Fit to a recorded step trace (``StepTrace`` records or their dicts; ``read_trace`` reads a
-        file). ``token_buckets``, ``request_buckets``: the engine's (``runner.buckets``); the first
+        file). ``token_buckets``, ``request_buckets``: the engine's (``buckets``); the first
         ``skip`` steps are left out (they may carry compilation). Records need ``max_context_len``."""
         shapes, buckets, seconds = trace_points(records, token_buckets, request_buckets, skip)
         return cls.fit(shapes, buckets, seconds, num_gpu_blocks=num_gpu_blocks, **kwargs)

@@ -38,7 +38,7 @@ class StepShape(NamedTuple):
 
     def bucketed(self, token_buckets: list[int], request_buckets: list[int]) -> tuple["StepShape", int]:
         """(this step with the row bucket the runner pads it to, its token bucket)."""
-        from jaxengine.runner.buckets import step_bucket
+        from jaxengine.buckets import step_bucket
 
         tokens, rows = step_bucket(self.num_tokens, self.num_rows, token_buckets, request_buckets)
         return self._replace(row_bucket=rows), tokens

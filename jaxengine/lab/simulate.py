@@ -48,7 +48,7 @@ class SimRunner:
     ``noise``: draw each step's measured/predicted ratio from the profile's spread (seeded).
     Speculative decoding: a row's draft tokens are accepted one after the other with probability
     ``acceptance`` each (the geometric model the engine's gate uses; ``fit_acceptance`` fits it to
-    a trace), seeded. Every decoding row finds a draft here: the sampled tokens are all ``TOKEN``."""
+    a trace), seeded. Every row the scheduler asks drafts of gets its whole draft, ``TOKEN`` each."""
 
     def __init__(self, profile: Profile, buckets: list[int], row_buckets: list[int], clock: SimClock, *,
                  noise: bool = True, seed: int = 0, acceptance: float = 0.0) -> None:
@@ -70,7 +70,8 @@ class SimRunner:
             self.last_sampled = [[TOKEN] * (self._accepted(len(out.draft_token_ids[seq_id])) + 1)
                                  if seq_id in out.draft_token_ids else [TOKEN] * k
                                  for seq_id, k in zip(out.seq_ids, out.num_samples)]
-        return ModelRunnerOutput(self.last_sampled)
+        return ModelRunnerOutput(self.last_sampled,
+                                 draft_token_ids={seq_id: [TOKEN] * n for seq_id, n in out.propose.items()})
 
     @property
     def token_buckets(self) -> list[int]:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from jaxengine.core.scheduler_output import StepLimits
-from jaxengine.runner.buckets import reachable_pairs
+from jaxengine.buckets import reachable_pairs
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import numpy as np
 from jaxengine.core.scheduler_output import SchedulerOutput
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.lora_weights import lora_rows
-from jaxengine.runner.buckets import step_bucket
+from jaxengine.buckets import step_bucket
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sampling_params import MAX_LOGIT_BIAS
 from jaxengine.core.structured_output import ALL_ALLOWED, bitmask_words

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.runner.buckets import pick_bucket
+from jaxengine.buckets import pick_bucket
 
 
 def bytes_per_block(elements_per_token: int, block_size: int, dtype) -> int:

@@ -24,17 +24,18 @@ from jaxengine.models.mtp import MTPConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
-from jaxengine.runner.buckets import step_buckets
+from jaxengine.buckets import step_buckets
 from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of, step_pairs
 from jaxengine.runner.compile_cache import enable_persistent_cache
-from jaxengine.runner.drafter import Drafter
-from jaxengine.runner.eagle_drafter import EagleDrafter
 from jaxengine.runner.input_batch import InputBatch, StepInputs
 from jaxengine.runner.kv_cache import BlockMover
 from jaxengine.runner.lora_slots import LoRASlots
 from jaxengine.sample.metadata import SamplingMetadata
 from jaxengine.sample.sampler import SamplerOutput, logprobs_of, sample
 from jaxengine.sampling_params import MAX_LOGPROBS
+from jaxengine.spec_decode.drafter import Drafter, ProposalRows
+from jaxengine.spec_decode.eagle_drafter import EagleDrafter
+from jaxengine.spec_decode.ngram import NgramProposer
 from jaxengine.spec_decode.verify import verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -96,8 +97,10 @@ class ModelRunner:
         returning (``compile_mode="eager"``) or the smallest bucket now and the others on a thread
         (``"background"``, ``compile_in_background``; ``before_compile`` runs there before each).
         Without it each compiles on first use, counted in ``num_compiles``. ``draft``: (the draft
-        model, its config, k, sampled) of the ``draft_model`` or ``eagle3`` proposer (``runner.drafter``), whose steps
-        compile with these, and whether it samples its drafts. ``lora_targets``: the modules the
+        model, its config, k, sampled) of the ``draft_model``, ``eagle3`` or ``mtp`` proposer
+        (``spec_decode.drafter``), whose steps compile with these, and whether it samples its
+        drafts; the ``ngram`` proposer comes from ``config.speculative``. With either, each step
+        proposes after it samples (``out.propose``) and returns the drafts in its output. ``lora_targets``: the modules the
         model has LoRA slots for (``models.lora.attach_lora``; with ``config.lora``)."""
         sc, cc = config.scheduler, config.cache
         self.mesh = mesh
@@ -117,14 +120,20 @@ class ModelRunner:
         self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, model_config.kv_block_shapes(cc.block_size),
                                 model_config.num_layers, self.kv_caches[0].dtype,
                                 sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
+        spec = config.speculative
+        self.ngram = None if spec is None or spec.method != "ngram" else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
         self.drafter = None
         if draft is not None:
             draft_model, draft_config, k, sampled = draft
             drafter = EagleDrafter if isinstance(draft_config, (Eagle3Config, MTPConfig)) else Drafter
+
+            def make_mover(shapes, num_layers, kv_dtype):
+                return BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, shapes, num_layers, kv_dtype,
+                                  sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
             self.drafter = drafter(draft_model, draft_config, k=k, num_gpu_blocks=cc.num_gpu_blocks,
-                                   num_cpu_blocks=cc.num_cpu_blocks, block_size=cc.block_size,
-                                   max_blocks_per_seq=cdiv(sc.max_model_len, cc.block_size),
-                                   row_buckets=self.request_buckets, max_num_seqs=sc.max_num_seqs, dtype=dtype,
+                                   block_size=cc.block_size, max_blocks_per_seq=cdiv(sc.max_model_len, cc.block_size),
+                                   row_buckets=self.request_buckets, dtype=dtype, make_mover=make_mover,
                                    mesh=mesh, on_compile=self._note_compile, sampled=sampled)
         aux_layers = getattr(self.drafter, "aux_layers", ())
         self.batch.with_following_ids = bool(aux_layers)
@@ -411,12 +420,40 @@ class ModelRunner:
         sampled = [tolist[f:f + k] for f, k in zip(first.tolist(), out.num_samples)]
         if out.draft_token_ids:
             sampled = verify_drafts(out.seq_ids, out.draft_token_ids, sampled)
-        if self.drafter is not None:
-            self.drafter.note_verified(out, first, sampled)
         self.batch.record_samples(out, slots, sampled)
         return ModelRunnerOutput(sampled, self._logprobs(slots, result, first, samples, sampled),
                                  self._prompt_logprobs(inputs, slots, out, prompt_lp),
-                                 tuple(np.asarray(expert_tokens).tolist()) if expert_tokens.shape[0] else ())
+                                 tuple(np.asarray(expert_tokens).tolist()) if expert_tokens.shape[0] else (),
+                                 self._propose(out, slots, first, sampled) if out.propose else {})
+
+    def _propose(self, out: SchedulerOutput, slots: np.ndarray, first: np.ndarray,
+                 sampled: list[list[int]]) -> dict[int, list[int]]:
+        """Speculative decoding, once the step is verified: the drafts of the sequences the
+        scheduler asked for (``out.propose``: the most tokens each), from their tokens now, this
+        step's outputs included (the input batch holds them)."""
+        rows = [i for i, seq_id in enumerate(out.seq_ids) if sampled[i] and seq_id in out.propose]
+        if not rows:
+            return {}
+        seq_ids = [out.seq_ids[i] for i in rows]
+        counts = np.asarray([out.propose[seq_id] for seq_id in seq_ids], np.int32)
+        num_out = np.asarray([len(sampled[i]) for i in rows], np.int32)
+        num_draft = np.asarray([len(out.draft_token_ids.get(seq_id, ())) for seq_id in seq_ids], np.int32)
+        index = np.asarray(rows)
+        row_slots = slots[index]
+        # The row's first sample follows its scheduled tokens (less its draft); its last output token
+        # is num_out - 1 positions on.
+        positions = (np.asarray(out.num_computed_tokens, np.int32)[index]
+                     + np.asarray(out.num_scheduled_tokens, np.int32)[index] - num_draft + num_out - 1)
+        batch = self.batch
+        if self.drafter is None:
+            return {seq_id: self.ngram.propose(batch.tokens[slot, :end].tolist(), n)
+                    for seq_id, slot, end, n in zip(seq_ids, row_slots.tolist(), (positions + 1).tolist(),
+                                                    counts.tolist())}
+        drafts = self.drafter.propose(ProposalRows(
+            seq_ids, batch.tokens[row_slots, positions], first[index] + num_out - 1, positions,
+            batch.block_tables[row_slots], counts, batch.temperature[row_slots], batch.seed[row_slots],
+            batch.sample_index[row_slots]))
+        return dict(zip(seq_ids, drafts))
 
     def _run(self, inputs: StepInputs) -> tuple[SamplerOutput, tuple]:
         executable = self._executable(inputs)

@@ -6,7 +6,12 @@ before any model exists.
 the context *read back through the block table*. A wrong block table, a bad prefix-cache hit or
 a missed copy-on-write changes the tokens, so "outputs do not depend on scheduling" checks the
 KV cache manager too. Rows that ask for logprobs (beam search's candidates) get a top-k drawn
-from the same hash: distinct tokens with decreasing log-probabilities. ``ConstantRunner`` samples one fixed token (for host-cost benchmarks).
+from the same hash: distinct tokens with decreasing log-probabilities. With ``speculative`` it
+proposes drafts after each step by prompt lookup, as the model runner does (``out.propose``);
+for a method whose proposer has a KV cache of its own (a draft model, a head) it also writes
+``PROPOSED`` into the slots of the positions it drafts, as that cache does, so a proposal slot
+the scheduler did not allocate fails, and one it counted as computed changes the tokens.
+``ConstantRunner`` samples one fixed token (for host-cost benchmarks).
 """
 from __future__ import annotations
 
@@ -14,15 +19,22 @@ import zlib
 
 import numpy as np
 
+from jaxengine.config import MODEL_PROPOSERS, SpeculativeConfig
 from jaxengine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxengine.spec_decode.ngram import NgramProposer
 from jaxengine.spec_decode.verify import accepted_tokens
 
 UNWRITTEN = -1
+PROPOSED = -2           # what a proposer with a KV cache of its own leaves at the positions it drafted
 
 
 class HashRunner:
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, vocab_size: int = 1000,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.block_size = block_size
+        self.ngram = None if speculative is None else NgramProposer(
+            speculative.num_speculative_tokens, speculative.prompt_lookup_max, speculative.prompt_lookup_min)
+        self.proposal_writes_kv = speculative is not None and speculative.method in MODEL_PROPOSERS
         self.vocab_size = vocab_size
         self.device_kv = np.full((num_gpu_blocks, block_size), UNWRITTEN, np.int64)
         self.host_kv = np.full((max(num_cpu_blocks, 1), block_size), UNWRITTEN, np.int64)
@@ -46,7 +58,22 @@ class HashRunner:
             logprobs.append(None if top_k is None else [self._top(seq_id, start + n, i, top_k) for i in range(k)])
             if sampled[-1]:   # at a fork the leader keeps the first sample; siblings arrive as new
                 self.tokens[seq_id].append(sampled[-1][0])
-        return ModelRunnerOutput(sampled, logprobs if any(row is not None for row in logprobs) else None)
+        return ModelRunnerOutput(sampled, logprobs if any(row is not None for row in logprobs) else None,
+                                 draft_token_ids=self._propose(out) if out.propose else {})
+
+    def _propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Each asked-for sequence's draft after the step, from its tokens now."""
+        drafts = {}
+        for seq_id, n in out.propose.items():
+            tokens = self.tokens[seq_id]
+            if self.proposal_writes_kv:      # from the last token's position on, n of them
+                table, bs = self.tables[seq_id], self.block_size
+                for pos in range(len(tokens) - 1, len(tokens) - 1 + n):
+                    assert pos // bs < len(table) and table[pos // bs] != 0, \
+                        f"sequence {seq_id} proposes at position {pos} without a slot"
+                    self.device_kv[table[pos // bs], pos % bs] = PROPOSED
+            drafts[seq_id] = self.ngram.propose(tokens, n)
+        return drafts
 
     def _verify(self, seq_id: int, start: int, draft: list[int], sampled: list, logprobs: list) -> None:
         """A row with a draft: its input token and the draft are written, each position samples

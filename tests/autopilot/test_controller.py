@@ -10,7 +10,7 @@ from jaxengine.engine import Engine
 from jaxengine.engine_args import EngineArgs
 from jaxengine.lab import CostProfile, Workload, simulate
 from jaxengine.lab.simulate import SimClock, SimRunner, engine_config
-from jaxengine.runner.buckets import token_buckets
+from jaxengine.buckets import token_buckets
 from jaxengine.testing.fake_runner import HashRunner
 from jaxengine.sampling_params import SamplingParams
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,10 +45,12 @@ def test_verification_keeps_the_confirmed_drafts_then_the_first_other_sample():
 
 
 def spec_configs(draw):
+    """Prompt lookup, or a method whose proposer writes KV of its own at the positions it drafts
+    (the fake runner drafts by prompt lookup for it too, and writes there)."""
     k = draw(st.integers(1, 5))
     low = draw(st.integers(1, 2))
-    return SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=low,
-                             prompt_lookup_max=draw(st.integers(low, 4)))
+    return SpeculativeConfig(method=draw(st.sampled_from(["ngram", "mtp"])), num_speculative_tokens=k,
+                             prompt_lookup_min=low, prompt_lookup_max=draw(st.integers(low, 4)))
 
 
 def check_speculation(h) -> None:
@@ -58,11 +61,15 @@ def check_speculation(h) -> None:
         draft = out.draft_token_ids.get(seq.seq_id)
         if draft:
             assert n == samples == 1 + len(draft) and seq.request.beam is None
+    for seq_id, n in out.propose.items():                               # proposals: what pays, and fits
+        assert 1 <= n <= h.config.speculative.num_speculative_tokens
     for group in h.scheduler.running:
         for seq in group.live_seqs:
             hashes = extend_block_hashes([], seq.token_ids, seq.num_cached_blocks, h.kv.block_size,
                                          seq.request.prefix_keys)
             assert seq.block_hashes[:seq.num_cached_blocks] == hashes[:seq.num_cached_blocks]
+            # Between steps no sequence holds a block past its tokens (drafts', proposals' slots).
+            assert len(seq.block_table) <= -(-len(seq.token_ids) // h.kv.block_size)
 
 
 @SETTINGS
@@ -80,9 +87,11 @@ def test_outputs_with_speculation_equal_those_without(data):
     assert_all_released(h)
 
 
-def test_drafts_are_accepted_rolled_back_and_preempted_over_a_tiny_pool():
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_drafts_are_accepted_rolled_back_and_preempted_over_a_tiny_pool(method):
     """A fixed workload where drafts are accepted and rejected, sequences are preempted (recompute
-    and swap) and prompts hit the prefix cache: the same outputs as without speculation."""
+    and swap) and prompts hit the prefix cache: the same outputs as without speculation, with
+    prompt lookup and with a proposer that writes KV at the positions it drafts."""
     workload = [Spec(f"r{i}", (1, 2, 3, 1, 2, 3, 1, 2)[:3 + i % 5] + (i % 4,), 24, 1 + (i % 3 == 0), 0, i // 2, 0,
                      i != 5, None) for i in range(8)]
     config = dict(block_size=2, num_gpu_blocks=30, num_cpu_blocks=16, watermark=0.0, enable_prefix_caching=True,
@@ -92,7 +101,7 @@ def test_drafts_are_accepted_rolled_back_and_preempted_over_a_tiny_pool():
     old, props.VOCAB = props.VOCAB, SPEC_VOCAB
     try:
         expected = run_workload(workload, REFERENCE, check=False).outputs()
-        h = run_workload(workload, {**config, "speculative": SpeculativeConfig(num_speculative_tokens=3,
+        h = run_workload(workload, {**config, "speculative": SpeculativeConfig(method, num_speculative_tokens=3,
                                                                                 prompt_lookup_min=1)},
                          observe=lambda h, step: (check_speculation(h), traces.append(h.engine.last_trace)))
     finally:
@@ -252,10 +261,13 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_there_even_if_a_la
         s.add_request(r)
         texts = OutputProcessor(r, Chars(), s.finish_sequence)
         out = s.schedule()
-        s.update_from_output(out, ModelRunnerOutput([[c]]))
+        seq = r.seqs[0]
+        n = min(3, max_tokens - 2)                  # the most after the prompt's token and the next one
+        assert out.propose == {seq.seq_id: n}
+        # The runner proposes after the step what followed "abc" (prompt lookup): "dab".
+        s.update_from_output(out, ModelRunnerOutput([[c]], draft_token_ids={seq.seq_id: [d, a, b][:n]}))
         texts.process()
         out = s.schedule()
-        seq = r.seqs[0]
         assert out.draft_token_ids[seq.seq_id][:2] == [d, a]
         s.update_from_output(out, ModelRunnerOutput([[d, a, x]]))      # d, a accepted; x sampled after them
         texts.process()

@@ -133,14 +133,17 @@ def speculating(target, head_folder, k=3):
 
 def recording(llm) -> list:
     """Every proposal the engine makes: (the sequence's tokens then, the draft)."""
-    drafter, made = llm.engine.runner.drafter, []
-    propose = drafter.propose_rows
+    runner = llm.engine.runner
+    drafter, made = runner.drafter, []
+    propose = drafter.propose
 
-    def propose_rows(rows):
+    def recorded(rows):
         drafts = propose(rows)
-        made.extend((list(seq.token_ids), draft) for (seq, _), draft in zip(rows, drafts))
+        batch = runner.batch
+        made.extend((batch.tokens[batch.slot_of[seq_id], :position + 1].tolist(), draft)
+                    for seq_id, position, draft in zip(rows.seq_ids, rows.positions.tolist(), drafts))
         return drafts
-    drafter.propose_rows = propose_rows
+    drafter.propose = recorded
     return made
 
 
@@ -240,17 +243,27 @@ def test_bad_heads_are_refused_by_name(chat_checkpoint, heads, tmp_path):
         LLM(chat_checkpoint, speculative_config={"method": "eagle3"}, **OPTIONS)
 
 
-def test_a_row_drafts_on_from_the_sample_its_verified_tokens_end_on(engines):
-    """After a draft of 3 with 2 accepted, the row's third sample; a plain decode's only one; a fork
-    row's first (the one the head's KV took)."""
+def test_a_row_drafts_on_from_the_sample_its_verified_tokens_end_on(engines, monkeypatch):
+    """What the runner hands its drafter after a step: a row whose draft of 3 kept 2 starts from
+    its third sample, at the position of its last output token; a plain decode from its only
+    sample; a prompt's last chunk from its one sample, after the chunk. A row the scheduler did
+    not ask for, and one that sampled nothing, are not proposed for."""
     from types import SimpleNamespace
 
-    drafter = engines[1].engine.runner.drafter
-    out = SimpleNamespace(seq_ids=[7, 8, 9, 10], num_samples=[4, 1, 2, 0], draft_token_ids={7: [5, 6, 7]})
-    drafter.note_verified(out, np.array([0, 4, 5, 7]), [[5, 6, 1], [3], [4, 4], []])
-    assert drafter._rows == {7: 2, 8: 4, 9: 5}
-    assert [drafter._row_start(SimpleNamespace(seq_id=i)) for i in (7, 10)] == [2, -1]
-    drafter._rows = {}
+    runner, made = engines[1].engine.runner, []
+    monkeypatch.setattr(runner, "drafter", SimpleNamespace(propose=lambda rows: made.append(rows) or
+                                                           [[0]] * len(rows.seq_ids)))
+    out = SimpleNamespace(seq_ids=[7, 8, 9, 10, 11], num_samples=[4, 1, 1, 0, 1],
+                          num_computed_tokens=[20, 30, 0, 3, 40], num_scheduled_tokens=[4, 1, 6, 5, 1],
+                          draft_token_ids={7: [5, 6, 7]}, propose={7: 3, 8: 2, 9: 4, 10: 1})
+    slots = np.array([0, 1, 2, 3, 4])
+    drafts = runner._propose(out, slots, np.array([0, 4, 5, 6, 6]), [[5, 6, 1], [3], [2], [], [8]])
+    assert drafts == {7: [0], 8: [0], 9: [0]}
+    rows = made[0]
+    assert rows.seq_ids == [7, 8, 9]
+    assert rows.sample_rows.tolist() == [2, 4, 5] and rows.positions.tolist() == [23, 31, 6]
+    assert rows.counts.tolist() == [3, 2, 4]
+    assert rows.last_tokens.tolist() == runner.batch.tokens[[0, 1, 2], [23, 31, 6]].tolist()
 
 
 def test_the_head_splits_over_two_devices_as_the_model_does(engines, chat_checkpoint, heads):

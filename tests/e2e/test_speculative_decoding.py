@@ -62,13 +62,13 @@ def test_random_workloads_give_the_same_outputs(engines, prompts, k, max_tokens,
     from jaxengine.spec_decode.ngram import NgramProposer
 
     plain, spec = engines
-    spec.engine.scheduler.proposer = NgramProposer(k, SPEC.get("prompt_lookup_max", 4), SPEC["prompt_lookup_min"])
+    spec.engine.runner.ngram = NgramProposer(k, SPEC.get("prompt_lookup_max", 4), SPEC["prompt_lookup_min"])
     params = SamplingParams(temperature=0.0 if seed is None else 0.9, seed=seed, max_tokens=max_tokens, n=n,
                             stop_token_ids=[] if stop_token is None else [stop_token])
     try:
         assert outputs(spec, prompts, params) == outputs(plain, prompts, params)
     finally:
-        spec.engine.scheduler.proposer = NgramProposer(SPEC["num_speculative_tokens"], 4, SPEC["prompt_lookup_min"])
+        spec.engine.runner.ngram = NgramProposer(SPEC["num_speculative_tokens"], 4, SPEC["prompt_lookup_min"])
 
 
 def test_penalties_are_computed_per_draft_position(engines):

@@ -10,7 +10,7 @@ from jaxengine.costmodel.profile import CostProfile, StepShape, constant_profile
 from jaxengine.lab.simulate import engine_config, simulate
 from jaxengine.lab.workload import SimRequest, Workload, from_bench_result, from_jsonl
 from jaxengine.engine_args import EngineArgs
-from jaxengine.runner.buckets import step_row_buckets, token_buckets
+from jaxengine.buckets import step_row_buckets, token_buckets
 from jaxengine.testing.fake_runner import HashRunner
 from jaxengine.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.runner.buckets import reachable_pairs, step_bucket
+from jaxengine.buckets import reachable_pairs, step_bucket
 from jaxengine.runner.compile import BackgroundCompiler, CompileStage, compile_stages, limits_of, step_pairs
 
 ENGINE = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, max_num_seqs=16, token_buckets=[16, 64],

@@ -1,5 +1,5 @@
 """The ``draft_model`` proposer: a smaller model of the same vocabulary proposes each decoding
-row's draft on the device, greedily, from its own paged KV cache.
+row's draft on the device, from its own paged KV cache.
 
 The draft's cache has the target's block size and as many blocks, and is indexed by the same
 block tables, so the one KV cache manager allocates, shares, copies and swaps both (its bytes
@@ -9,51 +9,67 @@ functions keep it in step:
 - ``sync``: every target step runs the draft model on the same tokens (prompt chunks, decodes,
   the drafts being verified), so its cache holds every token the target computes; one
   executable per step bucket, compiled with the target's;
-- ``propose``: for the rows the scheduler gives it (each with its draft slots already allocated),
-  n greedy decode steps of the draft model from the row's last token, each writing its KV at
-  the row's next position; one executable per row bucket, compiled at start-up. A row that wants
-  fewer tokens writes its later steps into the null block.
+- ``propose``: after a step is sampled, for the rows the scheduler asked drafts of (the slots of
+  their draft positions allocated with the step), n decode steps of the draft model from the
+  row's last token, each writing its KV at the row's next position; one executable per row
+  bucket, compiled at start-up. A row that wants fewer tokens writes its later steps into the
+  null block.
 
-A greedy proposal puts all its mass on one token, so ``spec_decode.verify`` keeps the outputs
-the target's own. Positions past a rejected draft hold stale KV that the next steps overwrite
-before anything reads them (the scheduler rolls its computed tokens back).
+The runner calls ``propose`` with ``ProposalRows`` read from its own input batch and hands the
+drafts back in its output; the scheduler budgets them into the next step. A greedy proposal
+puts all its mass on one token, so ``spec_decode.verify`` keeps the outputs the target's own.
+Positions past a rejected draft hold stale KV that the next steps overwrite before anything
+reads them (the scheduler rolls its computed tokens back).
 
-``runner.eagle_drafter`` builds the ``eagle3`` proposer on the same pieces (the cache, its block
-moves, the per-bucket executables, ``propose_rows``), with a sync that runs after the model's step.
+``spec_decode.eagle_drafter`` builds the ``eagle3`` proposer on the same pieces (the cache, its
+block moves, the per-bucket executables, ``propose``), with a sync that runs after the model's step.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxengine.buckets import pick_bucket
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.forward import feed_previous_tokens
 from jaxengine.models.llama import init_kv_caches
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
-from jaxengine.runner.buckets import pick_bucket
-from jaxengine.runner.kv_cache import BlockMover
-from jaxengine.runner.input_batch import seed_words
 from jaxengine.sample.sampler import first_argmax, row_key
 
 DRAFT_STREAM = 1 << 30      # a draft's draws: its request's stream, at positions of their own
 
 
+class ProposalRows(NamedTuple):
+    """The rows one proposal drafts for, one entry per row (the drafter pads them to its bucket)."""
+
+    seq_ids: list[int]
+    last_tokens: np.ndarray       # the row's last token: its draft follows it
+    sample_rows: np.ndarray       # the sample row of the step just run that gave the last token
+    positions: np.ndarray         # the last token's position
+    tables: np.ndarray            # [rows, blocks] block tables, the slots of the draft positions allocated
+    counts: np.ndarray            # the most draft tokens wanted
+    temperature: np.ndarray       # the request's (a sampled draft is drawn at it)
+    seeds: np.ndarray             # [rows, 2] the request's seed words
+    sample_index: np.ndarray      # which of the request's samples
+
+
 class Drafter:
     """The draft model, its cache and its compiled steps (see the module's docstring)."""
 
-    needs_slots = True               # the scheduler allocates a draft's KV slots before proposing it
     layer_axis = True                # its caches [L, P, S, K*H] (a one-layer head's: [P, S, K*H])
 
-    def __init__(self, model, model_config, *, k: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 max_blocks_per_seq: int, row_buckets: list[int], max_num_seqs: int, dtype, mesh=None,
+    def __init__(self, model, model_config, *, k: int, num_gpu_blocks: int, block_size: int,
+                 max_blocks_per_seq: int, row_buckets: list[int], dtype, make_mover: Callable, mesh=None,
                  on_compile: Callable[[str], None] = lambda what: None, sampled: bool = False) -> None:
         """``sampled``: a request that samples gets drafts drawn at its temperature, their
-        distributions kept on the device for the step that verifies them (``draft_probs``)."""
+        distributions kept on the device for the step that verifies them (``draft_probs``).
+        ``make_mover(block shapes, layers, dtype)``: the runner's block mover for its cache."""
         if mesh is not None:
             shard_kernels(model, mesh)
             place_model(model, mesh)
@@ -65,9 +81,8 @@ class Drafter:
         # Its steps compile against the caches' shapes (a compile must not touch the donated caches).
         self._kv_spec = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding),
                                      self.kv_caches)
-        self.mover = BlockMover(num_gpu_blocks, num_cpu_blocks, model_config.kv_block_shapes(block_size),
-                                model_config.num_layers, self.kv_caches[0].dtype,
-                                max_num_seqs, on_compile=on_compile, mesh=mesh)
+        self.mover = make_mover(model_config.kv_block_shapes(block_size), model_config.num_layers,
+                                self.kv_caches[0].dtype)
         graphdef, self.state = nnx.split(model)
         self._placement = None if mesh is None else replicated(mesh)
         # Sampled drafts: each row's distributions [rows, k, V] of the latest proposal, and the
@@ -83,7 +98,7 @@ class Drafter:
         self._sync_executables: dict[tuple, object] = {}
         self._propose_executables: dict[int, object] = {}
         self.num_proposals = 0
-        self.propose_s = 0.0              # host time blocked on proposals (they run before their step)
+        self.propose_s = 0.0              # host time blocked on proposals (they run after their step)
 
     # ---- the compiled functions (the ``eagle3`` proposer has its own) ----
     def _sync_fn(self, graphdef) -> Callable:
@@ -145,39 +160,30 @@ class Drafter:
     def after_step(self, inputs, step_outputs) -> None:
         """What follows the model's step on the device (the ``eagle3`` head's sync)."""
 
-    def note_verified(self, out, first_sample_rows, sampled: list[list[int]]) -> None:
-        """A step's verified tokens (the ``eagle3`` head drafts on from them)."""
-
     def apply_moves(self, moves) -> None:
         self.kv_caches = self.mover.apply(self.kv_caches, moves.swap_out, moves.swap_in, moves.copy)
 
-    def propose_rows(self, rows: list[tuple[object, int]]) -> list[list[int]]:
-        """Each (sequence, n) row's n draft tokens, greedy, from its last token (its block table
-        holds the slots of its next n positions)."""
+    def propose(self, rows: ProposalRows) -> list[list[int]]:
+        """Each row's draft, up to its count of tokens, from its last token."""
         start = time.perf_counter()
-        size = pick_bucket(len(rows), self.row_buckets)
-        starts, positions, tables, counts, temperature, seeds, sample_index = self._row_arrays(size)
-        for r, (seq, n) in enumerate(rows):
-            starts[r], positions[r], counts[r] = self._row_start(seq), len(seq.token_ids) - 1, n
-            tables[r, :len(seq.block_table)] = seq.block_table
-            temperature[r], seeds[r], sample_index[r] = (seq.request.sampling_params.temperature,
-                                                         seed_words(seq.request.seed), seq.sample_index)
-        counts[:len(rows)] = np.where(starts[:len(rows)] >= 0, counts[:len(rows)], 0)
+        n, size = len(rows.seq_ids), pick_bucket(len(rows.seq_ids), self.row_buckets)
+        arrays = self._row_arrays(size)
+        for padded, given in zip(arrays, (self._starts(rows), *rows[3:])):
+            padded[:n] = given
         executable = self._propose_executable(size)
-        self.kv_caches, (drafts, probs) = executable(
-            self.state, self.kv_caches, self.draft_probs,
-            *self._propose_args(np.maximum(starts, 0), positions, tables, counts, temperature, seeds, sample_index))
+        self.kv_caches, (drafts, probs) = executable(self.state, self.kv_caches, self.draft_probs,
+                                                    *self._propose_args(*arrays))
         if self.sampled:
             self.draft_probs = probs
-            self._proposal_rows = {seq.seq_id: r for r, (seq, _) in enumerate(rows)}
+            self._proposal_rows = {seq_id: r for r, seq_id in enumerate(rows.seq_ids)}
         drafts = np.asarray(drafts)
         self.num_proposals += 1
         self.propose_s += time.perf_counter() - start
-        return [drafts[r, :counts[r]].tolist() for r in range(len(rows))]
+        return [drafts[r, :rows.counts[r]].tolist() for r in range(n)]
 
-    def _row_start(self, seq) -> int:
-        """What a row's proposal starts from: its last token (-1: it cannot be proposed for)."""
-        return seq.token_ids[-1]
+    def _starts(self, rows: ProposalRows) -> np.ndarray:
+        """What each row's proposal starts from: its last token."""
+        return rows.last_tokens
 
     def _row_arrays(self, rows: int) -> tuple[np.ndarray, ...]:
         """(starts, positions, block tables, counts, temperatures, seeds, sample indices) of

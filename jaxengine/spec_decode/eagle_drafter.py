@@ -2,7 +2,7 @@
 states, on the device, greedily.
 
 The head's one-layer KV cache sits under the model's block tables, as a draft model's does
-(``runner.drafter``), and at the same positions: its entry at position p is made of the model's
+(``spec_decode.drafter``), and at the same positions: its entry at position p is made of the model's
 hidden states at p and the token at p + 1, so it lags the model's by one token. Two compiled
 functions keep it in step:
 
@@ -13,15 +13,15 @@ functions keep it in step:
   device. For every sample row it keeps the head's first draft token and pre-norm output;
   positions past a rejected draft hold stale KV that the next steps overwrite before anything
   reads them;
-- ``propose``, as the next step is scheduled: a row starts from the sample row its verified
-  tokens ended on (known to the host once the step is verified), whose first draft is the
-  row's first draft token, and drafts on, each step feeding back the head's pre-norm output,
-  writing its KV at the row's next positions (slots the scheduler allocated). One executable
-  per row bucket, compiled at start-up.
+- ``propose``, once the step is verified: a row starts from the sample row its verified tokens
+  ended on (``ProposalRows.sample_rows``), whose first draft is the row's first draft token,
+  and drafts on, each step feeding back the head's pre-norm output, writing its KV at the
+  row's next positions (slots the scheduler allocated with the step). One executable per row
+  bucket, compiled at start-up.
 
-A sequence that was not in the last step (a swap-in, a fork's new sequences) gets no draft in
-its first step. Where a fork row samples several tokens at one position, the head's KV there
-holds the first one's (acceptance, never outputs, depends on it).
+Only a row of the step just run is proposed for (a swap-in, a fork's new sequences get no draft
+in their first step). Where a fork row samples several tokens at one position, the head's KV
+there holds the first one's (acceptance, never outputs, depends on it).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.mesh import replicated
-from jaxengine.runner.drafter import Drafter, choose_drafts, draft_slots, keep_probs
+from jaxengine.spec_decode.drafter import Drafter, ProposalRows, choose_drafts, draft_slots, keep_probs
 
 
 class EagleDrafter(Drafter):
@@ -54,7 +54,6 @@ class EagleDrafter(Drafter):
                       self._device(np.zeros((self.max_rows, self.hidden_size), dtype)),
                       None if not self.sampled else self._device(
                           np.zeros((self.max_rows, model_config.vocab_size), np.float32)))
-        self._rows: dict[int, int] = {}       # seq_id -> its sample row in the last step, once verified
 
     def _device(self, a: np.ndarray) -> jax.Array:
         return jax.device_put(a, None if self.mesh is None else replicated(self.mesh))
@@ -88,16 +87,10 @@ class EagleDrafter(Drafter):
         executable = self._sync_executable(inputs, None, step_outputs, "EAGLE-3 head")
         self.kv_caches, *last = executable(self.state, self.kv_caches, *self._sync_args(inputs, step_outputs))
         self._last = tuple(last)
-        self._rows = {}                  # until the step is verified
 
-    def note_verified(self, out, first_sample_rows, sampled: list[list[int]]) -> None:
-        """Each sequence's sample row its output ended on: after its accepted drafts, or the first
-        (a fork row's first sample is the one the head saw)."""
-        self._rows = {seq_id: int(first_sample_rows[i]) + (len(sampled[i]) - 1 if seq_id in out.draft_token_ids else 0)
-                      for i, seq_id in enumerate(out.seq_ids) if out.num_samples[i] > 0}
-
-    def _row_start(self, seq) -> int:
-        return self._rows.get(seq.seq_id, -1)
+    def _starts(self, rows: ProposalRows) -> np.ndarray:
+        """A row starts from the sample row its output ended on (its first draft is there)."""
+        return rows.sample_rows
 
     def _propose_args(self, *arrays) -> tuple:
         return (*self._last, *super()._propose_args(*arrays))
