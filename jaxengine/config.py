@@ -202,12 +202,42 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class RunnerConfig:
+    """How the steps run, as ``EngineArgs`` resolves it: the (token, row) bucket sizes the runner
+    compiles (empty: the defaults for the scheduler's limits, ``EngineConfig.step_buckets``),
+    when it compiles them, whether a step is launched before the previous one's tokens are back,
+    the dtypes of the model and of its KV cache (names; None: not resolved, a config built by
+    hand), and each engine replica's step trace file."""
+
+    token_buckets: tuple[int, ...] = ()
+    request_buckets: tuple[int, ...] = ()
+    compile_mode: str = "eager"
+    async_scheduling: bool = False
+    dtype: str | None = None
+    kv_dtype: str | None = None
+    trace_files: tuple[str | None, ...] = ()
+
+    def trace_file(self, replica: int) -> str | None:
+        return self.trace_files[replica] if replica < len(self.trace_files) else None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     autopilot: AutopilotConfig | None = None
     lora: LoRAConfig | None = None          # None: no adapters served
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    def step_buckets(self) -> tuple[list[int], list[int]]:
+        """The (token, row) buckets the steps pad to: the resolved ones, else the defaults for
+        the scheduler's limits."""
+        from jaxengine.buckets import step_buckets
+
+        sc, rc = self.scheduler, self.runner
+        return step_buckets(sc.max_num_batched_tokens, sc.max_num_seqs, list(rc.token_buckets) or None,
+                            list(rc.request_buckets) or None)
 
     def replace(self, **changes) -> "EngineConfig":
         """Return a copy with fields of the sub-configs replaced, e.g. ``replace(block_size=4)``."""
@@ -217,5 +247,8 @@ class EngineConfig:
         _require(not unknown, "EngineConfig", f"unknown option(s) {sorted(unknown)}")
         cache = dataclasses.replace(self.cache, **{k: v for k, v in changes.items() if k in cache_fields})
         sched = dataclasses.replace(self.scheduler, **{k: v for k, v in changes.items() if k in sched_fields})
+        runner = self.runner
+        if {"max_num_batched_tokens", "max_num_seqs"} & set(changes):      # the buckets end at the limits
+            runner = dataclasses.replace(runner, token_buckets=(), request_buckets=())
         return EngineConfig(cache=cache, scheduler=sched, speculative=self.speculative, autopilot=self.autopilot,
-                            lora=self.lora)
+                            lora=self.lora, runner=runner)

@@ -15,10 +15,11 @@ import json
 import logging
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxengine.config import OVERLOAD_POLICIES, PREEMPTION_MODES, SPECULATIVE_METHODS, AutopilotConfig, CacheConfig, \
-    EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+    EngineConfig, LoRAConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 from jaxengine.kernels.paged_attention.latent import FORMS as LATENT_ATTENTION_FORMS
@@ -211,7 +212,7 @@ class EngineArgs:
                     f.default is None and getattr(self, f.name) is None):
                 raise ValueError(f"{f.name}: must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         resolve_policy(self.scheduling_policy, field="scheduling_policy")
-        SpeculativeConfig.from_dict(self.speculative_config)        # refused now, naming the key
+        self.speculative()                                          # refused now, naming the key
         self.autopilot_config()                                     # likewise
         self.lora_config()
         self.named_lora_modules()
@@ -263,22 +264,31 @@ class EngineArgs:
         return argv
 
     # ---- the frozen configs ----
-    def create_engine_config(self, model_config, kv_dtype=None, devices=None, draft_config=None) -> EngineConfig:
-        """The engine's configuration for this model; the KV pool is sized for ``kv_dtype`` (default:
-        the dtype ``auto`` resolves to with no checkpoint to read) unless ``num_kv_blocks`` fixes it.
+    def create_engine_config(self, model_config, kv_dtype=None, devices=None, draft_config=None,
+                             dtype=None) -> EngineConfig:
+        """The engine's configuration for this model run in ``dtype`` (``resolve_model_dtype``);
+        the KV pool is sized for ``kv_dtype`` (default: ``resolve_kv_dtype`` of ``dtype``, or of
+        what ``auto`` resolves to with no checkpoint to read) unless ``num_kv_blocks`` fixes it.
         Under tensor parallelism a block costs each device its share of the KV heads, and the
         budget is what the tightest of ``devices`` (default: the first device) has free. With a
         draft model (``draft_config``) a block holds its KV too."""
+        import jax.numpy as jnp
+
         from jaxengine.runner.kv_cache import num_blocks_for_budget
 
         mc = model_config
+        if kv_dtype is None and dtype is not None:
+            kv_dtype = self.resolve_kv_dtype(dtype)
         per_block = self.kv_bytes_per_block(mc, kv_dtype, draft_config)
         num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(
             kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices), per_block)
         # The host holds each block once: every device's share of it, or (latent attention's
         # replicated cache) one device's copy.
         num_cpu_blocks = int(self.swap_space * GiB) // (per_block * (1 if mc.is_mla else self.tensor_parallel_size))
-        return self.engine_config(num_gpu_blocks, num_cpu_blocks, self.resolve_max_model_len(mc))
+        config = self.engine_config(num_gpu_blocks, num_cpu_blocks, self.resolve_max_model_len(mc))
+        return dataclasses.replace(config, runner=dataclasses.replace(
+            config.runner, dtype=None if dtype is None else jnp.dtype(dtype).name,
+            kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name))
 
     def resolve_max_model_len(self, model_config) -> int:
         """``max_model_len`` for this model: as given, refused when longer than the model's context
@@ -352,6 +362,29 @@ class EngineArgs:
             named[name] = path
         return named
 
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` resolved (None: speculation off); a bad key is an error naming it."""
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def resolve_model_dtype(self, stored: Callable[[], str | None] = lambda: None, *, built: str | None = None):
+        """The JAX dtype the model runs in: ``dtype`` as given. ``auto``: an already built model's
+        own (``built``, a dtype name); else float32 on a CPU, and on an accelerator what the
+        checkpoint's weights are stored in (``stored()``, read only then; ``resolve_dtype``)."""
+        import jax
+
+        if self.dtype != "auto" or built is not None:
+            return resolve_dtype(built if self.dtype == "auto" else self.dtype, None)
+        platform = jax.devices()[0].platform
+        return resolve_dtype("auto", None if platform == "cpu" else stored(), platform)
+
+    def trace_files(self) -> tuple[str | None, ...]:
+        """Each engine replica's step trace file: ``trace_file``, one per replica when there are several."""
+        from jaxengine.trace import replica_trace_file
+
+        if self.trace_file is None or self.data_parallel_size == 1:
+            return (self.trace_file,) * self.data_parallel_size
+        return tuple(str(replica_trace_file(self.trace_file, r)) for r in range(self.data_parallel_size))
+
     def step_buckets(self) -> tuple[list[int], list[int]]:
         """The token and row buckets the runner compiles: those given, else its defaults."""
         from jaxengine.buckets import step_buckets
@@ -369,9 +402,11 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills, policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode, delay_factor=self.scheduler_delay_factor)
-        return EngineConfig(cache=cache, scheduler=scheduler,
-                            speculative=SpeculativeConfig.from_dict(self.speculative_config),
-                            autopilot=self.autopilot_config(), lora=self.lora_config())
+        token_buckets, request_buckets = self.step_buckets()
+        runner = RunnerConfig(tuple(token_buckets), tuple(request_buckets), compile_mode=self.compile_mode,
+                              async_scheduling=self.async_scheduling, trace_files=self.trace_files())
+        return EngineConfig(cache=cache, scheduler=scheduler, speculative=self.speculative(),
+                            autopilot=self.autopilot_config(), lora=self.lora_config(), runner=runner)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import NoReturn
 
 import jax
+import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from jaxengine.autopilot import attach_autopilot
 from jaxengine.engine import Engine
-from jaxengine.engine_args import EngineArgs, resolve_dtype
+from jaxengine.engine_args import EngineArgs
 from jaxengine.kernels.matmul.openblas import use_cpu_matmul_kernels
 from jaxengine.kernels.paged_attention.backend import select_attention
 from jaxengine.lora_request import LoRARequest
@@ -35,7 +36,6 @@ from jaxengine.runner.model_runner import ModelRunner
 from jaxengine.sampling_params import BeamSearchParams, SamplingParams
 from jaxengine.core.structured_output import GrammarCompiler
 from jaxengine.tokenizer import apply_chat_template, load_tokenizer
-from jaxengine.trace import replica_trace_file
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,9 @@ class LLM:
             logger.info("request defaults from the checkpoint's generation_config.json: %s", self.generation_defaults)
         self._load_draft(args, progress)
         self._module_copies = _copies(module, len(self._meshes) - 1)    # before the first runner shards it
-        self.kv_dtype = args.resolve_kv_dtype(self.dtype)
+        self.config = args.create_engine_config(self.model_config, devices=list(self.mesh.devices.flat),
+                                                draft_config=self.draft_config, dtype=self.dtype)
+        self.kv_dtype = jnp.dtype(self.config.runner.kv_dtype)
         # What the check found (the server's /health and /metrics show it).
         self.kernel_check = check_model_kernels(self.model, self.model_config, args.block_size, self.dtype,
                                                 kv_dtype=self.kv_dtype,
@@ -133,8 +135,6 @@ class LLM:
             multihost.check_same_kernels(self.model)
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_id())
-        self.config = args.create_engine_config(self.model_config, self.kv_dtype, list(self.mesh.devices.flat),
-                                                self.draft_config)
         if self.config.lora is not None and self.distributed is not None:
             raise ValueError("enable_lora: adapters are served by one process (a job over several processes "
                              "does not load them yet)")
@@ -149,12 +149,12 @@ class LLM:
         """The draft model of ``speculative_config`` method draft_model (on the model's mesh) or
         eagle3 (its head, placed by the drafter), in the model's dtype; its vocabulary must be the
         model's."""
-        from jaxengine.config import MODEL_PROPOSERS, SpeculativeConfig
+        from jaxengine.config import MODEL_PROPOSERS
         from jaxengine.models.eagle3 import load_eagle3
         from jaxengine.models.weights import load_model
 
         self.draft_model = self.draft_config = None
-        spec = SpeculativeConfig.from_dict(args.speculative_config)
+        spec = args.speculative()
         if spec is None or spec.method not in MODEL_PROPOSERS:
             return
         if args.data_parallel_size > 1 or self.distributed is not None:
@@ -202,24 +202,20 @@ class LLM:
         return {"tokens": cc.num_gpu_blocks * cc.block_size, "tokens_per_gib": (1 << 30) * cc.block_size // per_block}
 
     def _engine(self, runner: ModelRunner, replica: int) -> Engine:
-        args = self.engine_args
-        trace_file = args.trace_file
-        if trace_file is not None and args.data_parallel_size > 1:
-            trace_file = replica_trace_file(trace_file, replica)
-        return Engine(self.config, runner, eos_token_id=self._eos_token_id(), async_scheduling=args.async_scheduling,
-                      trace_file=trace_file, grammar_compiler=self.grammar_compiler)
+        rc = self.config.runner
+        return Engine(self.config, runner, eos_token_id=self._eos_token_id(), async_scheduling=rc.async_scheduling,
+                      trace_file=rc.trace_file(replica), grammar_compiler=self.grammar_compiler)
 
     def _runner(self, model, mesh, progress: bool) -> ModelRunner:
-        args = self.engine_args
-        token_buckets, request_buckets = args.step_buckets()
+        args, rc = self.engine_args, self.config.runner
         spec = self.config.speculative
         draft = None if self.draft_model is None else (self.draft_model, self.draft_config, spec.num_speculative_tokens,
                                                        spec.draft_sampling == "sampled")
         lora = self.config.lora
         targets = None if lora is None else attach_lora(model, lora.max_loras, lora.max_lora_rank, self.dtype)
         return ModelRunner(model, self.model_config, self.config, dtype=self.kv_dtype, warm_up=args.warm_up,
-                           progress=progress, token_buckets=token_buckets, request_buckets=request_buckets,
-                           mesh=mesh, compile_mode=args.compile_mode, draft=draft, lora_targets=targets)
+                           progress=progress, mesh=mesh, compile_mode=rc.compile_mode, draft=draft,
+                           lora_targets=targets)
 
     def _replica_model(self, modules: list, replica: int, mesh, progress: bool):
         """Data-parallel replica ``replica``'s model: a copy of the given module, or the
@@ -248,12 +244,11 @@ class LLM:
                                  f"cannot be split {args.tensor_parallel_size} ways; load it from a checkpoint, "
                                  f"which repeats its KV heads")
             self.model_path, self.model, self.model_config, self.tokenizer = Path("<module>"), module, model_config, None
-            self.dtype = resolve_dtype(_module_dtype(module) if args.dtype == "auto" else args.dtype, None)
+            self.dtype = args.resolve_model_dtype(built=_module_dtype(module))
             return
         path = default_model_path(progress) if args.model is None else Path(args.model)
         self.model_path = path
-        on_cpu = jax.devices()[0].platform == "cpu"      # there auto is float32 whatever the checkpoint
-        self.dtype = resolve_dtype(args.dtype, None if on_cpu or args.dtype != "auto" else checkpoint_dtype(path))
+        self.dtype = args.resolve_model_dtype(lambda: checkpoint_dtype(path))
         start = time.perf_counter()
         self.model, self.model_config = load_model(path, self.dtype, mesh=self.mesh,
                                                    attention_fn=select_attention(args.attention_backend),

@@ -59,6 +59,33 @@ def test_flags_reach_the_engine_config():
     assert (args.token_buckets, args.request_buckets, args.skip_kernel_check) == ([32, 96], [4, 12], True)
 
 
+def test_the_engine_config_holds_every_derived_value_resolved_once():
+    """What the engine, its runner and its replicas run with is resolved by EngineArgs, once, into
+    the EngineConfig: the step buckets, when they compile, async scheduling, the speculative
+    config, the dtypes (a bfloat16 model with an fp8 cache), each replica's trace file."""
+    args = EngineArgs(max_num_batched_tokens=96, max_num_seqs=12, token_buckets=[32, 96], compile_mode="eager",
+                      async_scheduling=False, kv_cache_dtype="fp8", data_parallel_size=2, trace_file="/t/steps.jsonl",
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3}, num_kv_blocks=40)
+    config = args.create_engine_config(CFG, dtype=jnp.bfloat16)
+    assert dataclasses.asdict(config.runner) == dict(
+        token_buckets=(32, 96), request_buckets=(1, 2, 4, 8, 12), compile_mode="eager", async_scheduling=False,
+        dtype="bfloat16", kv_dtype="float8_e4m3fn", trace_files=("/t/steps.replica0.jsonl", "/t/steps.replica1.jsonl"))
+    assert config.step_buckets() == ([32, 96], [1, 2, 4, 8, 12])
+    assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 3)
+    assert config.runner.trace_file(1) == "/t/steps.replica1.jsonl" and config.runner.trace_file(2) is None
+    defaults = EngineArgs(max_num_batched_tokens=64, max_num_seqs=8).create_engine_config(CFG, jnp.float32)
+    assert dataclasses.asdict(defaults.runner) == dict(
+        token_buckets=(1, 2, 4, 8, 16, 32, 64), request_buckets=(1, 2, 4, 8), compile_mode="background",
+        async_scheduling=True, dtype=None, kv_dtype="float32", trace_files=(None,))
+    # A config built by hand resolves the buckets from the scheduler's limits; shrinking the limits
+    # drops buckets resolved for the old ones.
+    assert defaults.replace(max_num_seqs=4).step_buckets() == ([1, 2, 4, 8, 16, 32, 64], [1, 2, 4])
+    assert args.resolve_model_dtype(built="bfloat16") == jnp.bfloat16     # dtype auto: a built model's own
+    assert EngineArgs(dtype="bfloat16").resolve_model_dtype(built="float32") == jnp.bfloat16
+    assert EngineArgs().resolve_model_dtype(lambda: "bfloat16") == (
+        jnp.float32 if jax.devices()[0].platform == "cpu" else jnp.bfloat16)
+
+
 def test_to_cli_args_writes_what_differs_from_the_defaults_and_parses_back():
     assert EngineArgs().to_cli_args() == []
     args = EngineArgs(model="/m", max_num_batched_tokens=96, enable_prefix_caching=False, async_scheduling=False,

@@ -10,7 +10,6 @@ from jaxengine.autopilot.cost import OnlineCost
 from jaxengine.engine import Engine
 from jaxengine.costmodel.measure import CalibrationGrid, calibrate_engine
 from jaxengine.costmodel.profile import CostProfile, load_profile
-from jaxengine.buckets import step_buckets
 
 __all__ = ["OVERLOAD_MARGIN", "STARTUP_GRID", "startup_grid", "Autopilot", "OnlineCost", "Outlook", "StepPlan", "attach_autopilot"]
 
@@ -53,9 +52,7 @@ def attach_autopilot(engine: Engine, profile: CostProfile | None = None, *, prog
         logger.info("autopilot: calibrated %d steps (fit error %.0f%% mean)", profile.fit_error.num_steps,
                     profile.fit_error.mean_abs_pct)
     sc = engine.config.scheduler
-    token_buckets, row_buckets = step_buckets(sc.max_num_batched_tokens, sc.max_num_seqs,
-                                              getattr(engine.runner, "token_buckets", None),
-                                              getattr(engine.runner, "request_buckets", None))
+    token_buckets, row_buckets = engine.config.step_buckets()
     cost = OnlineCost(profile, token_buckets, row_buckets, config.percentile)
     autopilot = engine.planner = Autopilot(config, cost, sc, engine.clock)
     runner = engine.runner

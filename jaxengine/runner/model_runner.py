@@ -109,8 +109,11 @@ class ModelRunner:
             shard_kernels(model, mesh)
             place_model(model, mesh)
         self.block_size = cc.block_size
-        self.token_buckets, self.request_buckets = step_buckets(sc.max_num_batched_tokens, sc.max_num_seqs,
-                                                                token_buckets, request_buckets)
+        if token_buckets is None and request_buckets is None:        # the configuration's (``EngineArgs``)
+            self.token_buckets, self.request_buckets = config.step_buckets()
+        else:
+            self.token_buckets, self.request_buckets = step_buckets(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                                                    token_buckets, request_buckets)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
                                 cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated,
                                 vocab_size=model_config.vocab_size,
