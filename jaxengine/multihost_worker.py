@@ -12,7 +12,7 @@ import sys
 
 import jax
 
-from jaxengine.llm import LLM
+from jaxengine.host import EngineHost
 from jaxengine.parallel.multihost import initialize, num_compilations
 from jaxengine.parallel.step_channel import HEARTBEAT, RESET, STOP, StepChannel
 
@@ -77,9 +77,9 @@ def run_worker(engine_args, *, progress: bool = False) -> int:
                          "--num-processes, --process-id > 0); process 0 runs LLM or the server")
     print(f"jaxengine: process {dist.process_id} of {dist.num_processes}: loading the model's share and "
           f"compiling...", flush=True)
-    llm = LLM.for_worker(engine_args, progress=progress)
+    host = EngineHost.for_worker(engine_args, progress=progress)
     print(f"jaxengine: process {dist.process_id} of {dist.num_processes}: running process 0's steps "
           f"(stops with an error if it is silent for {dist.timeout:g} s)", flush=True)
-    Worker(llm.runner, llm.channel).run()
+    Worker(host.runner, host.channel).run()
     print(f"jaxengine: process {dist.process_id}: stopped by process 0", flush=True)
     return 0

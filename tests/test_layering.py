@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runner", ("runner", "testing")),
     ("engine", ("engine", "engine_args", "output_processor", "parallel", "default_model", "tokenizer")),
     ("cost model", ("costmodel", "autopilot")),
-    ("doors", ("", "llm", "serve", "generate", "bench", "lab", "demo", "multihost_worker")),
+    ("doors", ("", "host", "llm", "serve", "generate", "bench", "lab", "demo", "multihost_worker")),
 ]
 NO_JAX = ("types", "core")                 # host-side floors: plain Python (and numpy)
 JAX_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax")

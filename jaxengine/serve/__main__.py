@@ -86,16 +86,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if (status := join_job(engine_args, "python -m jaxengine.serve")) is not None:
         return status
-    from jaxengine.llm import LLM
+    from jaxengine.host import EngineHost
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine
     from jaxengine.serve.metrics import EngineMetrics
 
     print("jaxengine: loading the model and compiling (this takes a moment)...", flush=True)
-    llm = LLM.from_engine_args(engine_args)
-    name = args.served_model_name or default_served_name(args.model, llm.model_path)
+    host = EngineHost.from_engine_args(engine_args)
+    name = args.served_model_name or default_served_name(args.model, host.model_path)
     metrics = EngineMetrics(name)
-    engine = AsyncEngine(llm, max_waiting_requests=args.max_waiting_requests, observer=metrics)
+    engine = AsyncEngine(host, max_waiting_requests=args.max_waiting_requests, observer=metrics)
     app = build_app(engine, served_model_name=name, metrics=metrics, api_key=args.api_key,
                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating)

@@ -63,10 +63,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, metrics: EngineMet
 
     app = FastAPI(title="jaxengine", version=jaxengine.__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
-    capacity = engine.llm.kv_cache_capacity()
+    capacity = engine.host.kv_cache_capacity()
     metrics.kv_tokens.set(capacity["tokens"])
     metrics.kv_tokens_per_gib.set(capacity["tokens_per_gib"])
-    metrics.set_kernel_check(engine.llm.kernel_check)
+    metrics.set_kernel_check(engine.host.kernel_check)
     _add_auth(app, api_key)
     _add_error_handlers(app)
     _add_info_routes(app, engine, serving, metrics)
@@ -181,7 +181,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: EngineMetrics) -> None:
-    llm = engine.llm
+    host = engine.host
 
     @get_route(app, "/health")
     async def health():
@@ -191,9 +191,9 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
         cannot (restart it)."""
         if (problem := engine.health_problem) is not None:
             return error_response(503, f"the server cannot serve requests: {problem}")
-        compiled, total = llm.compile_progress()
+        compiled, total = host.compile_progress()
         return {"status": "ok", "all_buckets_compiled": compiled == total, "step_buckets_compiled": compiled,
-                "step_buckets": total, "kernel_check": llm.kernel_check.as_dict()}
+                "step_buckets": total, "kernel_check": host.kernel_check.as_dict()}
 
     @get_route(app, "/version")
     async def version():
@@ -206,8 +206,8 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
     @get_route(app, "/v1/models")
     async def models():
         """The base model and every LoRA adapter served (``parent``: the base)."""
-        max_len = llm.config.scheduler.max_model_len
-        cards = [p.ModelCard(id=serving.model_name, root=str(llm.model_path), max_model_len=max_len)]
+        max_len = host.config.scheduler.max_model_len
+        cards = [p.ModelCard(id=serving.model_name, root=str(host.model_path), max_model_len=max_len)]
         cards += [p.ModelCard(id=name, root=lora.lora_path, parent=serving.model_name, max_model_len=max_len)
                   for name, lora in list(serving.adapters.items())]
         return p.ModelList(data=cards).model_dump()
@@ -223,12 +223,12 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, 
             ids = await engine.encode_chat([m.as_template_input() for m in body.messages], body.add_generation_prompt)
         else:
             ids = await engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.scheduler.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": host.config.scheduler.max_model_len}
 
     @app.post("/detokenize", responses=ERRORS)
     async def detokenize(body: p.DetokenizeRequest):
         serving.check_model(body.model)
-        vocab = llm.model_config.vocab_size
+        vocab = host.model_config.vocab_size
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise RequestError(400, f"tokens: {bad[:5]} outside the vocabulary of {vocab} tokens", "tokens")
         if serving.tokenizer is None:
@@ -240,30 +240,30 @@ def _add_lora_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing) 
     """vLLM's runtime adapter endpoints: load and unload an adapter by name while the server runs
     (on the engine thread, between steps: running requests go on; one still running with an
     unloaded adapter finishes with it)."""
-    llm = engine.llm
+    host = engine.host
 
     @app.post("/v1/load_lora_adapter", responses=ERRORS)
     async def load_lora_adapter(body: p.LoadLoRAAdapterRequest):
-        if llm.config.lora is None:
+        if host.config.lora is None:
             raise RequestError(400, "lora_name: this server serves no LoRA adapters (start it with --enable-lora)",
                                "lora_name")
         if body.lora_name == serving.model_name or body.lora_name in serving.adapters:
             raise RequestError(400, f"lora_name: `{body.lora_name}` is already served", "lora_name")
         try:
-            await engine.run_on_engine_thread(lambda: llm.load_lora(body.lora_name, body.lora_path))
+            await engine.run_on_engine_thread(lambda: host.load_lora(body.lora_name, body.lora_path))
         except ValueError as error:
             raise RequestError(400, str(error), "lora_path") from None
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter", responses=ERRORS)
     async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest):
-        if not await engine.run_on_engine_thread(lambda: llm.remove_lora(body.lora_name)):
+        if not await engine.run_on_engine_thread(lambda: host.remove_lora(body.lora_name)):
             raise RequestError(404, f"lora_name: no adapter named `{body.lora_name}` is loaded", "lora_name")
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
 def _add_dashboard_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: EngineMetrics) -> None:
-    page, settings = page_html(), engine_settings(engine.llm)
+    page, settings = page_html(), engine_settings(engine.host)
 
     @get_route(app, "/dashboard", response_class=HTMLResponse)
     async def dashboard():

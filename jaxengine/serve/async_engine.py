@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from jaxengine.llm import LLM
+from jaxengine.host import EngineHost
 from jaxengine.lora_request import LoRARequest
 from jaxengine.output_processor import OutputProcessor
 from jaxengine.request import LatencyTargets, Request, RequestStatus, Sequence
@@ -109,11 +109,11 @@ class AsyncEngine:
     still held and every new one gets a 503, and only a restart helps.
     """
 
-    def __init__(self, llm: LLM, *, max_waiting_requests: int = 1024, observer=None) -> None:
-        self.llm = llm
-        self.engine = llm.engine
-        self.tokenizer = llm.tokenizer           # the engine thread's (decoding)
-        self.tokenizers = None if llm.tokenizer is None else PerThreadTokenizer(llm.tokenizer)
+    def __init__(self, host: EngineHost, *, max_waiting_requests: int = 1024, observer=None) -> None:
+        self.host = host
+        self.engine = host.engine
+        self.tokenizer = host.tokenizer          # the engine thread's (decoding)
+        self.tokenizers = None if host.tokenizer is None else PerThreadTokenizer(host.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="jaxengine-tokenize")
         self.max_waiting_requests = max_waiting_requests
         self.observer = None if observer is None else _GuardedObserver(observer)
@@ -181,7 +181,7 @@ class AsyncEngine:
         """Raise before anything is queued: ValueError naming the field for a request that can
         never be served, QueueFullError / OverloadedError / EngineStoppedError when the server
         can't take it now."""
-        self.llm.check_request(prompt_token_ids, params)
+        self.host.check_request(prompt_token_ids, params)
         if self._stopping:
             raise EngineStoppedError("the server is shutting down")
         if (problem := self.health_problem) is not None:
@@ -360,12 +360,12 @@ class AsyncEngine:
         with self._lock:
             self._num_queued -= 1
         # An adapter unloaded between the request's check and now: not brought back for it.
-        if lora_request is not None and getattr(self.llm, "loras", {}).get(lora_request.lora_name) != lora_request:
+        if lora_request is not None and getattr(self.host, "loras", {}).get(lora_request.lora_name) != lora_request:
             deliver(RequestDelta(request_id, [], finished=True, error=f"model: the adapter `{lora_request.lora_name}` "
                                  f"was unloaded before the request started", error_status=404))
             return
         try:
-            request = self.llm.add_request(request_id, ids, params, priority=priority, arrival_time=arrival, slo=slo,
+            request = self.host.add_request(request_id, ids, params, priority=priority, arrival_time=arrival, slo=slo,
                                            lora_request=lora_request)
         except Exception as error:                      # noqa: BLE001 - reported to that request only
             deliver(RequestDelta(request_id, [], finished=True, error=str(error), error_status=400))

@@ -37,18 +37,18 @@ def page_html() -> str:
     return resources.files("jaxengine.serve").joinpath("static/dashboard.html").read_text(encoding="utf-8")
 
 
-def engine_settings(llm) -> dict:
+def engine_settings(host) -> dict:
     """What the server runs with: the EngineArgs as given, and what they resolved to."""
-    engine = llm.engine
+    engine = host.engine
     first = engine.replicas[0] if isinstance(engine, DataParallelEngine) else engine
-    cache, scheduler = llm.config.cache, llm.config.scheduler
+    cache, scheduler = host.config.cache, host.config.scheduler
     resolved = {"max_model_len": scheduler.max_model_len, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                 "max_num_seqs": scheduler.max_num_seqs, "block_size": cache.block_size,
                 "num_gpu_blocks": cache.num_gpu_blocks, "num_cpu_blocks": cache.num_cpu_blocks,
-                "async_scheduling": first.async_scheduling, "dtype": str(llm.dtype),
-                "platform": llm.mesh.devices.flat[0].platform, "replicas": llm.engine_args.data_parallel_size,
+                "async_scheduling": first.async_scheduling, "dtype": str(host.dtype),
+                "platform": host.mesh.devices.flat[0].platform, "replicas": host.engine_args.data_parallel_size,
                 "scheduling_policy": first.scheduler.policy.name}
-    args = dataclasses.asdict(llm.engine_args)
+    args = dataclasses.asdict(host.engine_args)
     if not isinstance(args["scheduling_policy"], str):     # a policy class or instance given in Python
         args["scheduling_policy"] = repr(args["scheduling_policy"])
     return {"engine_args": args, "resolved": resolved}

@@ -60,7 +60,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.tool_call_parser = tool_call_parser or detect_tool_parser(getattr(self.tokenizer, "chat_template", None))
         self.model_name = served_model_name
-        self.defaults = getattr(getattr(engine, "llm", None), "generation_defaults", {})   # generation_config
+        self.defaults = getattr(getattr(engine, "host", None), "generation_defaults", {})   # generation_config
 
     # ---- requests -> engine ----
     def check_model(self, model: str | None) -> LoRARequest | None:
@@ -78,7 +78,7 @@ class OpenAIServing:
     @property
     def adapters(self) -> dict[str, LoRARequest]:
         """The LoRA adapters served by name (``LLM.loras``)."""
-        return getattr(getattr(self.engine, "llm", None), "loras", {})
+        return getattr(getattr(self.engine, "host", None), "loras", {})
 
     def response_model(self, model: str | None) -> str:
         """The ``model`` a response names: the adapter asked for, else the base model."""
@@ -101,7 +101,7 @@ class OpenAIServing:
         leaves it None: the scheduler stops it there)."""
         if not isinstance(params, BeamSearchParams) or params.max_tokens != p.MAX_BEAM_TOKENS:
             return params
-        room = self.engine.llm.config.scheduler.max_model_len - len(ids)
+        room = self.engine.host.config.scheduler.max_model_len - len(ids)
         return dataclasses.replace(params, max_tokens=max(room, 1))      # no room: check() refuses the prompt
 
     async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:

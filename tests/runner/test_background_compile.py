@@ -74,10 +74,10 @@ def gated(tmp_path_factory):
     make_checkpoint(folder, "llama")
     gate = threading.Event()
     with pytest.MonkeyPatch.context() as mp:
-        import jaxengine.llm
+        import jaxengine.host
         from jaxengine.runner.model_runner import ModelRunner
 
-        mp.setattr(jaxengine.llm, "ModelRunner", functools.partial(ModelRunner, before_compile=lambda _: gate.wait()))
+        mp.setattr(jaxengine.host, "ModelRunner", functools.partial(ModelRunner, before_compile=lambda _: gate.wait()))
         llm = LLM(folder, compile_mode="background", **ENGINE)
     yield llm, gate
     gate.set()

@@ -45,7 +45,7 @@ def uvicorn_thread(app, log_level: str = "warning", lifespan: str = "auto"):
 @dataclass
 class LiveServer:
     url: str
-    llm: object
+    host: object            # the EngineHost the server runs on
     engine: object
     metrics: object
 
@@ -68,17 +68,22 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def server(chat_checkpoint):
-    from jaxengine.llm import LLM
+    """What ``python -m jaxengine.serve`` builds: an EngineHost from EngineArgs, driven by the
+    AsyncEngine (no LLM object in between)."""
+    from jaxengine.engine_args import EngineArgs
+    from jaxengine.host import EngineHost
     from jaxengine.serve.api_server import build_app
     from jaxengine.serve.async_engine import AsyncEngine
     from jaxengine.serve.metrics import EngineMetrics
 
-    llm = LLM(chat_checkpoint, **ENGINE)
+    options = {key: value for key, value in ENGINE.items() if key != "progress"}
+    host = EngineHost.from_engine_args(EngineArgs(model=str(chat_checkpoint), **options), progress=False)
+    assert type(host) is EngineHost
     metrics = EngineMetrics("tiny")
-    engine = AsyncEngine(llm, observer=metrics)
+    engine = AsyncEngine(host, observer=metrics)
     app = build_app(engine, served_model_name="tiny", metrics=metrics, api_key=API_KEY)
     with uvicorn_thread(app) as url:
-        yield LiveServer(url, llm, engine, metrics)
+        yield LiveServer(url, host, engine, metrics)
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ def test_cached_tokens_count_the_prefix_cache_hit_on_both_endpoints(client, serv
     first block other chats may have cached already)."""
     block = ENGINE["block_size"]
     prompt = "cached-prefix check: " + "abcdefghij" * 2        # 41 byte tokens
-    n_prompt = len(server.llm.tokenizer.encode(prompt))
+    n_prompt = len(server.host.tokenizer.encode(prompt))
     first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens == n_prompt and first.usage.prompt_tokens_details.cached_tokens == 0
     hit = (n_prompt - 1) // block * block

@@ -194,11 +194,11 @@ def test_state_after_a_known_workload(dash):
 
 def test_settings_are_the_engine_args(dash):
     settings = state(dash.url)["settings"]
-    assert settings["engine_args"] == dataclasses.asdict(dash.llm.engine_args)
+    assert settings["engine_args"] == dataclasses.asdict(dash.host.engine_args)
     assert settings["engine_args"]["max_num_batched_tokens"] == 64 and settings["engine_args"]["num_kv_blocks"] == 400
     assert settings["resolved"] == {"max_model_len": 128, "max_num_batched_tokens": 64, "max_num_seqs": 32,
                                     "block_size": 4, "num_gpu_blocks": 400,
-                                    "num_cpu_blocks": dash.llm.config.cache.num_cpu_blocks, "async_scheduling": False,
+                                    "num_cpu_blocks": dash.host.config.cache.num_cpu_blocks, "async_scheduling": False,
                                     "dtype": "float32", "platform": "cpu", "replicas": 1, "scheduling_policy": "fcfs"}
 
 
@@ -266,7 +266,7 @@ def test_the_page_follows_the_load_in_a_browser(chromium, dash):
         wait_updates(page, 1)
         idle_steps = number(page, "steps")
         assert page.text_content("#model") == "tiny"
-        assert page.locator("#settings > div").count() == len(dataclasses.asdict(dash.llm.engine_args))
+        assert page.locator("#settings > div").count() == len(dataclasses.asdict(dash.host.engine_args))
         assert page.locator("#resolved > div").count() == 11
         with Load(dash.url):
             page.wait_for_function("Number(document.getElementById('running').textContent) > 0", timeout=15_000)

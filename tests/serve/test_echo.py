@@ -34,7 +34,7 @@ def post(server, body: dict, path: str = "/v1/completions") -> dict:
 
 
 def test_lm_evals_scoring_request_gets_the_models_own_prompt_logprobs(server, oracle):
-    ids = server.llm.tokenizer.encode(PROMPT)
+    ids = server.host.tokenizer.encode(PROMPT)
     choice = post(server, {"prompt": ids, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0})[
         "choices"][0]
     lp, expected = choice["logprobs"], oracle(ids)
@@ -45,7 +45,7 @@ def test_lm_evals_scoring_request_gets_the_models_own_prompt_logprobs(server, or
     np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], want, atol=1e-4)
     for i in range(1, len(ids)):             # the most likely token is among the top ones, with its logprob
         best = int(expected[i - 1].argmax())
-        text = server.llm.tokenizer.decode([best])
+        text = server.host.tokenizer.decode([best])
         assert abs(lp["top_logprobs"][i][text] - expected[i - 1, best]) < 1e-4
     assert lp["text_offset"][:3] == [0, 1, 2]          # byte tokens
     np.testing.assert_allclose(lp["token_logprobs"][-1], expected[-1].max(), atol=1e-4)     # the greedy token
@@ -58,7 +58,7 @@ def test_echo_of_string_prompts_batches_and_n_and_scoring_only(server):
     assert "logprobs" not in out["choices"][0]
     score = post(server, {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2})
     (choice,) = score["choices"]
-    n = len(server.llm.tokenizer.encode(PROMPT))
+    n = len(server.host.tokenizer.encode(PROMPT))
     assert choice["text"] == PROMPT and len(choice["logprobs"]["tokens"]) == n
     assert score["usage"]["completion_tokens"] == 0 and score["usage"]["prompt_tokens"] == n
     assert all(len(top) in (2, 3) for top in choice["logprobs"]["top_logprobs"][1:])   # top 2, and the token itself
@@ -82,14 +82,14 @@ def test_a_streamed_echo_joins_to_the_whole_one(server, client):
 
 
 def test_vllms_prompt_logprobs_extra_on_both_endpoints(server, oracle):
-    ids = server.llm.tokenizer.encode(PROMPT)
+    ids = server.host.tokenizer.encode(PROMPT)
     choice = post(server, {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1})["choices"][0]
     entries = choice["prompt_logprobs"]
     assert not choice["text"].startswith(PROMPT) and entries[0] is None and len(entries) == len(ids)
     expected = oracle(ids)
     for i in range(1, len(ids)):
         assert abs(entries[i][str(ids[i])]["logprob"] - expected[i - 1, ids[i]]) < 1e-4
-        assert entries[i][str(ids[i])]["decoded_token"] == server.llm.tokenizer.decode([ids[i]])
+        assert entries[i][str(ids[i])]["decoded_token"] == server.host.tokenizer.decode([ids[i]])
     messages = [{"role": "user", "content": PROMPT}]
     chat = post(server, {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0}, "/v1/chat/completions")
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None

@@ -93,7 +93,7 @@ def test_full_waiting_queue_is_503_with_retry_after(server):
 def test_internal_failure_ends_only_that_request(server, monkeypatch):
     from jaxengine.serve.async_engine import AsyncEngine
 
-    poison = server.llm.tokenizer.encode("poison")
+    poison = server.host.tokenizer.encode("poison")
     original = AsyncEngine._delta
 
     def failing(self, tracked, now):

@@ -77,7 +77,7 @@ class FailingStep:
 def test_a_failing_step_ends_only_its_requests_and_the_server_goes_on(server, monkeypatch, where):
     server.wait_idle()
     runner = server.engine.engine.runner
-    failing = FailingStep(runner, server.llm.tokenizer, k=2, where=where)
+    failing = FailingStep(runner, server.host.tokenizer, k=2, where=where)
     monkeypatch.setattr(runner, "dispatch", failing)
     prompts = [f"request {i:03d}" for i in range(30)]
     results = dict(zip(prompts, run_streams(server.url, prompts)))

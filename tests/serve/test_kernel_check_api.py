@@ -2,7 +2,7 @@
 (still 200) and /metrics say which kernel failed."""
 import httpx
 
-from jaxengine import llm as llm_module
+from jaxengine import host as host_module
 from jaxengine.kernels.paged_attention import paged_attention_tiled
 from jaxengine.runner import kernel_check
 from tests.serve.conftest import API_KEY, ENGINE, uvicorn_thread
@@ -28,7 +28,7 @@ def test_a_failed_kernel_check_shows_in_health_and_metrics_and_the_fallback_serv
     from jaxengine.serve.metrics import EngineMetrics
 
     monkeypatch.setattr(kernel_check, "_on_accelerator", lambda: True)
-    monkeypatch.setattr(llm_module, "select_attention", lambda backend="auto": wrong_scale)
+    monkeypatch.setattr(host_module, "select_attention", lambda backend="auto": wrong_scale)
     llm = LLM(chat_checkpoint, **ENGINE)
     assert llm.model.layers.self_attn.attention_fn.inner is paged_attention_tiled
     metrics = EngineMetrics("tiny")

@@ -97,7 +97,7 @@ def continuation_logprob(model, context: list[int], continuation: list[int]) -> 
 
 
 def test_a_multiple_choice_task_scores_each_choice_as_transformers_does(samples, model, server):
-    encode = server.llm.tokenizer.encode
+    encode = server.host.tokenizer.encode
     for row, (question, choices, _) in zip(samples["tiny_mc"], QUESTIONS):
         got = [loglik for loglik, _greedy in row["filtered_resps"]]
         want = [continuation_logprob(model, encode(question), encode(" " + c)) for c in choices]
@@ -106,15 +106,15 @@ def test_a_multiple_choice_task_scores_each_choice_as_transformers_does(samples,
 
 
 def test_a_perplexity_task_scores_each_text_as_transformers_does(samples, model, server):
-    prefix = server.llm.tokenizer.eos_token_id       # lm-eval's rolling windows start after the EOS token
+    prefix = server.host.tokenizer.eos_token_id       # lm-eval's rolling windows start after the EOS token
     for row, text in zip(samples["tiny_ppl"], TEXTS):
         (loglik,) = row["filtered_resps"]
-        want = continuation_logprob(model, [prefix], server.llm.tokenizer.encode(text))
+        want = continuation_logprob(model, [prefix], server.host.tokenizer.encode(text))
         np.testing.assert_allclose(loglik, want, atol=1e-4)
 
 
 def test_a_generation_task_gets_transformers_greedy_text(samples, model, server):
-    tok = server.llm.tokenizer
+    tok = server.host.tokenizer
     for row, prompt in zip(samples["tiny_gen"], PROMPTS):
         ids = tok.encode(prompt)
         with torch.no_grad():

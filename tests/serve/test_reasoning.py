@@ -64,7 +64,7 @@ def test_thinking_and_answer_are_split_whole_and_streamed(reasoning_client, clie
 def test_chat_template_kwargs_reach_the_template(server, reasoning_client):
     from jaxengine.tokenizer import apply_chat_template
 
-    tokenizer = server.llm.tokenizer.__class__.from_pretrained(server.llm.model_path)
+    tokenizer = server.host.tokenizer.__class__.from_pretrained(server.host.model_path)
     tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}N{% else %}T{% endif %}"
                                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     messages = [{"role": "user", "content": "x"}]
@@ -83,7 +83,7 @@ def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(reasoning_clie
     r = reasoning_client.responses.create(**params)
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == thinking and r.output_text == answer
-    assert r.usage.output_tokens_details.reasoning_tokens == len(server.llm.tokenizer.encode(
+    assert r.usage.output_tokens_details.reasoning_tokens == len(server.host.tokenizer.encode(
         thinking, add_special_tokens=False))
     events = list(reasoning_client.responses.create(**params, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking

@@ -96,7 +96,7 @@ def test_long_prompts_tokenize_off_the_event_loop_while_streams_run(server, monk
     reference_long = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=120, json={
         "model": "tiny", "prompt": [long_prompt(i) for i in range(NUM_LONG)], "max_tokens": LONG_MAX_TOKENS,
         "temperature": 0}).json()["choices"]
-    slow = SlowTokenizing(monkeypatch, server.llm.tokenizer)
+    slow = SlowTokenizing(monkeypatch, server.host.tokenizer)
     texts, answers, latencies, gaps = asyncio.run(scenario(server.url, slow))
 
     assert [r.status_code for r in answers] == [200] * (NUM_LONG + 1)
