@@ -190,10 +190,19 @@ def test_while_compiling_the_compiler_threads_yield_the_cores_and_the_gil_to_the
     me = threading.get_native_id()
 
     def priorities():
-        return {int(t): os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}
+        found = {}
+        for t in os.listdir("/proc/self/task"):
+            try:
+                found[int(t)] = os.getpriority(os.PRIO_PROCESS, int(t))
+            except ProcessLookupError:           # a thread (another test's) that ended meanwhile
+                pass
+        return found
 
     def name(t):
-        return open(f"/proc/self/task/{t}/comm").read().strip()
+        try:
+            return open(f"/proc/self/task/{t}/comm").read().strip()
+        except FileNotFoundError:                # ended meanwhile
+            return ""
 
     before, interval = priorities(), sys.getswitchinterval()
     seen = []
