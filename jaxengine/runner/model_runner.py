@@ -120,9 +120,13 @@ class ModelRunner:
                                 num_lora_slots=0 if config.lora is None else config.lora.max_loras)
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype,
                                         sharding=None if mesh is None else kv_cache_sharding(mesh, model_config))
-        self.mover = BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, model_config.kv_block_shapes(cc.block_size),
-                                model_config.num_layers, self.kv_caches[0].dtype,
-                                sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
+
+        def make_mover(shapes, num_layers, kv_dtype) -> BlockMover:
+            """The block moves of a cache of these blocks (the model's, a drafter's)."""
+            return BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, shapes, num_layers, kv_dtype, sc.max_num_seqs,
+                              on_compile=self._note_compile, mesh=mesh)
+        self.mover = make_mover(model_config.kv_block_shapes(cc.block_size), model_config.num_layers,
+                                self.kv_caches[0].dtype)
         spec = config.speculative
         self.ngram = None if spec is None or spec.method != "ngram" else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
@@ -130,10 +134,6 @@ class ModelRunner:
         if draft is not None:
             draft_model, draft_config, k, sampled = draft
             drafter = EagleDrafter if isinstance(draft_config, (Eagle3Config, MTPConfig)) else Drafter
-
-            def make_mover(shapes, num_layers, kv_dtype):
-                return BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, shapes, num_layers, kv_dtype,
-                                  sc.max_num_seqs, on_compile=self._note_compile, mesh=mesh)
             self.drafter = drafter(draft_model, draft_config, k=k, num_gpu_blocks=cc.num_gpu_blocks,
                                    block_size=cc.block_size, max_blocks_per_seq=cdiv(sc.max_model_len, cc.block_size),
                                    row_buckets=self.request_buckets, dtype=dtype, make_mover=make_mover,

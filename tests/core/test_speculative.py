@@ -61,8 +61,12 @@ def check_speculation(h) -> None:
         draft = out.draft_token_ids.get(seq.seq_id)
         if draft:
             assert n == samples == 1 + len(draft) and seq.request.beam is None
-    for seq_id, n in out.propose.items():                               # proposals: what pays, and fits
-        assert 1 <= n <= h.config.speculative.num_speculative_tokens
+    # Proposals only for rows that sample one token this step (a decode next step), never a beam,
+    # and within k.
+    one_sample = {seq.seq_id for seq, samples in zip(out.scheduled_seqs, out.num_samples)
+                  if samples - len(out.draft_token_ids.get(seq.seq_id, ())) == 1 and seq.request.beam is None}
+    assert set(out.propose) <= one_sample
+    assert all(1 <= n <= h.config.speculative.num_speculative_tokens for n in out.propose.values())
     for group in h.scheduler.running:
         for seq in group.live_seqs:
             hashes = extend_block_hashes([], seq.token_ids, seq.num_cached_blocks, h.kv.block_size,
