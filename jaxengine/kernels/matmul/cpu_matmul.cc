@@ -144,9 +144,11 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   auto strips_of = [=](int64_t blocks) {
     const int64_t per = (strips + blocks - 1) / blocks;
     return [=](int64_t b) {
-      for (int64_t s = b * per; s < std::min(strips, (b + 1) * per); ++s)
+      const int64_t end = std::min(strips, (b + 1) * per);
+      for (int64_t s = b * per; s < end; ++s)              // each strip prefetches the thread's next one
         jaxengine::Gemm(xp, k, m, k, wp + s * strip_size, jaxengine::kPanel, jaxengine::kPanel,
-                        op + s * jaxengine::kPanel, n);
+                        op + s * jaxengine::kPanel, n, s + 1 < end ? wp + (s + 1) * strip_size : nullptr,
+                        strip_size);
     };
   };
   if (m <= kFewRows) {
