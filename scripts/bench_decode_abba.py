@@ -1,10 +1,11 @@
-"""Decode speed of two checkouts, alternating in fresh processes (A B B A): the default `LLM()`
-with every bucket compiled, the best of two `generate` calls of 160 greedy tokens at batch 1 and
-of 64 x 96 tokens at batch 64 (`ignore_eos`). Less noisy than `bench_smoke.py`'s difference of
-two runs, for comparing code on one machine.
+"""Decode speed of two checkouts, alternating in fresh processes (A B B A, then A B B A again for
+``--pairs 4``): the default `LLM()` with every bucket compiled, the best of ``--calls`` (2)
+`generate` calls of 160 greedy tokens at batch 1 and of 96 tokens at the other batches (1 and 64
+unless ``--batches`` says; `ignore_eos`). Less noisy than `bench_smoke.py`'s difference of two
+runs, for comparing code on one machine.
 
     python scripts/bench_decode_abba.py BASELINE_TREE [OTHER_TREE (default: this checkout)]
-        [--quantization none]
+        [--quantization none] [--batches 1,64] [--calls 2] [--pairs 2]
 
 ``--quantization`` is passed to ``LLM`` (``none``: the float32 weights). Each run prints a digest
 of its greedy tokens, which should agree between runs of the same arithmetic.
@@ -22,15 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = """
 import hashlib, json, sys, time
 from jaxengine import LLM, SamplingParams
-llm = LLM(progress=False, **json.loads(sys.argv[1]))
+options, batches, calls = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+llm = LLM(progress=False, **options)
 llm.wait_until_compiled()
 prompts = [f"Question {i}: what is the capital of country number {i}?" for i in range(64)]
 llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 rates = {}
-for batch, n in ((1, 160), (64, 96)):
+for batch in batches:
+    n = 160 if batch == 1 else 96
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     best = 0.0
-    for _ in range(2):
+    for _ in range(calls):
         start = time.perf_counter()
         outs = llm.generate(prompts[:batch], params, use_tqdm=False)
         best = max(best, batch * n / (time.perf_counter() - start))
@@ -41,8 +44,8 @@ print("RESULT", json.dumps(rates), flush=True)
 """
 
 
-def measure(tree: Path, options: dict) -> dict:
-    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(options)], cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
+def measure(tree: Path, options: dict, batches: list[int], calls: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(options), json.dumps(batches), str(calls)], cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
                           capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -55,17 +58,24 @@ def main() -> None:
     parser.add_argument("baseline", type=Path)
     parser.add_argument("other", type=Path, nargs="?", default=ROOT)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--batches", default="1,64", help="comma-separated batch sizes, at most 64")
+    parser.add_argument("--calls", type=int, default=2, help="generate calls per batch in each process (the best counts)")
+    parser.add_argument("--pairs", type=int, default=2, help="processes per checkout, in A B B A order")
     args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if not all(1 <= b <= 64 for b in batches) or args.calls < 1 or args.pairs < 1:
+        parser.error("batches must be 1..64, --calls and --pairs at least 1")
     a, b = args.baseline.resolve(), args.other.resolve()
     options = {} if args.quantization is None else {"quantization": args.quantization}
     runs = {a: [], b: []}
-    for tree in (a, b, b, a):
-        rates = measure(tree, options)
+    order = [(a, b) if i % 2 == 0 else (b, a) for i in range(args.pairs)]
+    for tree in [t for pair in order for t in pair]:
+        rates = measure(tree, options, batches, args.calls)
         runs[tree].append(rates)
-        print(f"{tree}: batch 1 {rates['1']} tok/s, batch 64 {rates['64']} tok/s (tokens {rates['digest1']} "
-              f"{rates['digest64']})", flush=True)
-    for batch in ("1", "64"):
-        mean = {tree: sum(r[batch] for r in rs) / 2 for tree, rs in runs.items()}
+        print(f"{tree}: " + ", ".join(f"batch {n} {rates[str(n)]} tok/s" for n in batches)
+              + " (tokens " + " ".join(rates[f"digest{n}"] for n in batches) + ")", flush=True)
+    for batch in map(str, batches):
+        mean = {tree: sum(r[batch] for r in rs) / len(rs) for tree, rs in runs.items()}
         print(f"batch {batch}: {b} {mean[b]:.1f} tok/s against {a} {mean[a]:.1f} ({mean[b] / mean[a]:.2f}x)")
 
 
