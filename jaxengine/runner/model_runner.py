@@ -449,7 +449,7 @@ class ModelRunner:
                      + np.asarray(out.num_scheduled_tokens, np.int32)[index] - num_draft + num_out - 1)
         batch = self.batch
         if self.drafter is None:
-            return {seq_id: self.ngram.propose(batch.tokens[slot, :end].tolist(), n)
+            return {seq_id: self.ngram.propose(batch.tokens[slot, :end], n)
                     for seq_id, slot, end, n in zip(seq_ids, row_slots.tolist(), (positions + 1).tolist(),
                                                     counts.tolist())}
         drafts = self.drafter.propose(ProposalRows(

@@ -278,3 +278,27 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_there_even_if_a_la
         assert texts.final_texts() == ["c"]
         assert (seq.output_token_ids, seq.status, seq.stop_reason) == ([c, d, a], RequestStatus.FINISHED_STOPPED, "da")
         assert s.kv.num_free_blocks == s.kv.num_usable_blocks
+
+
+def lookup_by_the_rule(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup as its rule reads, one suffix length and one earlier position at a time."""
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = token_ids[length - n:]
+        matched = [e for e in range(n - 1, length - 1) if token_ids[e - n + 1:e + 1] == suffix]
+        if matched:
+            whole = [e for e in matched if e + k < length]
+            start = (whole[-1] if whole else matched[0]) + 1
+            return token_ids[start:start + k]
+    return []
+
+
+@given(tokens=st.lists(st.integers(0, 3), min_size=0, max_size=40), k=st.integers(0, 5), max_n=st.integers(1, 5),
+       min_n=st.integers(1, 3), as_array=st.booleans())
+def test_ngram_proposals_follow_the_rule_on_lists_and_on_the_runners_token_rows(tokens, k, max_n, min_n, as_array):
+    import numpy as np
+
+    min_n = min(min_n, max_n)
+    row = np.asarray(tokens, np.int32) if as_array else tokens
+    expected = lookup_by_the_rule(tokens, k, max_n, min_n) if k > 0 and len(tokens) > min_n else []
+    assert NgramProposer(k, max_n, min_n).propose(row) == expected
