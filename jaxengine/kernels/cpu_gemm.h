@@ -11,8 +11,8 @@
 // A caller that knows which weights it multiplies next (the next strip of a panel weight) names
 // them, and the blocks prefetch them a cache line every few steps of k, spread over the whole
 // product: the first block of the next strip then finds its weights in the cache instead of
-// waiting on memory. On AVX2, both cores: 1.2-1.3x the product's rate at 8 and 16 rows, 1.06x at
-// 64; at 256 rows and more the product is bound by its multiply-adds and nothing is prefetched.
+// waiting on memory. On AVX2, both cores: 1.06-1.36x the product's rate at 8 to 24 rows; past
+// kPrefetchRows nothing is prefetched.
 #pragma once
 
 #include <algorithm>
@@ -127,9 +127,9 @@ inline void Strip(const float* x, int64_t ldx, int64_t m, const float* w, int64_
 
 }  // namespace gemm
 
-// Rows past which a product is bound by its multiply-adds, not by its weights' arrival: no
-// prefetching there (at 256 rows and more it cost 5-10%).
-constexpr int64_t kPrefetchRows = 128;
+// Rows up to which prefetching measured a gain on AVX2 (8-24 rows: 1.06-1.36x); at 32 to 96 rows
+// it measured 0.91-1.13x from run to run, at 256 and more it cost 5-10%.
+constexpr int64_t kPrefetchRows = 24;
 
 // out [m, n] (ldo apart) = x [m, k] (ldx apart) @ w [k, n] (ldw apart), prefetching the
 // ``next_floats`` floats at ``next`` meanwhile (up to kPrefetchRows rows).
