@@ -29,6 +29,10 @@ class CacheConfig:
     swapped-out sequence groups live in (0 disables swapping: preemption then recomputes).
     ``watermark`` is the fraction of the device pool kept free when admitting new requests, so
     running requests can grow without being preempted at once.
+
+    ``group_windows``: the model's layer groups (``ModelConfig.kv_groups``), one block table each
+    from the one pool, each group's sliding window or None (full attention). A sequence holds a
+    windowed group's blocks only while its window can reach them.
     """
 
     block_size: int = 16
@@ -36,6 +40,7 @@ class CacheConfig:
     num_cpu_blocks: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
@@ -43,6 +48,8 @@ class CacheConfig:
                  f"must be >= 2 (block 0 is the null block), got {self.num_gpu_blocks}")
         _require(self.num_cpu_blocks >= 0, "num_cpu_blocks", f"must be >= 0, got {self.num_cpu_blocks}")
         _require(0.0 <= self.watermark < 1.0, "watermark", f"must be in [0, 1), got {self.watermark}")
+        _require(len(self.group_windows) >= 1 and all(w is None or w >= 1 for w in self.group_windows),
+                 "group_windows", f"must name each layer group's window (None or >= 1), got {self.group_windows}")
 
     @property
     def watermark_blocks(self) -> int:

@@ -173,3 +173,12 @@ def chat_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-chat")
     make_chat_checkpoint(folder)
     return folder
+
+
+def pytest_configure(config):
+    """The oracle on one thread: its tiny models gain nothing from a second one, and with the
+    suite's workers on every core a second one only contends (the e2e and models folders run
+    about a fifth faster, measured on two cores)."""
+    import torch
+
+    torch.set_num_threads(1)

@@ -35,7 +35,7 @@ class Harness:
         cache = self.config.cache
         self.clock = clock or Clock()
         self.runner = HashRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size,
-                                 speculative=speculative)
+                                 speculative=speculative, group_windows=cache.group_windows)
         self.engine = Engine(self.config, self.runner, clock=self.clock, async_scheduling=async_scheduling)
         self.scheduler = self.engine.scheduler
         self.kv = self.scheduler.kv

@@ -4,8 +4,16 @@ Invariants (checked by the property tests): every block's ref count equals the n
 block tables holding it; a block is in the free queue iff its ref count is 0; free + used
 blocks = the pool; a failed allocation changes nothing.
 
-Ownership: this manager is the only writer of a sequence's ``block_table``, ``block_hashes``
-and ``num_cached_blocks`` and of the copy-on-write list; a sequence's progress
+Layer groups (``CacheConfig.group_windows``): a model whose layers keep different memory has a
+block table per group, all from the one pool and all as long as each other (position i of every
+table holds the KV of the sequence's i-th block of tokens in that group's layers). A windowed
+group's table holds the null block 0 at the positions its sliding window has passed: those blocks
+go back to the pool (``slide``), so a sequence holds about a window of them however long it grows.
+A prefix hit needs every block in a full group's table and only those a windowed group's window
+still reaches at the hit point. Group 0 is a full-attention group whenever the model has one.
+
+Ownership: this manager is the only writer of a sequence's ``block_table``, ``group_tables``,
+``block_hashes`` and ``num_cached_blocks`` and of the copy-on-write list; a sequence's progress
 (``num_computed_tokens``) is the scheduler's alone, so a prefix hit or a fork attaches blocks
 here and the scheduler counts their tokens.
 """
@@ -28,17 +36,28 @@ class AllocStatus(enum.Enum):
 
 @dataclass
 class ComputedBlocks:
-    """A prefix-cache hit: leading blocks whose KV is already in the cache."""
+    """A prefix-cache hit: leading blocks whose KV is already in the cache (group 0's; the other
+    groups' in ``group_blocks``, as long, the null block where a window no longer reaches)."""
 
     blocks: list[int] = field(default_factory=list)
     num_evictable: int = 0     # hit blocks with no holder: they sit in the free queue
+    group_blocks: list[list[int]] = field(default_factory=list)
 
 
 NO_HIT = ComputedBlocks()
 
 
+NULL_BLOCK = 0       # a device table's entry where a window has passed (and what padding points to)
+HOST_NULL = -1       # the same entry in a swapped-out sequence's table (host block 0 is a real block)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of ``group``: each group's blocks hold other layers' KV."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
 
 class KVCacheManager:
@@ -51,6 +70,26 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []   # copy-on-write (src, dst), drained per step
         self.prefix_cache_queries = 0   # prompt tokens looked up
         self.prefix_cache_hits = 0      # of those, tokens served from the cache
+        self.group_windows = config.group_windows
+        self.num_groups = len(config.group_windows)
+        self.windowed = tuple((g, w) for g, w in enumerate(config.group_windows) if w is not None)
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's block table in every group (group 0's is ``block_table``)."""
+        if self.num_groups == 1:
+            return [seq.block_table]
+        if len(seq.group_tables) != self.num_groups - 1:
+            seq.group_tables = [[] for _ in range(self.num_groups - 1)]
+        return [seq.block_table, *seq.group_tables]
+
+    def _window_start(self, window: int, position: int) -> int:
+        """The first block a token at ``position`` attends to under ``window``."""
+        return max(0, position - window + 1) // self.block_size
+
+    def _blocks_held(self, window: int | None, num_tokens: int) -> int:
+        """The most blocks of a group a sequence of ``num_tokens`` needs at once, one token a step."""
+        blocks = cdiv(num_tokens, self.block_size)
+        return blocks if window is None else min(blocks, cdiv(window - 1, self.block_size) + 1)
 
     # ---- accounting ----
     @property
@@ -68,8 +107,11 @@ class KVCacheManager:
         return (usable - len(self.pool.free_queue)) / usable
 
     def num_blocks_to_hold(self, request: Request) -> int:
-        """Blocks the group's live sequences need for all their current tokens, unshared."""
-        return sum(cdiv(s.num_tokens, self.block_size) for s in request.live_seqs)
+        """Blocks the group's live sequences need for all their current tokens, unshared (a windowed
+        group's: those of one window)."""
+        if self.num_groups == 1 and not self.windowed:
+            return sum(cdiv(s.num_tokens, self.block_size) for s in request.live_seqs)
+        return sum(self._blocks_held(w, s.num_tokens) for s in request.live_seqs for w in self.group_windows)
 
     # ---- prefix cache ----
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
@@ -81,6 +123,8 @@ class KVCacheManager:
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_blocks, self.block_size,
                                      seq.request.prefix_keys)
         hit = ComputedBlocks()
+        if self.num_groups > 1 or self.windowed:
+            return self._group_hit(hashes, self._hit_length(hashes, num_blocks))
         for h in hashes[:num_blocks]:
             b = self.pool.lookup(h)
             if b is None:
@@ -88,6 +132,28 @@ class KVCacheManager:
             hit.blocks.append(b)
             hit.num_evictable += self.pool.ref_cnt[b] == 0
         return hit
+
+    def _hit_length(self, hashes: list[bytes], num_blocks: int) -> int:
+        """The most leading blocks every group can resume from: all of them cached in each full
+        group, and in each windowed group those its window reaches from the first token after."""
+        lookup = self.pool.lookup
+        k = num_blocks
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                k = next((i for i in range(k) if lookup(group_key(hashes[i], g)) is None), k)
+        while k > 0 and not all(lookup(group_key(hashes[i], g)) is not None
+                                for g, w in self.windowed for i in range(self._window_start(w, k * self.block_size), k)):
+            k -= 1
+        return k
+
+    def _group_hit(self, hashes: list[bytes], k: int) -> ComputedBlocks:
+        """The hit of ``k`` leading blocks in every group (``_hit_length`` says they are cached)."""
+        pool, tables = self.pool, []
+        for g, window in enumerate(self.group_windows):
+            start = 0 if window is None else self._window_start(window, k * self.block_size)
+            tables.append([NULL_BLOCK] * start + [pool.lookup(group_key(h, g)) for h in hashes[start:k]])
+        evictable = sum(pool.ref_cnt[b] == 0 for table in tables for b in table if b != NULL_BLOCK)
+        return ComputedBlocks(tables[0], evictable, tables[1:])
 
     def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None,
                              lora_digest: str | None = None) -> int:
@@ -97,7 +163,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return 0
         hashes: list[bytes] = []
-        for i in range((len(token_ids) - 1) // self.block_size):
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        if self.num_groups > 1 or self.windowed:
+            extend_block_hashes(hashes, token_ids, num_blocks, self.block_size, prefix_keys(cache_salt, lora_digest))
+            return self._hit_length(hashes, num_blocks)
+        for i in range(num_blocks):
             extend_block_hashes(hashes, token_ids, i + 1, self.block_size, prefix_keys(cache_salt, lora_digest))
             if self.pool.lookup(hashes[i]) is None:
                 return i
@@ -110,9 +180,15 @@ class KVCacheManager:
             return
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_full, self.block_size,
                                      seq.request.prefix_keys)
-        table = seq.block_table
-        for i in range(seq.num_cached_blocks, num_full):
-            self.pool.cache(table[i], hashes[i])
+        if self.num_groups == 1 and not self.windowed:
+            table = seq.block_table
+            for i in range(seq.num_cached_blocks, num_full):
+                self.pool.cache(table[i], hashes[i])
+        else:
+            for g, table in enumerate(self.tables(seq)):
+                for i in range(seq.num_cached_blocks, num_full):
+                    if table[i] != NULL_BLOCK:
+                        self.pool.cache(table[i], group_key(hashes[i], g))
         seq.num_cached_blocks = num_full
 
     def reset_prefix_cache(self) -> None:
@@ -126,9 +202,10 @@ class KVCacheManager:
         scheduler drops the watermark when nothing runs: there is nobody to keep room for)."""
         if self.num_blocks_to_hold(request) > self.pool.num_usable_blocks:
             return AllocStatus.NEVER
-        needed = sum(self._num_new_blocks(seq, hit, n) + hit.num_evictable for seq, hit, n in plan)
+        groups = self.num_groups
+        needed = sum(self._num_new_blocks(seq, hit, n) * groups + hit.num_evictable for seq, hit, n in plan)
         if request.beam is not None and use_watermark:     # the worst case of its next step: a block
-            needed += request.max_num_running_seqs        # per beam (alone in the pool, it just goes)
+            needed += request.max_num_running_seqs * groups   # per beam (alone in the pool, it just goes)
         if len(self.pool.free_queue) - needed < (self.watermark_blocks if use_watermark else 0):
             return AllocStatus.LATER
         return AllocStatus.OK
@@ -144,15 +221,47 @@ class KVCacheManager:
         prefix hit, which is taken first so no new allocation can evict it; its tokens are the
         caller's to count as computed). All or nothing."""
         num_new = self._num_new_blocks(seq, hit, num_new_tokens)
-        cow = self._needs_copy_on_write(seq)
+        if self.num_groups > 1:
+            return self._allocate_groups(seq, num_new, hit)
+        cow = self._needs_copy_on_write(seq.block_table, seq)
         if num_new + cow + hit.num_evictable > len(self.pool.free_queue):
             return False
         self.take_hit(seq, hit)
         if cow:
-            self._copy_on_write(seq)
+            self._copy_on_write(seq.block_table, seq)
         if num_new:
             seq.block_table.extend(self.pool.allocate(num_new))
         return True
+
+    def _allocate_groups(self, seq: Sequence, num_new: int, hit: ComputedBlocks) -> bool:
+        tables = self.tables(seq)
+        cows = [table for table in tables if self._needs_copy_on_write(table, seq)]
+        if num_new * len(tables) + len(cows) + hit.num_evictable > len(self.pool.free_queue):
+            return False
+        self.take_hit(seq, hit)
+        for table in cows:
+            self._copy_on_write(table, seq)
+        if num_new:
+            for table in tables:
+                table.extend(self.pool.allocate(num_new))
+        return True
+
+    def slide(self, seq: Sequence) -> None:
+        """Give back the blocks of the windowed groups that no token from the next one to compute
+        on attends to (the null block takes their place). Call before scheduling the sequence's
+        next tokens: a step already launched that read them runs before any new owner writes."""
+        if not self.windowed or not seq.block_table:
+            return
+        tables = self.tables(seq)
+        for g, window in self.windowed:
+            table = tables[g]
+            end = min(self._window_start(window, seq.num_computed_tokens), len(table))
+            start = end
+            while start > 0 and table[start - 1] != NULL_BLOCK:
+                start -= 1
+            if start < end:
+                self.pool.free(table[start:end])            # the oldest first: evicted first
+                table[start:end] = [NULL_BLOCK] * (end - start)
 
     def _num_new_blocks(self, seq: Sequence, hit: ComputedBlocks, num_new_tokens: int) -> int:
         bs = self.block_size
@@ -163,8 +272,13 @@ class KVCacheManager:
         """Hold a prefix hit's blocks; returns their tokens (for the caller to count as computed)."""
         if not hit.blocks:
             return 0
-        self.pool.touch(hit.blocks)
-        seq.block_table.extend(hit.blocks)
+        if self.num_groups > 1 or self.windowed:
+            for table, blocks in zip(self.tables(seq), (hit.blocks, *hit.group_blocks)):
+                self.pool.touch(b for b in blocks if b != NULL_BLOCK)
+                table.extend(blocks)
+        else:
+            self.pool.touch(hit.blocks)
+            seq.block_table.extend(hit.blocks)
         num_hit_tokens = len(hit.blocks) * self.block_size
         seq.num_cached_blocks = len(seq.block_table)
         seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, num_hit_tokens)
@@ -175,23 +289,25 @@ class KVCacheManager:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_hit_tokens
 
-    def _needs_copy_on_write(self, seq: Sequence) -> bool:
-        """The next write lands in a block that another sequence also holds."""
+    def _needs_copy_on_write(self, table: list[int], seq: Sequence) -> bool:
+        """The sequence's next write into ``table`` lands in a block that another sequence also holds."""
         i = seq.num_computed_tokens // self.block_size
-        return i < len(seq.block_table) and self.pool.ref_cnt[seq.block_table[i]] > 1
+        return i < len(table) and self.pool.ref_cnt[table[i]] > 1
 
-    def _copy_on_write(self, seq: Sequence) -> None:
+    def _copy_on_write(self, table: list[int], seq: Sequence) -> None:
         i = seq.num_computed_tokens // self.block_size
-        src = seq.block_table[i]
+        src = table[i]
         (dst,) = self.pool.allocate(1)
         self.pool.free([src])
-        seq.block_table[i] = dst
+        table[i] = dst
         self.pending_copies.append((src, dst))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all the parent's blocks (a shared partial block is copied on write)."""
-        self.pool.touch(parent.block_table)
+        for table in self.tables(parent):
+            self.pool.touch(b for b in table if b != NULL_BLOCK)
         child.block_table = list(parent.block_table)
+        child.group_tables = [list(t) for t in parent.group_tables]
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
 
@@ -200,20 +316,25 @@ class KVCacheManager:
         rejected draft tokens). They were allocated for drafts and never filled with known tokens,
         so none is in the prefix cache."""
         if len(seq.block_table) > num_blocks:
-            self.pool.free(reversed(seq.block_table[num_blocks:]))
-            del seq.block_table[num_blocks:]
+            for table in self.tables(seq):
+                self.pool.free(reversed(table[num_blocks:]))
+                del table[num_blocks:]
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks, tail first: the tail is the least likely to be reused, so
         it is evicted first."""
-        self.pool.free(reversed(seq.block_table))
+        for table in self.tables(seq):
+            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
         seq.block_table = []
+        seq.group_tables = []
         seq.num_cached_blocks = 0
 
     def free_swapped(self, seq: Sequence) -> None:
         """Return a swapped-out sequence's host blocks."""
-        self.host_pool.free(reversed(seq.block_table))
+        for table in self.tables(seq):
+            self.host_pool.free(b for b in reversed(table) if b != HOST_NULL)
         seq.block_table = []
+        seq.group_tables = []
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies (src, dst) made since the last call, for the step to apply."""
@@ -235,8 +356,15 @@ class KVCacheManager:
         return self.host_pool.num_blocks > 0
 
     # ---- swapping (multi-sequence groups under memory pressure) ----
-    def _unique_blocks(self, request: Request) -> set[int]:
-        return {b for s in request.live_seqs for b in s.block_table}
+    def _unique_blocks(self, request: Request, on_device: bool = True) -> set[int]:
+        """The group's blocks (in the device pool, or swapped out in the host pool), null entries left out."""
+        if self.num_groups == 1:
+            blocks = {b for s in request.live_seqs for b in s.block_table}
+        else:
+            blocks = {b for s in request.live_seqs for table in self.tables(s) for b in table}
+        if self.windowed:
+            blocks.discard(NULL_BLOCK if on_device else HOST_NULL)
+        return blocks
 
     def can_swap_out(self, request: Request) -> bool:
         return len(self._unique_blocks(request)) <= self.host_pool.num_free_blocks
@@ -247,7 +375,7 @@ class KVCacheManager:
         return len(self.pool.free_queue) - needed >= (self.watermark_blocks if use_watermark else 0)
 
     def _num_blocks_to_swap_in(self, request: Request, num_new_tokens: list[int]) -> int:
-        return len(self._unique_blocks(request)) + self._num_blocks_for_step(
+        return len(self._unique_blocks(request, on_device=False)) + self._num_blocks_for_step(
             request.live_seqs, num_new_tokens, self.host_pool)
 
     def _num_blocks_for_step(self, seqs: list[Sequence], num_new_tokens: list[int], pool: BlockPool) -> int:
@@ -256,36 +384,44 @@ class KVCacheManager:
         needed = 0
         refs: dict[int, int] = {}
         for seq, n in zip(seqs, num_new_tokens):
-            needed += self._num_new_blocks(seq, NO_HIT, n)
+            needed += self._num_new_blocks(seq, NO_HIT, n) * self.num_groups
             i = seq.num_computed_tokens // self.block_size
             if i < len(seq.block_table):
-                b = seq.block_table[i]
-                refs[b] = refs.get(b, pool.ref_cnt[b]) - 1
-                needed += refs[b] > 0
+                for table in self.tables(seq):
+                    b = table[i]
+                    refs[b] = refs.get(b, pool.ref_cnt[b]) - 1
+                    needed += refs[b] > 0
         return needed
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the group's blocks to the host pool; returns (device block, host block) pairs."""
-        return self._move(request, self.pool, self.host_pool)
+        return self._move(request, self.pool, self.host_pool, NULL_BLOCK, HOST_NULL)
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Move the group's blocks back to the device; returns (host block, device block) pairs."""
-        mapping = self._move(request, self.host_pool, self.pool)
+        mapping = self._move(request, self.host_pool, self.pool, HOST_NULL, NULL_BLOCK)
         for seq in request.live_seqs:
             seq.num_cached_blocks = 0   # fresh device blocks: re-register their content
         return mapping
 
-    @staticmethod
-    def _move(request: Request, src_pool: BlockPool, dst_pool: BlockPool) -> list[tuple[int, int]]:
-        mapping: dict[int, int] = {}
+    def _move(self, request: Request, src_pool: BlockPool, dst_pool: BlockPool, src_null: int,
+              dst_null: int) -> list[tuple[int, int]]:
+        """Each live sequence's tables into ``dst_pool``, a block shared in the source shared in
+        the destination; a null entry (a windowed group's passed block) stays null."""
+        mapping: dict[int, int] = {src_null: dst_null}
         for seq in request.live_seqs:
-            new_table = []
-            for b in seq.block_table:
-                if b in mapping:
-                    dst_pool.touch([mapping[b]])
-                else:
-                    (mapping[b],) = dst_pool.allocate(1)
-                new_table.append(mapping[b])
-            src_pool.free(reversed(seq.block_table))
-            seq.block_table = new_table
+            moved = []
+            for table in self.tables(seq):
+                new_table = []
+                for b in table:
+                    if b in mapping:
+                        if b != src_null:
+                            dst_pool.touch([mapping[b]])
+                    else:
+                        (mapping[b],) = dst_pool.allocate(1)
+                    new_table.append(mapping[b])
+                src_pool.free(b for b in reversed(table) if b != src_null)
+                moved.append(new_table)
+            seq.block_table, seq.group_tables = moved[0], moved[1:]
+        del mapping[src_null]
         return list(mapping.items())

@@ -242,10 +242,14 @@ class Scheduler:
         computed, previous = out.num_computed_tokens, out.previous_sample_rows
         num_decodes = num_seqs = 0
         prefilling = []
+        windowed = bool(kv.windowed)
         for group in self.running[:]:
             if group.status is not RUNNING:
                 continue                           # preempted earlier in this step
             seqs = group.seqs
+            if windowed:                           # blocks their windows have passed go back first
+                for seq in group.live_seqs:
+                    kv.slide(seq)
             if len(seqs) == 1 and group.forked:    # hot path: one sequence
                 seq = seqs[0]
                 nc = seq.num_computed_tokens
@@ -631,6 +635,9 @@ class Scheduler:
         redirect = kv.cancel_copies_into(group)    # a swap-out reads a cancelled copy's source
         live = group.live_seqs
         swap = self._preemption_mode(group) == "swap"
+        if swap and kv.windowed:                   # what its windows have passed stays behind
+            for seq in live:
+                kv.slide(seq)
         if swap and kv.can_swap_out(group):
             out.blocks_to_swap_out.extend((redirect.get(d, d), h) for d, h in kv.swap_out(group))
             self._set_status(group, RequestStatus.SWAPPED)
@@ -728,10 +735,13 @@ class Scheduler:
                 out.new_seqs.append(NewSequenceData(
                     seq.seq_id, req.request_id, list(seq.token_ids), list(seq.block_table),
                     req.sampling_params, seq.sample_index, req.seed, seq.num_prompt_tokens,
-                    tuple(sorted(req.stop_token_set)) if req.sampling_params.min_tokens else (), req.beam is not None))
+                    tuple(sorted(req.stop_token_set)) if req.sampling_params.min_tokens else (), req.beam is not None,
+                    [list(t) for t in seq.group_tables]))
         for seq in step.changed_seqs:
             if seq.status is RUNNING and not seq.is_new:
                 out.block_tables[seq.seq_id] = list(seq.block_table)
+                if seq.group_tables:
+                    out.group_tables[seq.seq_id] = [list(t) for t in seq.group_tables]
         if self.kv.enable_caching:
             # The prompt blocks this step fills are cached now, not when its results come back:
             # the device runs steps in order, so a step scheduled before then (async scheduling's

@@ -30,6 +30,7 @@ class NewSequenceData:
     # until it has ``min_tokens`` output tokens.
     stop_token_ids: tuple[int, ...] = ()
     beam: bool = False             # a beam of a beam search (whose min_tokens keeps the model's scores)
+    group_tables: list[list[int]] = field(default_factory=list)   # the other layer groups' tables (copies)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class SchedulerOutput:
     propose: dict[int, int] = field(default_factory=dict)
     new_seqs: list[NewSequenceData] = field(default_factory=list)
     block_tables: dict[int, list[int]] = field(default_factory=dict)  # changed tables of known rows
+    group_tables: dict[int, list[list[int]]] = field(default_factory=dict)   # and their other groups' tables
     # Block moves to apply before the step, in this order: swap out, swap in, copy.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host, device)

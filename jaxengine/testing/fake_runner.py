@@ -11,6 +11,11 @@ proposes drafts after each step by prompt lookup, as the model runner does (``ou
 for a method whose proposer has a KV cache of its own (a draft model, a head) it also writes
 ``PROPOSED`` into the slots of the positions it drafts, as that cache does, so a proposal slot
 the scheduler did not allocate fails, and one it counted as computed changes the tokens.
+With layer groups (``group_windows``) it writes each token into every group's table, and a row
+reads its context through the full-attention group's table (where the model has one; else it
+samples from its tokens) and, through each windowed group's, every position its tokens' windows
+reach, which must hold the tokens written there: a block given back while a window still reached
+it, and written over by its next owner, fails the step.
 ``ConstantRunner`` samples one fixed token (for host-cost benchmarks).
 """
 from __future__ import annotations
@@ -30,8 +35,10 @@ PROPOSED = -2           # what a proposer with a KV cache of its own leaves at t
 
 class HashRunner:
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, vocab_size: int = 1000,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, group_windows: tuple[int | None, ...] = (None,)) -> None:
         self.block_size = block_size
+        self.group_windows = group_windows
+        self.group_tables: dict[int, list[list[int]]] = {}
         self.ngram = None if speculative is None else NgramProposer(
             speculative.num_speculative_tokens, speculative.prompt_lookup_max, speculative.prompt_lookup_min)
         self.proposal_writes_kv = speculative is not None and speculative.method in MODEL_PROPOSERS
@@ -53,6 +60,7 @@ class HashRunner:
                 self._verify(seq_id, start, draft, sampled, logprobs)
                 continue
             self._write(seq_id, start, n)
+            self._check_windows(seq_id, start, start + n)
             sampled.append([self._sample(seq_id, start + n, i) for i in range(k)])
             top_k = self.num_logprobs[seq_id]
             logprobs.append(None if top_k is None else [self._top(seq_id, start + n, i, top_k) for i in range(k)])
@@ -83,6 +91,7 @@ class HashRunner:
         tokens = self.tokens[seq_id]
         tokens[start + 1:] = draft
         self._write(seq_id, start, 1 + len(draft))
+        self._check_windows(seq_id, start, start + 1 + len(draft))
         samples = [self._sample(seq_id, start + 1 + j, 0) for j in range(len(draft) + 1)]
         kept = accepted_tokens(draft, samples)
         tokens[start + 1:] = kept
@@ -92,14 +101,16 @@ class HashRunner:
 
     def _sync_state(self, out: SchedulerOutput) -> None:
         for seq_id in (*out.finished_seq_ids, *out.preempted_seq_ids):
-            for d in (self.tokens, self.tables, self.num_logprobs):
+            for d in (self.tokens, self.tables, self.num_logprobs, self.group_tables):
                 d.pop(seq_id, None)
         for new in out.new_seqs:
             self.tokens[new.seq_id] = list(new.token_ids)
             self.tables[new.seq_id] = list(new.block_table)
+            self.group_tables[new.seq_id] = [list(t) for t in new.group_tables]
             self.num_logprobs[new.seq_id] = new.sampling_params.logprobs
         for seq_id, table in out.block_tables.items():
             self.tables[seq_id] = list(table)
+            self.group_tables[seq_id] = [list(t) for t in out.group_tables.get(seq_id, ())]
 
     def _apply_block_moves(self, out: SchedulerOutput) -> None:
         for dev, host in out.blocks_to_swap_out:
@@ -110,22 +121,42 @@ class HashRunner:
             self.device_kv[dst] = self.device_kv[src]
 
     def _write(self, seq_id: int, start: int, n: int) -> None:
-        table, tokens, bs = self.tables[seq_id], self.tokens[seq_id], self.block_size
-        for pos in range(start, start + n):
-            block = table[pos // bs]
-            assert block != 0, f"sequence {seq_id} writes into the null block at position {pos}"
-            self.device_kv[block, pos % bs] = tokens[pos]
+        tokens, bs = self.tokens[seq_id], self.block_size
+        for table in (self.tables[seq_id], *self.group_tables.get(seq_id, ())):
+            for pos in range(start, start + n):
+                block = table[pos // bs]
+                assert block != 0, f"sequence {seq_id} writes into the null block at position {pos}"
+                self.device_kv[block, pos % bs] = tokens[pos]
+
+    def _check_windows(self, seq_id: int, start: int, end: int) -> None:
+        """Each windowed group's table holds the tokens at every position the windows of the row's
+        tokens (``start`` to ``end``) reach."""
+        tokens, bs = self.tokens[seq_id], self.block_size
+        for window, table in zip(self.group_windows, (self.tables[seq_id], *self.group_tables.get(seq_id, ()))):
+            if window is None:
+                continue
+            for pos in range(max(0, start - window + 1), end):
+                assert self.device_kv[table[pos // bs], pos % bs] == tokens[pos], \
+                    f"sequence {seq_id}: its window reaches position {pos}, which its block no longer holds"
+
+    def _context(self, seq_id: int, num_computed: int) -> np.ndarray:
+        """The tokens a row attends to, read through a full-attention group's table (without one,
+        its own tokens: ``_check_windows`` read what its windows reach)."""
+        full = [t for w, t in zip(self.group_windows, (self.tables[seq_id], *self.group_tables.get(seq_id, ())))
+                if w is None]
+        if not full:
+            return np.asarray(self.tokens[seq_id][:num_computed], np.int64)
+        context = self.device_kv[full[0]].reshape(-1)[:num_computed]
+        assert (context != UNWRITTEN).all(), f"sequence {seq_id} reads unwritten KV"
+        return context
 
     def _sample(self, seq_id: int, num_computed: int, sample_index: int) -> int:
-        table = self.tables[seq_id]
-        context = self.device_kv[table].reshape(-1)[:num_computed]
-        assert (context != UNWRITTEN).all(), f"sequence {seq_id} reads unwritten KV"
+        context = self._context(seq_id, num_computed)
         return zlib.crc32(context.tobytes(), sample_index) % self.vocab_size
 
     def _top(self, seq_id: int, num_computed: int, sample_index: int, k: int) -> tuple[float, dict[int, float]]:
         """(logprob of the sampled token, top-k {token: logprob} best first), from the context's hash."""
-        table = self.tables[seq_id]
-        context = self.device_kv[table].reshape(-1)[:num_computed]
+        context = self._context(seq_id, num_computed)
         rng = np.random.default_rng(zlib.crc32(context.tobytes(), sample_index))
         tokens = rng.permutation(self.vocab_size)[:k].tolist()
         logprobs = (-np.cumsum(rng.exponential(1.0, k))).tolist()

@@ -120,3 +120,45 @@ def test_copy_on_write_on_append_to_a_shared_partial_block():
     h.run()
     assert a.output_token_ids != b.output_token_ids
     assert h.kv.num_free_blocks == h.kv.num_usable_blocks
+
+
+def test_a_windowed_group_gives_back_what_its_window_passed_and_a_hit_needs_only_the_window():
+    """Full attention beside a window of 6 tokens (blocks of 4): a token at position p attends to
+    positions p-5..p, so from the block of p-5 on."""
+    kv = make_kv(num_gpu_blocks=40, enable_prefix_caching=True, group_windows=(None, 6))
+    a = seq_of(list(range(22)))
+    compute(kv, a, 22)                                   # 6 blocks in each group, 5 full ones cached
+    full, window = kv.tables(a)
+    assert len(full) == len(window) == 6 and kv.num_free_blocks == 39 - 12
+    kv.slide(a)                                          # the next token (22) reaches back to 17: block 4
+    assert window[:4] == [0] * 4 and 0 not in window[4:] and 0 not in full
+    assert kv.num_free_blocks == 39 - 8
+    # A prompt sharing 21 tokens: 5 full blocks hit (20 tokens); its token 20 reaches back to 15
+    # (block 3), so the windowed group takes blocks 3 and 4 of the hit, and nulls before them.
+    b = seq_of(list(range(21)) + [99, 98])
+    hit = kv.get_computed_blocks(b)
+    assert hit.blocks == full[:5] and len(hit.group_blocks) == 1
+    assert hit.group_blocks[0][:3] == [0, 0, 0] and hit.group_blocks[0][4] == window[4]
+    # Block 3 of the windowed group went back to the pool, cached: the hit revives it.
+    assert hit.group_blocks[0][3] != 0 and kv.pool.ref_cnt[hit.group_blocks[0][3]] == 0
+    assert hit.num_evictable == 1
+    assert kv.allocate_slots(b, 3, hit)
+    b.num_computed_tokens = 20
+    assert [kv.pool.ref_cnt[x] for x in kv.tables(b)[1][3:5]] == [1, 2]
+    # What a sequence can never do without: a window's blocks per windowed group, all of them per full one.
+    long_one = Request("long", list(range(100)), SamplingParams())
+    assert kv.num_blocks_to_hold(long_one) == 25 + 3
+
+
+def test_without_a_full_group_a_hit_is_the_longest_prefix_whose_window_blocks_are_cached():
+    kv = make_kv(num_gpu_blocks=40, enable_prefix_caching=True, group_windows=(5,))
+    a = seq_of(list(range(30)))
+    compute(kv, a, 30)
+    kv.slide(a)                                          # next token 30 reaches back to 26: block 6
+    assert a.block_table[:6] == [0] * 6
+    # Blocks 0-5 were cached when computed and went back to the pool still cached: a prompt that
+    # shares 13 tokens resumes after 3 blocks, and needs only block 2 (its token 12 reaches back to 8).
+    b = seq_of(list(range(13)) + [99])
+    hit = kv.get_computed_blocks(b)
+    assert len(hit.blocks) == 3 and hit.blocks[:2] == [0, 0] and hit.blocks[2] != 0
+    assert kv.cached_prefix_blocks(list(range(13)) + [99]) == 3

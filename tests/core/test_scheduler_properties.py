@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxengine.core.kv_cache_manager import cdiv
+from jaxengine.core.kv_cache_manager import HOST_NULL, NULL_BLOCK, cdiv
 from jaxengine.config import LoRAConfig
 from jaxengine.core.policy import POLICIES
 from jaxengine.lora_request import LoRARequest
@@ -166,13 +166,15 @@ def check_invariants(h: Harness) -> None:
     for g in s.running:
         assert g.status is RequestStatus.RUNNING
         for seq in g.live_seqs:
-            device.update(seq.block_table)
+            device.update(held_blocks(kv, seq, NULL_BLOCK))
             assert len(seq.block_table) * kv.block_size >= seq.num_computed_tokens
     for g in s.swapped:
         for seq in g.live_seqs:
-            host.update(seq.block_table)
+            host.update(held_blocks(kv, seq, HOST_NULL))
     for g in s.waiting:
-        assert all(not seq.block_table and seq.num_computed_tokens == 0 for seq in g.live_seqs)
+        assert all(not seq.block_table and not seq.group_tables and seq.num_computed_tokens == 0
+                   for seq in g.live_seqs)
+    check_windows(h)
     pool = kv.pool
     assert pool.ref_cnt[0] == 1 and 0 not in device
     for b in range(1, pool.num_blocks):
@@ -182,6 +184,33 @@ def check_invariants(h: Harness) -> None:
     for b in range(kv.host_pool.num_blocks):
         assert kv.host_pool.ref_cnt[b] == host[b]
     assert all(pool.block_hash[b] == h_ for h_, b in pool.cached_block.items())
+
+
+def held_blocks(kv, seq, null: int) -> list[int]:
+    """The blocks a sequence holds in every group. Every table is as long as group 0's, and a null
+    entry appears only in a windowed group's, before all its blocks."""
+    tables = [seq.block_table, *seq.group_tables]
+    assert len(tables) == kv.num_groups or (not seq.block_table and not seq.group_tables)
+    held = []
+    for window, table in zip(kv.group_windows, tables):
+        assert len(table) == len(seq.block_table)
+        nulls = table.count(null)
+        assert nulls == 0 or (window is not None and table[:nulls] == [null] * nulls), table
+        held += table[nulls:]
+    return held
+
+
+def check_windows(h: Harness) -> None:
+    """Each sequence the step scheduled holds, in each windowed group, exactly the blocks from the
+    first its row's first token attends to (under its window) to its last: none its windows have
+    passed (slid back to the pool) and none missing."""
+    kv, out = h.kv, h.last
+    for seq, computed in zip(out.scheduled_seqs, out.num_computed_tokens):
+        if seq.status is not RequestStatus.RUNNING:
+            continue
+        for window, table in zip(kv.group_windows, [seq.block_table, *seq.group_tables]):
+            first = 0 if window is None else max(0, computed - window + 1) // kv.block_size
+            assert table.count(NULL_BLOCK) == first, (window, computed, table)
 
 
 def Scheduler_is_partial(group) -> bool:
@@ -225,6 +254,30 @@ def test_outputs_do_not_depend_on_scheduling(data):
     assert_all_released(h)
     assert all(r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
                for r in h.requests.values())
+
+
+# Layer groups as models have them: full attention beside one window (gpt-oss's shape) or two,
+# every layer sliding (Mistral's), and a windowed group 0 beside a full one.
+GROUP_WINDOWS = [(None, 3), (None, 5, 5), (6,), (None, 2, 9), (4, None)]
+
+
+@SETTINGS
+@given(st.data())
+def test_windowed_groups_hold_only_what_their_windows_reach_and_change_no_output(data):
+    """With several layer groups, some sliding: the pool's accounting is exact at every step, each
+    scheduled sequence holds in a windowed group exactly the blocks its window reaches
+    (``check_windows``), a window never reads a block given back and written over (the runner's
+    check), and the tokens are those of one full-attention group."""
+    workload = data.draw(specs(with_aborts=True))
+    windows = data.draw(st.sampled_from(GROUP_WINDOWS))
+    config = data.draw(configs(workload))
+    # Room for every group's blocks of the largest group (a window holds at most all of a sequence's).
+    config["num_gpu_blocks"] = 1 + (config["num_gpu_blocks"] - 1) * len(windows)
+    h = run_workload(workload, {**config, "group_windows": windows})
+    expected = run_workload(workload, REFERENCE, check=False).outputs()
+    assert {r: o for r, o in h.outputs().items() if h.requests[r].status is not RequestStatus.FINISHED_ABORTED} == \
+        {r: o for r, o in expected.items() if h.requests[r].status is not RequestStatus.FINISHED_ABORTED}
+    assert_all_released(h)
 
 
 def test_equal_priority_prefills_do_not_preempt_each_other_forever():
