@@ -18,7 +18,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jaxengine.config import OVERLOAD_POLICIES, PREEMPTION_MODES, SPECULATIVE_METHODS, AutopilotConfig, CacheConfig, \
+from jaxengine.config import MODEL_PROPOSERS, OVERLOAD_POLICIES, PREEMPTION_MODES, SPECULATIVE_METHODS, AutopilotConfig, CacheConfig, \
     EngineConfig, LoRAConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
@@ -285,10 +285,21 @@ class EngineArgs:
         # The host holds each block once: every device's share of it, or (latent attention's
         # replicated cache) one device's copy.
         num_cpu_blocks = int(self.swap_space * GiB) // (per_block * (1 if mc.is_mla else self.tensor_parallel_size))
-        config = self.engine_config(num_gpu_blocks, num_cpu_blocks, self.resolve_max_model_len(mc))
+        config = self.engine_config(num_gpu_blocks, num_cpu_blocks, self.resolve_max_model_len(mc),
+                                    self.group_windows(mc))
         return dataclasses.replace(config, runner=dataclasses.replace(
             config.runner, dtype=None if dtype is None else jnp.dtype(dtype).name,
             kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name))
+
+    def group_windows(self, model_config) -> tuple[int | None, ...]:
+        """Each of the model's layer groups' window (``ModelConfig.kv_groups``) as the KV cache
+        manager keeps its blocks: all None (every block kept) where a proposer with a cache of its
+        own reads group 0's table and that group slides (a model whose every layer slides)."""
+        windows = tuple(window for window, _ in model_config.kv_groups)
+        spec = self.speculative()
+        if windows[0] is not None and spec is not None and spec.method in MODEL_PROPOSERS:
+            return (None,) * len(windows)
+        return windows
 
     def resolve_max_model_len(self, model_config) -> int:
         """``max_model_len`` for this model: as given, refused when longer than the model's context
@@ -323,7 +334,7 @@ class EngineArgs:
         total = 0
         for cfg in (model_config, getattr(draft_config, "layer", draft_config)):    # an EAGLE-3 head: its layer
             if cfg is not None:
-                elements = kv_elements_per_device(cfg, self.tensor_parallel_size)
+                elements = kv_elements_per_device(cfg, self.tensor_parallel_size, grouped=cfg is model_config)
                 total += bytes_per_block(elements, self.block_size, kv_dtype)
         return total
 
@@ -391,11 +402,13 @@ class EngineArgs:
 
         return step_buckets(self.max_num_batched_tokens, self.max_num_seqs, self.token_buckets, self.request_buckets)
 
-    def engine_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> EngineConfig:
-        """The frozen configs of these options, given the pool sizes and the model length (what the
-        model decides; the scheduler lab passes a profiled machine's)."""
+    def engine_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,
+                      group_windows: tuple[int | None, ...] = (None,)) -> EngineConfig:
+        """The frozen configs of these options, given the pool sizes, the model length and its
+        layer groups' windows (what the model decides; the scheduler lab passes a profiled machine's)."""
         cache = CacheConfig(block_size=self.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                            watermark=self.watermark, enable_prefix_caching=self.enable_prefix_caching)
+                            watermark=self.watermark, enable_prefix_caching=self.enable_prefix_caching,
+                            group_windows=group_windows)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,

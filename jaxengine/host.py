@@ -189,7 +189,11 @@ class EngineHost:
         device's memory holds: what a token costs there, latent attention's cache included)."""
         cc = self.config.cache
         per_block = self.engine_args.kv_bytes_per_block(self.model_config, self.kv_dtype, self.draft_config)
-        return {"tokens": cc.num_gpu_blocks * cc.block_size, "tokens_per_gib": (1 << 30) * cc.block_size // per_block}
+        # A token of a long sequence takes a block's place in each full-attention group (a sliding
+        # group holds a window's whatever the length; a model whose every layer slides, in each group).
+        places = sum(w is None for w in cc.group_windows) or len(cc.group_windows)
+        return {"tokens": cc.num_gpu_blocks * cc.block_size // places,
+                "tokens_per_gib": (1 << 30) * cc.block_size // (per_block * places)}
 
     def _engine(self, runner: ModelRunner, replica: int) -> Engine:
         rc = self.config.runner

@@ -55,7 +55,7 @@ def test_flags_reach_the_engine_config():
     per_block = 2 * CFG.num_layers * 8 * CFG.num_kv_heads * CFG.head_dim * 4          # K and V, f32
     assert dataclasses.asdict(config.cache) == dict(
         block_size=8, num_gpu_blocks=50, num_cpu_blocks=int(0.001 * GiB) // per_block, watermark=0.1,
-        enable_prefix_caching=False)
+        enable_prefix_caching=False, group_windows=(None,))
     assert (args.token_buckets, args.request_buckets, args.skip_kernel_check) == ([32, 96], [4, 12], True)
 
 
@@ -309,3 +309,19 @@ def test_engine_args_is_exported_from_the_package():
 
     assert jaxengine.EngineArgs is EngineArgs
     assert "EngineArgs" in jaxengine.__all__
+
+
+def test_sliding_layers_get_groups_of_their_own_and_a_block_holds_one_groups_layers():
+    """gpt-oss's shape (sliding and full layers alternating, 24 of them): two groups of 12, so a
+    block costs 12 layers' K and V and the pool holds twice the blocks; a model whose every layer
+    slides keeps its window too, unless a draft model reads its one table."""
+    alternating = CFG.replace(num_layers=24, sliding_window=128, full_attention_layers=tuple(range(1, 24, 2)))
+    args = EngineArgs(block_size=16, kv_cache_memory_bytes=GiB)
+    per_block = args.kv_bytes_per_block(alternating, jnp.float32)
+    assert per_block == 2 * 12 * 16 * CFG.num_kv_heads * CFG.head_dim * 4
+    config = args.create_engine_config(alternating, jnp.float32)
+    assert config.cache.group_windows == (None, 128) and config.cache.num_gpu_blocks == GiB // per_block
+    sliding = CFG.replace(sliding_window=64)
+    assert args.create_engine_config(sliding, jnp.float32).cache.group_windows == (64,)
+    drafted = EngineArgs(speculative_config={"method": "draft_model", "model": "/d", "num_speculative_tokens": 2})
+    assert drafted.group_windows(sliding) == (None,) and drafted.group_windows(alternating) == (None, 128)

@@ -209,6 +209,37 @@ class ModelConfig:
         return None if layer in self.full_attention_layers else self.sliding_window
 
     @property
+    def kv_groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
+        """The layers grouped by the KV memory they keep, each (window, layers): a group's layers
+        attend under one window (None: to the whole context) and share a block table; every group
+        spans ``kv_group_size`` layers of the cache (the last of a kind fewer, its other places
+        unused), so one block of the pool holds a block of tokens for any group. Full attention
+        first. The size is the one that leaves the fewest places unused (gpt-oss's 12 sliding and 12
+        full layers: two groups of 12), the larger on a tie."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer in range(self.num_layers):
+            kinds.setdefault(self.layer_window(layer), []).append(layer)
+        if len(kinds) == 1:
+            (window, layers), = kinds.items()
+            return ((window, tuple(layers)),)
+        counts = [len(layers) for layers in kinds.values()]
+        size = min(range(min(counts), 0, -1), key=lambda k: sum(-(-n // k) * k for n in counts))
+        return tuple((window, tuple(layers[i:i + size]))
+                     for window, layers in sorted(kinds.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
+                     for i in range(0, len(layers), size))
+
+    @property
+    def kv_group_size(self) -> int:
+        """Layers of the KV cache's leading axis: a block of the pool holds a group's layers."""
+        return max(len(layers) for _, layers in self.kv_groups)
+
+    @property
+    def kv_layer_places(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's (group, place in the group): where its KV lives in the cache."""
+        places = {layer: (g, i) for g, (_, layers) in enumerate(self.kv_groups) for i, layer in enumerate(layers)}
+        return tuple(places[layer] for layer in range(self.num_layers))
+
+    @property
     def mixes_windows(self) -> bool:
         """Whether some layers slide and others attend to everything (chosen per layer in the scan)."""
         return self.sliding_window is not None and 0 < len(self.full_attention_layers) < self.num_layers

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxengine.kernels.matmul import dense
@@ -81,13 +82,22 @@ class LlamaForCausalLM(nnx.Module):
         # biases) is sliced per layer by the scan.
         graphdef, dense, rest = nnx.split(self.layers, is_dense_weight, ...)
         shape = kv_caches[0].shape
-        num_layers, num_blocks, block_size = shape[:3]
+        group_size, num_blocks, block_size = shape[:3]
+        num_layers = self.config.num_layers
+        # Layer groups (``ModelConfig.kv_groups``): a layer's KV is its group's place in the cache,
+        # under its group's block table and slot mapping ([G, B, M] and [G, T] in the metadata).
+        grouped = md.block_tables.ndim == 3
+        if group_size != (self.config.kv_group_size if grouped else num_layers):
+            raise ValueError(f"a KV cache of {group_size} layer places for {'grouped' if grouped else 'one'} block "
+                             f"table(s) of a {num_layers}-layer model (init_kv_caches's grouped= and the metadata disagree)")
+        places = np.asarray(self.config.kv_layer_places, np.int32)
+        group_of, place_of = jnp.asarray(places[:, 0]), jnp.asarray(places[:, 1])
         # The caches ride in the scan carry, flattened to [L*P, S, K*H]: layer l's block b is
         # l*P + b. Writes and reads then hit the one donated buffer in place (slicing a layer out
         # as scan input/output would copy the whole cache every step). Inside the body the caches
         # keep that one shape, through the KV write to the attention kernels (``layout``): a
         # reshape there has XLA's CPU compiler duplicate the write and copy the whole pool.
-        flat = tuple(c.reshape(num_layers * num_blocks, block_size, -1) for c in kv_caches)
+        flat = tuple(c.reshape(group_size * num_blocks, block_size, -1) for c in kv_caches)
         wanted = jnp.asarray(aux_layers, jnp.int32)
         # Carried, not a scan output: [len(aux_layers), T, D], where every layer's would be [L, T, D].
         aux = jnp.zeros((len(aux_layers), *x.shape), x.dtype)
@@ -99,9 +109,12 @@ class LlamaForCausalLM(nnx.Module):
             rest_of_layer, layer = per_layer
             if aux_layers:
                 aux = jnp.where((wanted == layer)[:, None, None], x[None], aux)
-            offset = layer * num_blocks
-            md_layer = dataclasses.replace(md, block_tables=md.block_tables + offset,
-                                           slot_mapping=md.slot_mapping + offset * block_size)
+            if grouped:
+                offset = place_of[layer] * num_blocks
+                tables, slots = md.block_tables[group_of[layer]], md.slot_mapping[group_of[layer]]
+            else:
+                offset, tables, slots = layer * num_blocks, md.block_tables, md.slot_mapping
+            md_layer = dataclasses.replace(md, block_tables=tables + offset, slot_mapping=slots + offset * block_size)
             decoder = nnx.merge(graphdef, dense, rest_of_layer)
             if mlp is None:
                 x, caches, counts = decoder(x, caches, md_layer, inv_freq, layer)
@@ -197,15 +210,18 @@ def stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) 
 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
-                   sharding: jax.sharding.Sharding | None = None, layer_axis: bool = True) -> KVCache:
+                   sharding: jax.sharding.Sharding | None = None, layer_axis: bool = True,
+                   grouped: bool = False) -> KVCache:
     """(k, v), each [L, P, S, K*H], heads one after the other (latent attention: one array,
     ``cfg.kv_cache_parts``); with a ``sharding``, created in place on its devices. A float8 cache
     is stored as its bytes on the CPU (``kernels.paged_attention.layout``). Without ``layer_axis``
     a one-layer model's (a speculative head's) [P, S, K*H]: the shape its layer reads and writes,
-    so that no step reshapes the cache it wrote (``layout``)."""
+    so that no step reshapes the cache it wrote (``layout``). With ``grouped`` L is a layer group's
+    span (``ModelConfig.kv_group_size``), for steps whose metadata has a table per group (the
+    runner's); without, every layer has its place (a draft model's cache, and steps given one table)."""
     if not layer_axis and cfg.num_layers != 1:
         raise ValueError(f"init_kv_caches: only a one-layer cache goes without its layer axis ({cfg.num_layers} layers)")
-    leading = (cfg.num_layers, num_blocks) if layer_axis else (num_blocks,)
+    leading = (cfg.kv_group_size if grouped else cfg.num_layers, num_blocks) if layer_axis else (num_blocks,)
     shapes = [(*leading, *block) for block in cfg.kv_block_shapes(block_size)]
     platform = next(iter(sharding.device_set)).platform if sharding is not None else jax.devices()[0].platform
     dtype = storage_dtype(dtype, platform)

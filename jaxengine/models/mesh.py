@@ -107,12 +107,14 @@ def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
     return mesh_model_config(cfg, tp).num_kv_heads // tp
 
 
-def kv_elements_per_device(cfg: ModelConfig, tp: int) -> int:
-    """Numbers one token's KV costs each device, all layers: its share of the KV heads, or
-    latent attention's whole cache (replicated: every device's heads read every latent)."""
+def kv_elements_per_device(cfg: ModelConfig, tp: int, grouped: bool = True) -> int:
+    """Numbers one token's place in a block costs each device, over the layers a block holds
+    (``ModelConfig.kv_group_size``: all of them, unless the layers keep memory in groups): its
+    share of the KV heads, or latent attention's whole cache (replicated: every device's heads
+    read every latent). Without ``grouped``: all the layers (a draft model's cache)."""
     if cfg.is_mla:
         return cfg.kv_elements_per_token
-    return kv_heads_per_device(cfg, tp) * 2 * cfg.head_dim * cfg.num_layers
+    return kv_heads_per_device(cfg, tp) * 2 * cfg.head_dim * (cfg.kv_group_size if grouped else cfg.num_layers)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

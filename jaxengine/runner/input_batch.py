@@ -59,8 +59,11 @@ def seed_words(seed: int) -> tuple[int, int]:
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int,
                  token_buckets: list[int], request_buckets: list[int],
-                 placement: jax.sharding.Sharding | None = None, vocab_size: int = 32, num_lora_slots: int = 0) -> None:
-        """``num_lora_slots``: the model's LoRA slots (0: no adapters; the steps then carry no grouping)."""
+                 placement: jax.sharding.Sharding | None = None, vocab_size: int = 32, num_lora_slots: int = 0,
+                 num_groups: int = 1) -> None:
+        """``num_lora_slots``: the model's LoRA slots (0: no adapters; the steps then carry no grouping).
+        ``num_groups``: the model's layer groups (``ModelConfig.kv_groups``); with more than one, a
+        step's block tables are [G, B, M] and its slot mapping [G, T], a table and a slot per group."""
         self.block_size = block_size
         self.num_lora_slots = num_lora_slots
         self.bitmask_words = bitmask_words(vocab_size)
@@ -69,6 +72,8 @@ class InputBatch:
         self.tokens = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
+        self.num_groups = num_groups
+        self.group_tables = np.zeros((num_groups - 1, max_num_seqs, max_blocks_per_seq), np.int32)
         # The float sampling parameters, one row each (a step gathers them in one go):
         # temperature, top_p, min_p, presence, frequency and repetition penalty, logprobs temperature.
         self.float_params = np.zeros((7, max_num_seqs), np.float32)
@@ -108,7 +113,7 @@ class InputBatch:
             n = len(new.token_ids)
             self.tokens[slot, :n] = new.token_ids
             self.num_prompt_tokens[slot] = new.num_prompt_tokens
-            self._set_table(slot, new.block_table)
+            self._set_table(slot, new.block_table, new.group_tables)
             p = new.sampling_params
             self.temperature[slot], self.top_p[slot], self.min_p[slot] = p.temperature, p.top_p, p.min_p
             self.top_k[slot] = max(p.top_k, 0)
@@ -124,7 +129,7 @@ class InputBatch:
             self.seed[slot], self.sample_index[slot] = seed_words(new.seed), new.sample_index
             self._set_stop_tokens(slot, p.min_tokens, new.stop_token_ids, new.beam)
         for seq_id, table in out.block_tables.items():
-            self._set_table(self.slot_of[seq_id], table)
+            self._set_table(self.slot_of[seq_id], table, out.group_tables.get(seq_id, ()))
 
     def _set_stop_tokens(self, slot: int, min_tokens: int, stop_token_ids, beam: bool) -> None:
         ids = np.asarray([t for t in stop_token_ids if t < self.vocab_size], np.int64)
@@ -136,9 +141,12 @@ class InputBatch:
             np.bitwise_or.at(row, ids >> 5, np.left_shift(1, ids & 31).astype(np.uint32))
             self.stop_rows[slot] = row.view(np.int32)
 
-    def _set_table(self, slot: int, table: list[int]) -> None:
+    def _set_table(self, slot: int, table: list[int], group_tables=()) -> None:
         self.block_tables[slot, :len(table)] = table
         self.block_tables[slot, len(table):] = 0
+        for tables, group_table in zip(self.group_tables, group_tables):
+            tables[slot, :len(group_table)] = group_table
+            tables[slot, len(group_table):] = 0
 
     # ---- one step's inputs ----
     def prepare(self, out: SchedulerOutput, row_lora_slots: np.ndarray | None = None) -> tuple[StepInputs, np.ndarray]:
@@ -201,21 +209,27 @@ class InputBatch:
                    token_lora_slots: np.ndarray | None = None) -> AttentionMetadata:
         """``token_lora_slots``: each real token's adapter slot (None: all the base model's)."""
         num_rows, num_tokens, bs = len(slots), len(pos), self.block_size
-        tokens = np.zeros((2, t_pad), np.int32)            # positions, slot mapping
+        groups = self.num_groups
+        tokens = np.zeros((1 + groups, t_pad), np.int32)   # positions, slot mapping (a row per layer group)
         tokens[0, :num_tokens] = pos
         tokens[1, :num_tokens] = self.block_tables[token_slot, pos // bs] * bs + pos % bs
+        for g, tables in enumerate(self.group_tables, start=2):
+            tokens[g, :num_tokens] = tables[token_slot, pos // bs] * bs + pos % bs
         rows = np.zeros(2 * b_pad + 1, np.int32)           # query start offsets [B + 1], seq_lens [B]
         query_start_loc, padded_seq_lens = rows[:b_pad + 1], rows[b_pad + 1:]
         query_start_loc[1:num_rows + 1] = ends
         query_start_loc[num_rows + 1:] = num_tokens
         padded_seq_lens[:num_rows] = seq_lens
-        block_tables = np.zeros((b_pad, self.max_blocks_per_seq), np.int32)
-        block_tables[:num_rows] = self.block_tables[slots]
+        block_tables = np.zeros((groups, b_pad, self.max_blocks_per_seq), np.int32)
+        block_tables[0, :num_rows] = self.block_tables[slots]
+        block_tables[1:, :num_rows] = self.group_tables[:, slots]
         lora = {}
         if self.num_lora_slots:
             base = np.full(num_tokens, -1, np.int32) if token_lora_slots is None else token_lora_slots
             lora = dict(zip(("lora_order", "lora_sizes", "lora_inverse"), lora_rows(base, self.num_lora_slots, t_pad)))
-        return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables, **lora)
+        if groups == 1:
+            return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables[0], **lora)
+        return AttentionMetadata(tokens[0], tokens[1:], query_start_loc, padded_seq_lens, block_tables, **lora)
 
     def _sampling(self, slots, samples, ends, seq_lens, b_pad: int, token_bitmask: np.ndarray | None = None,
                   drafted: np.ndarray | None = None) -> tuple[SamplingMetadata, np.ndarray]:

@@ -116,16 +116,17 @@ class ModelRunner:
                                                                     token_buckets, request_buckets)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
                                 cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated,
+                                num_groups=len(model_config.kv_groups),
                                 vocab_size=model_config.vocab_size,
                                 num_lora_slots=0 if config.lora is None else config.lora.max_loras)
-        self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype,
+        self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype, grouped=True,
                                         sharding=None if mesh is None else kv_cache_sharding(mesh, model_config))
 
         def make_mover(shapes, num_layers, kv_dtype) -> BlockMover:
             """The block moves of a cache of these blocks (the model's, a drafter's)."""
             return BlockMover(cc.num_gpu_blocks, cc.num_cpu_blocks, shapes, num_layers, kv_dtype, sc.max_num_seqs,
                               on_compile=self._note_compile, mesh=mesh)
-        self.mover = make_mover(model_config.kv_block_shapes(cc.block_size), model_config.num_layers,
+        self.mover = make_mover(model_config.kv_block_shapes(cc.block_size), model_config.kv_group_size,
                                 self.kv_caches[0].dtype)
         spec = config.speculative
         self.ngram = None if spec is None or spec.method != "ngram" else NgramProposer(

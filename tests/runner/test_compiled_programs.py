@@ -65,11 +65,12 @@ def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_facto
     """GQA; quantized weights, an FP8 cache and LoRA (one engine holding the three: each changes
     its own part of the step, and a copy any of them made would show); one KV head per device
     under tensor parallelism; latent attention (alone and under tensor parallelism); a mixture of
-    experts."""
+    experts whose sliding layers keep their KV in groups of their own (gpt-oss: each layer reads
+    its group's place in the cache through its group's tables)."""
     deepseek = tmp_path_factory.mktemp("programs-deepseek")
     make_checkpoint(deepseek, "deepseek_v3", **{**DEEPSEEK, **DEEPSEEK_VARIANTS["no-q-lora"]})
     moe = tmp_path_factory.mktemp("programs-moe")
-    make_checkpoint(moe, MOE_VARIANTS["qwen3-moe"][0], **MOE_VARIANTS["qwen3-moe"][1])
+    make_checkpoint(moe, MOE_VARIANTS["gpt-oss"][0], **MOE_VARIANTS["gpt-oss"][1])
     configs = [dict(name="gqa", model=llama),
                dict(name="int4 weights, fp8 KV cache, LoRA", model=llama,
                     options=dict(quantization="int4", kv_cache_dtype="fp8", enable_lora=True, max_lora_rank=8)),
@@ -77,7 +78,7 @@ def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_facto
                    "num_key_value_heads"])),
                dict(name="latent attention", model=deepseek),
                dict(name="latent attention, 2 devices", model=deepseek, options=dict(tensor_parallel_size=2)),
-               dict(name="mixture of experts", model=moe)]
+               dict(name="mixture of experts, sliding layer groups", model=moe)]
     reports = run_probe(tmp_path, configs)
     assert sorted(reports) == sorted(c["name"] for c in configs)
     assert all(any(n.startswith("block") for n in r["programs"]) for r in reports.values())   # moves were read too

@@ -15,6 +15,8 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # [B + 1] int32: row r's tokens are [query_start_loc[r], query_start_loc[r+1])
     seq_lens: jax.Array         # [B] int32: context length of each row after this step (padding rows: 0)
     block_tables: jax.Array     # [B, M] int32: each row's blocks (padding entries: the null block 0)
+    # (A model whose layers keep KV in groups (``ModelConfig.kv_groups``) gets [G, T] and [G, B, M],
+    # a slot mapping and tables per group, and hands each layer its group's: the kernels see [T], [B, M].)
     # With LoRA adapters (models.lora_weights): the tokens in adapter-slot order [T], each slot's
     # count [S] (the base model's tokens and the padding last, in no group), and each token's place
     # in that order [T]; None without adapters.
