@@ -33,6 +33,11 @@ class CacheConfig:
     ``group_windows``: the model's layer groups (``ModelConfig.kv_groups``), one block table each
     from the one pool, each group's sliding window or None (full attention). A sequence holds a
     windowed group's blocks only while its window can reach them.
+
+    ``num_state_slots``: for a model with recurrent layers, the device's slots of their state (a
+    fixed-size state per sequence, whatever its length), slot 0 the null slot padding rows point
+    to; each running sequence holds one. ``num_cpu_state_slots``: the host's, for swapped groups.
+    0: the model has none.
     """
 
     block_size: int = 16
@@ -41,6 +46,8 @@ class CacheConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     group_windows: tuple[int | None, ...] = (None,)
+    num_state_slots: int = 0
+    num_cpu_state_slots: int = 0
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
@@ -50,6 +57,9 @@ class CacheConfig:
         _require(0.0 <= self.watermark < 1.0, "watermark", f"must be in [0, 1), got {self.watermark}")
         _require(len(self.group_windows) >= 1 and all(w is None or w >= 1 for w in self.group_windows),
                  "group_windows", f"must name each layer group's window (None or >= 1), got {self.group_windows}")
+        _require(self.num_state_slots != 1 and self.num_state_slots >= 0, "num_state_slots",
+                 f"must be 0 (no recurrent layers) or >= 2 (slot 0 is the null slot), got {self.num_state_slots}")
+        _require(self.num_cpu_state_slots >= 0, "num_cpu_state_slots", f"must be >= 0, got {self.num_cpu_state_slots}")
 
     @property
     def watermark_blocks(self) -> int:

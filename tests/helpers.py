@@ -35,7 +35,8 @@ class Harness:
         cache = self.config.cache
         self.clock = clock or Clock()
         self.runner = HashRunner(cache.num_gpu_blocks, cache.num_cpu_blocks, cache.block_size,
-                                 speculative=speculative, group_windows=cache.group_windows)
+                                 speculative=speculative, group_windows=cache.group_windows,
+                                 num_state_slots=cache.num_state_slots)
         self.engine = Engine(self.config, self.runner, clock=self.clock, async_scheduling=async_scheduling)
         self.scheduler = self.engine.scheduler
         self.kv = self.scheduler.kv

@@ -12,6 +12,13 @@ go back to the pool (``slide``), so a sequence holds about a window of them howe
 A prefix hit needs every block in a full group's table and only those a windowed group's window
 still reaches at the hit point. Group 0 is a full-attention group whenever the model has one.
 
+Recurrent layers (``CacheConfig.num_state_slots``): each sequence holding blocks holds one slot of
+the state pool too (their state is fixed-size, whatever the length): taken with its first blocks,
+given back with them, moved to a host slot and back with its blocks when its group is swapped, and
+copied into a new slot when it forks (``take_state_moves``). A row that starts at token 0 starts
+from the initial state whatever its slot holds. Prefix hits need the state at the hit point, which
+no slot keeps yet: such a model gets none.
+
 Ownership: this manager is the only writer of a sequence's ``block_table``, ``group_tables``,
 ``block_hashes`` and ``num_cached_blocks`` and of the copy-on-write list; a sequence's progress
 (``num_computed_tokens``) is the scheduler's alone, so a prefix hit or a fork attaches blocks
@@ -71,6 +78,9 @@ class KVCacheManager:
         self.prefix_cache_queries = 0   # prompt tokens looked up
         self.prefix_cache_hits = 0      # of those, tokens served from the cache
         self.group_windows = config.group_windows
+        self.state_pool = BlockPool(config.num_state_slots) if config.num_state_slots else None
+        self.host_state_pool = BlockPool(config.num_cpu_state_slots, reserve_null_block=False)
+        self._state_moves: tuple[list, list, list] = ([], [], [])   # copies, swaps out, swaps in
         self.num_groups = len(config.group_windows)
         self.windowed = tuple((g, w) for g, w in enumerate(config.group_windows) if w is not None)
 
@@ -117,7 +127,8 @@ class KVCacheManager:
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
         """Longest cached prefix of a sequence that holds no blocks yet. Never covers the last
         token: its logits are needed, so at least one token is always computed."""
-        if not self.enable_caching or seq.block_table or seq.request.prompt_logprobs is not None:
+        if (not self.enable_caching or seq.block_table or seq.request.prompt_logprobs is not None
+                or self.state_pool is not None):
             return NO_HIT                # prompt logprobs need every prompt token computed
         num_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_blocks, self.block_size,
@@ -160,7 +171,7 @@ class KVCacheManager:
         """How many leading blocks of a prompt the prefix cache holds now (as
         ``get_computed_blocks``, never the block of its last token). A query only: no block is
         touched and no hit counted. Hashes block by block and stops at the first miss."""
-        if not self.enable_caching:
+        if not self.enable_caching or self.state_pool is not None:
             return 0
         hashes: list[bytes] = []
         num_blocks = (len(token_ids) - 1) // self.block_size
@@ -208,6 +219,8 @@ class KVCacheManager:
             needed += request.max_num_running_seqs * groups   # per beam (alone in the pool, it just goes)
         if len(self.pool.free_queue) - needed < (self.watermark_blocks if use_watermark else 0):
             return AllocStatus.LATER
+        if self.state_pool is not None and sum(s.state_slot is None for s, _, _ in plan) > self.state_pool.num_free_blocks:
+            return AllocStatus.LATER
         return AllocStatus.OK
 
     def can_append_slots(self, request: Request) -> bool:
@@ -221,6 +234,14 @@ class KVCacheManager:
         prefix hit, which is taken first so no new allocation can evict it; its tokens are the
         caller's to count as computed). All or nothing."""
         num_new = self._num_new_blocks(seq, hit, num_new_tokens)
+        if self.state_pool is not None and seq.state_slot is None:     # its first: a state slot too
+            if not self.state_pool.free_queue or not self._allocate(seq, num_new, hit):
+                return False
+            (seq.state_slot,) = self.state_pool.allocate(1)
+            return True
+        return self._allocate(seq, num_new, hit)
+
+    def _allocate(self, seq: Sequence, num_new: int, hit: ComputedBlocks) -> bool:
         if self.num_groups > 1:
             return self._allocate_groups(seq, num_new, hit)
         cow = self._needs_copy_on_write(seq.block_table, seq)
@@ -308,6 +329,12 @@ class KVCacheManager:
             self.pool.touch(b for b in table if b != NULL_BLOCK)
         child.block_table = list(parent.block_table)
         child.group_tables = [list(t) for t in parent.group_tables]
+        if parent.state_slot is not None:          # the pool has a slot per sequence the steps hold
+            if not self.state_pool.free_queue:
+                raise RuntimeError("fork: no recurrent state slot free (the state pool is sized for "
+                                   "every sequence a step can hold, a beam search's forks included)")
+            (child.state_slot,) = self.state_pool.allocate(1)
+            self._state_moves[0].append((parent.state_slot, child.state_slot))
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
 
@@ -328,6 +355,9 @@ class KVCacheManager:
         seq.block_table = []
         seq.group_tables = []
         seq.num_cached_blocks = 0
+        if seq.state_slot is not None:
+            self.state_pool.free([seq.state_slot])
+            seq.state_slot = None
 
     def free_swapped(self, seq: Sequence) -> None:
         """Return a swapped-out sequence's host blocks."""
@@ -335,6 +365,9 @@ class KVCacheManager:
             self.host_pool.free(b for b in reversed(table) if b != HOST_NULL)
         seq.block_table = []
         seq.group_tables = []
+        if seq.state_slot is not None:
+            self.host_state_pool.free([seq.state_slot])
+            seq.state_slot = None
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies (src, dst) made since the last call, for the step to apply."""
@@ -367,11 +400,18 @@ class KVCacheManager:
         return blocks
 
     def can_swap_out(self, request: Request) -> bool:
-        return len(self._unique_blocks(request)) <= self.host_pool.num_free_blocks
+        return (len(self._unique_blocks(request)) <= self.host_pool.num_free_blocks
+                and self._num_states(request) <= self.host_state_pool.num_free_blocks)
+
+    @staticmethod
+    def _num_states(request: Request) -> int:
+        return sum(s.state_slot is not None for s in request.live_seqs)
 
     def can_swap_in(self, request: Request, num_new_tokens: list[int], use_watermark: bool = True) -> bool:
         """Room to bring the group back and give each live sequence its next tokens."""
         needed = self._num_blocks_to_swap_in(request, num_new_tokens)
+        if self.state_pool is not None and self._num_states(request) > self.state_pool.num_free_blocks:
+            return False
         return len(self.pool.free_queue) - needed >= (self.watermark_blocks if use_watermark else 0)
 
     def _num_blocks_to_swap_in(self, request: Request, num_new_tokens: list[int]) -> int:
@@ -394,15 +434,33 @@ class KVCacheManager:
         return needed
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the group's blocks to the host pool; returns (device block, host block) pairs."""
+        """Move the group's blocks to the host pool; returns (device block, host block) pairs (its
+        recurrent states' moves go to ``take_state_moves``)."""
+        self._move_states(request, self.state_pool, self.host_state_pool, self._state_moves[1])
         return self._move(request, self.pool, self.host_pool, NULL_BLOCK, HOST_NULL)
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Move the group's blocks back to the device; returns (host block, device block) pairs."""
+        self._move_states(request, self.host_state_pool, self.state_pool, self._state_moves[2])
         mapping = self._move(request, self.host_pool, self.pool, HOST_NULL, NULL_BLOCK)
         for seq in request.live_seqs:
             seq.num_cached_blocks = 0   # fresh device blocks: re-register their content
         return mapping
+
+    @staticmethod
+    def _move_states(request: Request, src_pool: BlockPool | None, dst_pool: BlockPool, moves: list) -> None:
+        for seq in request.live_seqs:
+            if seq.state_slot is not None:
+                (slot,) = dst_pool.allocate(1)
+                moves.append((seq.state_slot, slot))
+                src_pool.free([seq.state_slot])
+                seq.state_slot = slot
+
+    def take_state_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """The recurrent state moves made since the last call: copies (parent, child) of forks,
+        swaps out (device, host) and swaps in (host, device), for the step to apply in that order."""
+        moves, self._state_moves = self._state_moves, ([], [], [])
+        return moves
 
     def _move(self, request: Request, src_pool: BlockPool, dst_pool: BlockPool, src_null: int,
               dst_null: int) -> list[tuple[int, int]]:

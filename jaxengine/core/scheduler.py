@@ -736,7 +736,7 @@ class Scheduler:
                     seq.seq_id, req.request_id, list(seq.token_ids), list(seq.block_table),
                     req.sampling_params, seq.sample_index, req.seed, seq.num_prompt_tokens,
                     tuple(sorted(req.stop_token_set)) if req.sampling_params.min_tokens else (), req.beam is not None,
-                    [list(t) for t in seq.group_tables]))
+                    [list(t) for t in seq.group_tables], seq.state_slot or 0))
         for seq in step.changed_seqs:
             if seq.status is RUNNING and not seq.is_new:
                 out.block_tables[seq.seq_id] = list(seq.block_table)
@@ -750,6 +750,8 @@ class Scheduler:
                 if seq.status is RUNNING:
                     self.kv.cache_full_blocks(seq)
         out.blocks_to_copy = self.kv.take_pending_copies()
+        if self.kv.state_pool is not None:
+            out.states_to_copy, out.states_to_swap_out, out.states_to_swap_in = self.kv.take_state_moves()
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
 

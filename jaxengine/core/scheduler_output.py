@@ -31,6 +31,7 @@ class NewSequenceData:
     stop_token_ids: tuple[int, ...] = ()
     beam: bool = False             # a beam of a beam search (whose min_tokens keeps the model's scores)
     group_tables: list[list[int]] = field(default_factory=list)   # the other layer groups' tables (copies)
+    state_slot: int = 0            # its recurrent layers' state slot (0: the model has none)
 
 
 @dataclass
@@ -59,6 +60,12 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (src, dst)
+    # Recurrent state moves, applied in this order (a fork's copy reads its parent's state before
+    # any slot freed this step is refilled): copy (parent slot, child slot), swap out (device,
+    # host), swap in (host, device).
+    states_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    states_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    states_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)    # forget these
     preempted_seq_ids: list[int] = field(default_factory=list)   # forget these (resent when resumed)
     # Step statistics for traces and metrics.

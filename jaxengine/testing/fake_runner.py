@@ -15,7 +15,10 @@ With layer groups (``group_windows``) it writes each token into every group's ta
 reads its context through the full-attention group's table (where the model has one; else it
 samples from its tokens) and, through each windowed group's, every position its tokens' windows
 reach, which must hold the tokens written there: a block given back while a window still reached
-it, and written over by its next owner, fails the step.
+it, and written over by its next owner, fails the step. With recurrent state slots
+(``num_state_slots``) each slot holds the tokens its sequence's state has consumed: a row must
+find there exactly the tokens before its first (a row at token 0 starts afresh), so a state lost,
+swapped back into the wrong slot or not copied at a fork fails the step.
 ``ConstantRunner`` samples one fixed token (for host-cost benchmarks).
 """
 from __future__ import annotations
@@ -35,10 +38,14 @@ PROPOSED = -2           # what a proposer with a KV cache of its own leaves at t
 
 class HashRunner:
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, vocab_size: int = 1000,
-                 speculative: SpeculativeConfig | None = None, group_windows: tuple[int | None, ...] = (None,)) -> None:
+                 speculative: SpeculativeConfig | None = None, group_windows: tuple[int | None, ...] = (None,),
+                 num_state_slots: int = 0) -> None:
         self.block_size = block_size
         self.group_windows = group_windows
         self.group_tables: dict[int, list[list[int]]] = {}
+        self.state_slot: dict[int, int] = {}                     # seq_id -> its state slot (0: none)
+        self.device_state: dict[int, tuple[int, ...]] = {}       # slot -> the tokens its state consumed
+        self.host_state: dict[int, tuple[int, ...]] = {}
         self.ngram = None if speculative is None else NgramProposer(
             speculative.num_speculative_tokens, speculative.prompt_lookup_max, speculative.prompt_lookup_min)
         self.proposal_writes_kv = speculative is not None and speculative.method in MODEL_PROPOSERS
@@ -61,6 +68,7 @@ class HashRunner:
                 continue
             self._write(seq_id, start, n)
             self._check_windows(seq_id, start, start + n)
+            self._advance_state(seq_id, start, n)
             sampled.append([self._sample(seq_id, start + n, i) for i in range(k)])
             top_k = self.num_logprobs[seq_id]
             logprobs.append(None if top_k is None else [self._top(seq_id, start + n, i, top_k) for i in range(k)])
@@ -89,6 +97,7 @@ class HashRunner:
         ``spec_decode.verify`` accepts (so a rejected draft's KV left in a block shows up as a
         wrong token in a later step if the scheduler ever counted it as computed)."""
         tokens = self.tokens[seq_id]
+        assert not self.state_slot.get(seq_id), "drafts would run a recurrent state past rejected tokens"
         tokens[start + 1:] = draft
         self._write(seq_id, start, 1 + len(draft))
         self._check_windows(seq_id, start, start + 1 + len(draft))
@@ -101,9 +110,10 @@ class HashRunner:
 
     def _sync_state(self, out: SchedulerOutput) -> None:
         for seq_id in (*out.finished_seq_ids, *out.preempted_seq_ids):
-            for d in (self.tokens, self.tables, self.num_logprobs, self.group_tables):
+            for d in (self.tokens, self.tables, self.num_logprobs, self.group_tables, self.state_slot):
                 d.pop(seq_id, None)
         for new in out.new_seqs:
+            self.state_slot[new.seq_id] = new.state_slot
             self.tokens[new.seq_id] = list(new.token_ids)
             self.tables[new.seq_id] = list(new.block_table)
             self.group_tables[new.seq_id] = [list(t) for t in new.group_tables]
@@ -119,6 +129,20 @@ class HashRunner:
             self.device_kv[dev] = self.host_kv[host]
         for src, dst in out.blocks_to_copy:
             self.device_kv[dst] = self.device_kv[src]
+        for src, dst in out.states_to_copy:
+            self.device_state[dst] = self.device_state.get(src)
+        for dev, host in out.states_to_swap_out:
+            self.host_state[host] = self.device_state.get(dev)
+        for host, dev in out.states_to_swap_in:
+            self.device_state[dev] = self.host_state.get(host)
+
+    def _advance_state(self, seq_id: int, start: int, n: int) -> None:
+        """The row's recurrent state, read from its slot, consumes its tokens."""
+        slot, tokens = self.state_slot.get(seq_id), self.tokens[seq_id]
+        if slot:
+            assert start == 0 or self.device_state.get(slot) == tuple(tokens[:start]), \
+                f"sequence {seq_id}: its state slot {slot} does not hold the state of its first {start} tokens"
+            self.device_state[slot] = tuple(tokens[:start + n])
 
     def _write(self, seq_id: int, start: int, n: int) -> None:
         tokens, bs = self.tokens[seq_id], self.block_size

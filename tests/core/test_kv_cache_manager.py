@@ -162,3 +162,31 @@ def test_without_a_full_group_a_hit_is_the_longest_prefix_whose_window_blocks_ar
     hit = kv.get_computed_blocks(b)
     assert len(hit.blocks) == 3 and hit.blocks[:2] == [0, 0] and hit.blocks[2] != 0
     assert kv.cached_prefix_blocks(list(range(13)) + [99]) == 3
+
+
+def test_a_recurrent_state_slot_comes_with_the_first_blocks_and_goes_with_them():
+    """Slot 0 is the null slot; a sequence takes a slot with its first blocks (all or nothing),
+    a fork's child takes one and its parent's state is copied into it, a swap moves it to a host
+    slot and back, and no prefix hit is offered (no slot keeps the state at a block boundary)."""
+    kv = make_kv(num_gpu_blocks=6, num_cpu_blocks=8, enable_prefix_caching=True, num_state_slots=3,
+                 num_cpu_state_slots=2)
+    a = seq_of(list(range(10)))
+    compute(kv, a, 10)
+    assert a.state_slot == 1 and kv.state_pool.num_free_blocks == 1
+    big = seq_of(list(range(40)))
+    assert not kv.allocate_slots(big, 40) and big.state_slot is None and kv.state_pool.num_free_blocks == 1
+    assert kv.get_computed_blocks(seq_of(list(range(10)) + [5])).blocks == []
+    assert kv.cached_prefix_blocks(list(range(10)) + [5]) == 0
+    child = Request("r", list(range(10)), SamplingParams()).seqs[0]
+    kv.fork(a, child)
+    assert child.state_slot == 2 and kv.take_state_moves() == ([(1, 2)], [], [])
+    kv.free(child)
+    assert child.state_slot is None and kv.state_pool.num_free_blocks == 1
+    group = a.request
+    kv.swap_out(group)
+    assert a.state_slot == 0 and kv.take_state_moves() == ([], [(1, 0)], [])   # host slot 0 is a real one
+    assert kv.state_pool.num_free_blocks == 2 and kv.host_state_pool.num_free_blocks == 1
+    kv.swap_in(group)
+    assert a.state_slot == 1 and kv.take_state_moves() == ([], [], [(0, 1)])
+    kv.free(a)
+    assert a.state_slot is None and kv.state_pool.num_free_blocks == 2

@@ -184,6 +184,22 @@ def check_invariants(h: Harness) -> None:
     for b in range(kv.host_pool.num_blocks):
         assert kv.host_pool.ref_cnt[b] == host[b]
     assert all(pool.block_hash[b] == h_ for h_, b in pool.cached_block.items())
+    check_state_slots(h)
+
+
+def check_state_slots(h: Harness) -> None:
+    """Each running sequence holds its own device state slot, each swapped one its own host slot,
+    nobody else any, and the pools' counts agree."""
+    kv, s = h.kv, h.scheduler
+    if kv.state_pool is None:
+        return
+    device = [seq.state_slot for g in s.running for seq in g.live_seqs]
+    host = [seq.state_slot for g in s.swapped for seq in g.live_seqs]
+    assert None not in device and 0 not in device and len(set(device)) == len(device)
+    assert None not in host and len(set(host)) == len(host)
+    assert all(seq.state_slot is None for g in s.waiting for seq in g.live_seqs)
+    assert kv.state_pool.num_free_blocks == kv.state_pool.num_usable_blocks - len(device)
+    assert kv.host_state_pool.num_free_blocks == kv.host_state_pool.num_blocks - len(host)
 
 
 def held_blocks(kv, seq, null: int) -> list[int]:
@@ -278,6 +294,26 @@ def test_windowed_groups_hold_only_what_their_windows_reach_and_change_no_output
     assert {r: o for r, o in h.outputs().items() if h.requests[r].status is not RequestStatus.FINISHED_ABORTED} == \
         {r: o for r, o in expected.items() if h.requests[r].status is not RequestStatus.FINISHED_ABORTED}
     assert_all_released(h)
+
+
+@SETTINGS
+@given(st.data())
+def test_recurrent_state_slots_follow_their_sequences_and_change_no_output(data):
+    """A model with recurrent layers: every sequence that holds blocks holds a state slot, which
+    follows it through chunked prefill, preemption by recompute (afresh from token 0), swapping
+    (to a host slot and back), forks of n > 1 and beams (copied into the child's), async
+    scheduling and aborts; the runner finds in each row's slot the state of exactly the tokens
+    before it, and the tokens are those of a model without one."""
+    workload = data.draw(specs(with_aborts=True))
+    config = data.draw(configs(workload))
+    slots = 2 * config["max_num_seqs"] + 1            # a step's sequences, a beam search's forks among them
+    h = run_workload(workload, {**config, "num_state_slots": slots,
+                                "num_cpu_state_slots": data.draw(st.sampled_from([0, 2, 64]))})
+    expected = run_workload(workload, REFERENCE, check=False).outputs()
+    kept = [r for r in h.requests if h.requests[r].status is not RequestStatus.FINISHED_ABORTED]
+    assert {r: h.outputs()[r] for r in kept} == {r: expected[r] for r in kept}
+    assert_all_released(h)
+    assert h.kv.state_pool.num_free_blocks == slots - 1
 
 
 def test_equal_priority_prefills_do_not_preempt_each_other_forever():
