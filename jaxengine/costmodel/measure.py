@@ -47,7 +47,8 @@ def calibrate_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = 
         routed_pairs_per_token=model_config.routed_pairs_per_token, num_params=model_config.num_params,
         num_active_params=model_config.num_active_params)
     return CostProfile.fit(shapes, step_buckets, seconds, num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
-                           num_cpu_blocks=cc.num_cpu_blocks, max_model_len=sc.max_model_len, source=source, **model)
+                           num_cpu_blocks=cc.num_cpu_blocks, max_model_len=sc.max_model_len, source=source,
+                           group_windows=cc.group_windows, **model)
 
 
 def measure_engine(engine: Engine, grid: CalibrationGrid, *, progress: bool = True, seed: int = 0):

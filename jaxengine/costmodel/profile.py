@@ -82,6 +82,8 @@ class CostProfile:
     routed_pairs_per_token: int = 0               # a mixture of experts' top-k x sparse layers (0: dense)
     num_params: int = 0                           # the model's parameters, and those a token runs through
     num_active_params: int = 0
+    # the model's layer groups' windows (``CacheConfig.group_windows``): a simulation's pool slides as its did
+    group_windows: tuple = (None,)
 
     def __post_init__(self) -> None:
         # a profile of fewer features (a file of an earlier version): the rest cost nothing
@@ -91,6 +93,7 @@ class CostProfile:
             raise ValueError("coefficients: a profile needs at least one token bucket")
         if isinstance(self.fit_error, dict):
             self.fit_error = FitError(**self.fit_error)
+        self.group_windows = tuple(self.group_windows)       # (a list, read from a file)
         self._buckets = sorted(self.coefficients)
         self._cache: dict[int, np.ndarray] = {}
 

@@ -101,11 +101,13 @@ class SimRunner:
 
 def engine_config(profile: Profile, args: EngineArgs) -> EngineConfig:
     """The engine configuration the options give on the profiled machine: the KV pool holds as
-    many tokens as the profile's did (``num_kv_blocks`` overrides), the host pool likewise."""
+    many tokens as the profile's did (``num_kv_blocks`` overrides), the host pool likewise, and
+    its layer groups slide as the profiled model's did."""
     pool_tokens = profile.num_gpu_blocks * profile.block_size
     num_gpu_blocks = args.num_kv_blocks or max(pool_tokens // args.block_size, 2)
     num_cpu_blocks = profile.num_cpu_blocks * profile.block_size // args.block_size
-    return args.engine_config(num_gpu_blocks, num_cpu_blocks, args.max_model_len or profile.max_model_len)
+    return args.engine_config(num_gpu_blocks, num_cpu_blocks, args.max_model_len or profile.max_model_len,
+                              getattr(profile, "group_windows", (None,)))
 
 
 @dataclass

@@ -118,13 +118,17 @@ def test_a_trace_without_context_fields_is_refused():
 
 def test_save_and_load_give_the_same_predictions(tmp_path):
     profile = CostProfile({16: [0.002, 0, 0.0001, 1e-6, 0], 32: [0.003, 0, 0.0001, 2e-6, 0]}, num_gpu_blocks=77,
-                          block_size=8, noise=[0.9, 1.0, 1.2], source={"model": "m"})
+                          block_size=8, noise=[0.9, 1.0, 1.2], source={"model": "m"}, group_windows=(None, 128))
     path = profile.save(tmp_path / "p.json")
     loaded = load_profile(path)
     shape = StepShape(20, 3, 300, 600)
     assert loaded.step_seconds(shape, 32) == profile.step_seconds(shape, 32)
     assert (loaded.num_gpu_blocks, loaded.block_size, loaded.noise, loaded.source) == (77, 8, [0.9, 1.0, 1.2],
                                                                                       {"model": "m"})
+    from jaxengine.engine_args import EngineArgs
+    from jaxengine.lab.simulate import engine_config
+
+    assert engine_config(loaded, EngineArgs(block_size=8)).cache.group_windows == (None, 128)   # the lab's pool slides
     earlier = json.loads(path.read_text())         # a file of the five features before routed_pairs
     earlier["features"] = earlier["features"][:5]
     earlier["coefficients"] = {b: c[:5] for b, c in earlier["coefficients"].items()}
