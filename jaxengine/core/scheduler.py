@@ -657,6 +657,17 @@ class Scheduler:
         group.num_preemptions += 1
         step.preempted = True
 
+    def _swapped_to_recompute(self, group: Request) -> None:
+        """A swapped-out group gives up its host blocks and states and waits to start again."""
+        if group.status is not RequestStatus.SWAPPED:
+            return                                 # (another of its sequences did it)
+        self.swapped.remove(group)
+        for seq in group.live_seqs:
+            self.kv.free_swapped(seq)
+            seq.num_computed_tokens = 0
+        self._set_status(group, RequestStatus.PREEMPTED)
+        self.waiting.push_front(group)
+
     def _unschedule(self, step: StepState, group: Request) -> None:
         """Take back the rows a group already got in this step (a victim chosen late)."""
         out = step.out
@@ -839,9 +850,13 @@ class Scheduler:
             elif tokens and not seq.num_pending and seq.request.waits_for_tokens:
                 # A beam or a grammar row (no placeholder) preempted by the step run ahead while
                 # its own step ran: its token is dropped, and a swapped-out one computes that
-                # position again once back (same KV), so it samples the token again.
+                # position again once back (same KV), so it samples the token again. (A recurrent
+                # state cannot compute a position twice: that group starts again from token 0.)
                 if seq.status is RequestStatus.SWAPPED:
-                    seq.num_computed_tokens -= 1
+                    if kv.state_pool is None:
+                        seq.num_computed_tokens -= 1
+                    else:
+                        self._swapped_to_recompute(seq.request)
                 continue
             elif not (tokens and seq.num_pending and not seq.is_finished):
                 continue                                   # finished ones: aborted while it ran

@@ -316,6 +316,23 @@ def test_recurrent_state_slots_follow_their_sequences_and_change_no_output(data)
     assert h.kv.state_pool.num_free_blocks == slots - 1
 
 
+def test_a_beam_swapped_out_while_its_step_ran_starts_again_when_its_state_holds_the_position():
+    """Found by the search above: a beam search swapped out by the step run ahead while its own
+    step ran drops that step's token and, with KV alone, computes the position again once back;
+    a recurrent state has consumed the position already, so the group starts again from token 0."""
+    spec = dict(priority=0, arrival_step=0, min_tokens=0, ignore_eos=False, abort_step=None)
+    workload = [Spec("r0", (1,), 3, 1, **spec), Spec("r1", (1,), 2, 1, beam=2, **spec)] + \
+        [Spec(f"r{i}", (1,), 1, 1, **spec) for i in range(2, 8)]
+    config = dict(block_size=1, num_gpu_blocks=7, num_cpu_blocks=8, watermark=0.0, enable_prefix_caching=False,
+                  max_num_batched_tokens=4, max_num_seqs=3, max_model_len=256, enable_chunked_prefill=False,
+                  long_prefill_token_threshold=0, max_num_partial_prefills=1, policy="fcfs",
+                  preemption_mode="auto", async_scheduling=True, num_state_slots=7, num_cpu_state_slots=2)
+    h = run_workload(workload, config)
+    assert h.outputs() == run_workload(workload, REFERENCE, check=False).outputs()
+    assert h.requests["r1"].num_preemptions >= 1
+    assert_all_released(h)
+
+
 def test_equal_priority_prefills_do_not_preempt_each_other_forever():
     """Found by the search above: two equal-priority requests, both mid-prefill on a pool that
     holds one of them, used to pick themselves as victims in turn and never finish."""
