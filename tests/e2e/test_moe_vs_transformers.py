@@ -38,6 +38,9 @@ def test_sliding_groups_hit_the_prefix_cache_with_only_their_window(tmp_path_fac
     llm = engine(folder, enable_prefix_caching=True)
     kv = llm.engine.scheduler.kv
     assert [w for w, _ in llm.model_config.kv_groups] == [None, 7, 7] and kv.group_windows == (None, 7, 7)
+    # A block holds one layer's K and V (2 KV heads of 16, float32: 1 KiB); a long sequence's token
+    # takes a place in the full group only: 512 tokens in the 128 blocks, 4 Mi a GiB (3 layers' worth before).
+    assert llm.kv_cache_capacity() == {"tokens": 512, "tokens_per_gib": (1 << 30) * 4 // 1024}
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     request = llm.engine.add_request("first", first, params)
     held = []
