@@ -645,11 +645,7 @@ class Scheduler:
         else:
             if swap and kv.can_swap:
                 out.num_swap_fallbacks += 1        # the host pool is full: recompute instead
-            for seq in live:
-                kv.free(seq)
-                seq.num_computed_tokens = 0
-            self._set_status(group, RequestStatus.PREEMPTED)
-            self.waiting.push_front(group)
+            self._requeue(group, kv.free)
         for seq in live:
             seq.is_new = True
         out.preempted_seq_ids.extend(s.seq_id for s in live)
@@ -657,16 +653,20 @@ class Scheduler:
         group.num_preemptions += 1
         step.preempted = True
 
-    def _swapped_to_recompute(self, group: Request) -> None:
-        """A swapped-out group gives up its host blocks and states and waits to start again."""
-        if group.status is not RequestStatus.SWAPPED:
-            return                                 # (another of its sequences did it)
-        self.swapped.remove(group)
+    def _requeue(self, group: Request, free: Callable[[Sequence], None]) -> None:
+        """Back to the front of the waiting queue to start again from token 0, each sequence's
+        blocks (and state) given back by ``free``."""
         for seq in group.live_seqs:
-            self.kv.free_swapped(seq)
+            free(seq)
             seq.num_computed_tokens = 0
         self._set_status(group, RequestStatus.PREEMPTED)
         self.waiting.push_front(group)
+
+    def _swapped_to_recompute(self, group: Request) -> None:
+        """A swapped-out group gives up its host blocks and states and waits to start again."""
+        if group.status is RequestStatus.SWAPPED:  # (not when another of its sequences did it)
+            self.swapped.remove(group)
+            self._requeue(group, self.kv.free_swapped)
 
     def _unschedule(self, step: StepState, group: Request) -> None:
         """Take back the rows a group already got in this step (a victim chosen late)."""

@@ -71,9 +71,8 @@ class InputBatch:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.tokens = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
-        self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
-        self.num_groups = num_groups
-        self.group_tables = np.zeros((num_groups - 1, max_num_seqs, max_blocks_per_seq), np.int32)
+        self.tables = np.zeros((num_groups, max_num_seqs, max_blocks_per_seq), np.int32)   # per layer group
+        self.block_tables = self.tables[0]              # group 0's (what a proposer's own cache reads)
         # The float sampling parameters, one row each (a step gathers them in one go):
         # temperature, top_p, min_p, presence, frequency and repetition penalty, logprobs temperature.
         self.float_params = np.zeros((7, max_num_seqs), np.float32)
@@ -142,9 +141,7 @@ class InputBatch:
             self.stop_rows[slot] = row.view(np.int32)
 
     def _set_table(self, slot: int, table: list[int], group_tables=()) -> None:
-        self.block_tables[slot, :len(table)] = table
-        self.block_tables[slot, len(table):] = 0
-        for tables, group_table in zip(self.group_tables, group_tables):
+        for tables, group_table in zip(self.tables, (table, *group_tables)):
             tables[slot, :len(group_table)] = group_table
             tables[slot, len(group_table):] = 0
 
@@ -209,20 +206,17 @@ class InputBatch:
                    token_lora_slots: np.ndarray | None = None) -> AttentionMetadata:
         """``token_lora_slots``: each real token's adapter slot (None: all the base model's)."""
         num_rows, num_tokens, bs = len(slots), len(pos), self.block_size
-        groups = self.num_groups
+        groups = len(self.tables)
         tokens = np.zeros((1 + groups, t_pad), np.int32)   # positions, slot mapping (a row per layer group)
         tokens[0, :num_tokens] = pos
-        tokens[1, :num_tokens] = self.block_tables[token_slot, pos // bs] * bs + pos % bs
-        for g, tables in enumerate(self.group_tables, start=2):
-            tokens[g, :num_tokens] = tables[token_slot, pos // bs] * bs + pos % bs
+        tokens[1:, :num_tokens] = self.tables[:, token_slot, pos // bs] * bs + pos % bs
         rows = np.zeros(2 * b_pad + 1, np.int32)           # query start offsets [B + 1], seq_lens [B]
         query_start_loc, padded_seq_lens = rows[:b_pad + 1], rows[b_pad + 1:]
         query_start_loc[1:num_rows + 1] = ends
         query_start_loc[num_rows + 1:] = num_tokens
         padded_seq_lens[:num_rows] = seq_lens
         block_tables = np.zeros((groups, b_pad, self.max_blocks_per_seq), np.int32)
-        block_tables[0, :num_rows] = self.block_tables[slots]
-        block_tables[1:, :num_rows] = self.group_tables[:, slots]
+        block_tables[:, :num_rows] = self.tables[:, slots]
         lora = {}
         if self.num_lora_slots:
             base = np.full(num_tokens, -1, np.int32) if token_lora_slots is None else token_lora_slots
