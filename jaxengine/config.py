@@ -37,7 +37,10 @@ class CacheConfig:
     ``num_state_slots``: for a model with recurrent layers, the device's slots of their state (a
     fixed-size state per sequence, whatever its length), slot 0 the null slot padding rows point
     to; each running sequence holds one. ``num_cpu_state_slots``: the host's, for swapped groups.
-    0: the model has none.
+    0: the model has none. ``state_snapshot_interval``: with prefix caching, a step keeps the state
+    at every multiple of this many tokens it computes (a multiple of ``block_size``) in a free
+    slot, under the hash of the blocks before it: a later prompt sharing those blocks resumes from
+    it. 0: no snapshots.
     """
 
     block_size: int = 16
@@ -48,6 +51,7 @@ class CacheConfig:
     group_windows: tuple[int | None, ...] = (None,)
     num_state_slots: int = 0
     num_cpu_state_slots: int = 0
+    state_snapshot_interval: int = 0
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
@@ -60,6 +64,9 @@ class CacheConfig:
         _require(self.num_state_slots != 1 and self.num_state_slots >= 0, "num_state_slots",
                  f"must be 0 (no recurrent layers) or >= 2 (slot 0 is the null slot), got {self.num_state_slots}")
         _require(self.num_cpu_state_slots >= 0, "num_cpu_state_slots", f"must be >= 0, got {self.num_cpu_state_slots}")
+        _require(self.state_snapshot_interval >= 0 and self.state_snapshot_interval % self.block_size == 0,
+                 "state_snapshot_interval", f"must be a multiple of block_size ({self.block_size}), "
+                 f"got {self.state_snapshot_interval}")
 
     @property
     def watermark_blocks(self) -> int:

@@ -78,6 +78,10 @@ class EngineArgs:
     swap_space: float = _option(0.5, "GiB of host memory for swapped KV blocks")
     watermark: float = _option(0.01, "fraction of KV blocks kept free when admitting prompts")
     enable_prefix_caching: bool = _option(True, "reuse the KV of shared prompt prefixes")
+    state_snapshot_interval: int | None = _option(
+        None, "models with recurrent layers (Qwen3.5), with prefix caching: tokens between the snapshots of "
+              "their state that a prefix hit resumes from, a multiple of --block-size (default: --block-size, "
+              "so hits land where a full-attention model's do)")
     enable_chunked_prefill: bool = _option(True, "split long prompts over steps so decodes keep flowing")
     long_prefill_token_threshold: int = _option(0, "most tokens one request's prefill gets in a step (0: no cap)")
     max_num_partial_prefills: int = _option(1, "most requests part-way through their prefill at once")
@@ -279,17 +283,47 @@ class EngineArgs:
         mc = model_config
         if kv_dtype is None and dtype is not None:
             kv_dtype = self.resolve_kv_dtype(dtype)
+        self.check_hybrid(mc)
         per_block = self.kv_bytes_per_block(mc, kv_dtype, draft_config)
-        num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(
-            kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices), per_block)
+        # A hybrid model's recurrent states: a slot per sequence a step may hold, twice over (a
+        # beam search's forks take theirs before its dropped beams give theirs back), and the null
+        # slot; each device holds them all (the recurrent layers are replicated). The KV pool gets
+        # the rest of the budget; the host's slots (swapped groups' states) come out of swap_space.
+        num_slots = 2 * self.max_num_seqs + 1 if mc.is_hybrid else 0
+        if mc.is_hybrid and self.enable_prefix_caching:
+            num_slots += 2 * self.max_num_seqs              # room for snapshots (prefix caching)
+        state_bytes = num_slots * mc.state_bytes_per_slot
+        swap_bytes = int(self.swap_space * GiB)
+        num_cpu_slots = min(self.max_num_seqs, swap_bytes // mc.state_bytes_per_slot) if mc.is_hybrid else 0
+        swap_bytes -= num_cpu_slots * mc.state_bytes_per_slot
+        num_gpu_blocks = self.num_kv_blocks
+        if not num_gpu_blocks:
+            budget = kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices)
+            if budget - state_bytes < 2 * per_block:
+                raise ValueError(f"kv_cache_memory_bytes: the recurrent states of {self.max_num_seqs} sequences "
+                                 f"(max_num_seqs) and their snapshots take {state_bytes / GiB:.2f} GiB of the "
+                                 f"{budget / GiB:.2f} GiB for the cache, leaving too little for KV blocks: lower "
+                                 "max_num_seqs, turn prefix caching off or give the cache more memory")
+            num_gpu_blocks = num_blocks_for_budget(budget - state_bytes, per_block)
         # The host holds each block once: every device's share of it, or (latent attention's
         # replicated cache) one device's copy.
-        num_cpu_blocks = int(self.swap_space * GiB) // (per_block * (1 if mc.is_mla else self.tensor_parallel_size))
+        num_cpu_blocks = swap_bytes // (per_block * (1 if mc.is_mla else self.tensor_parallel_size))
         config = self.engine_config(num_gpu_blocks, num_cpu_blocks, self.resolve_max_model_len(mc),
-                                    self.group_windows(mc))
+                                    self.group_windows(mc), (num_slots, num_cpu_slots))
         return dataclasses.replace(config, runner=dataclasses.replace(
             config.runner, dtype=None if dtype is None else jnp.dtype(dtype).name,
             kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name))
+
+    def check_hybrid(self, model_config) -> None:
+        """ValueError for what a model with recurrent layers cannot do yet: speculative decoding
+        (a rejected draft would have to roll its state back) and LoRA adapters."""
+        if not model_config.is_hybrid:
+            return
+        what = f"{model_config.architecture} (its linear-attention layers keep a recurrent state)"
+        if self.speculative() is not None:
+            raise ValueError(f"speculative_config: speculative decoding is not supported yet for {what}")
+        if self.enable_lora:
+            raise ValueError(f"enable_lora: LoRA adapters are not supported yet for {what}")
 
     def group_windows(self, model_config) -> tuple[int | None, ...]:
         """Each of the model's layer groups' window (``ModelConfig.kv_groups``) as the KV cache
@@ -403,12 +437,17 @@ class EngineArgs:
         return step_buckets(self.max_num_batched_tokens, self.max_num_seqs, self.token_buckets, self.request_buckets)
 
     def engine_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,
-                      group_windows: tuple[int | None, ...] = (None,)) -> EngineConfig:
-        """The frozen configs of these options, given the pool sizes, the model length and its
-        layer groups' windows (what the model decides; the scheduler lab passes a profiled machine's)."""
+                      group_windows: tuple[int | None, ...] = (None,),
+                      state_slots: tuple[int, int] = (0, 0)) -> EngineConfig:
+        """The frozen configs of these options, given the pool sizes, the model length, its
+        layer groups' windows and its recurrent state slots, device and host (what the model
+        decides; the scheduler lab passes a profiled machine's)."""
         cache = CacheConfig(block_size=self.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                             watermark=self.watermark, enable_prefix_caching=self.enable_prefix_caching,
-                            group_windows=group_windows)
+                            group_windows=group_windows, num_state_slots=state_slots[0],
+                            num_cpu_state_slots=state_slots[1],
+                            state_snapshot_interval=(self.state_snapshot_interval or self.block_size)
+                            if state_slots[0] else 0)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,

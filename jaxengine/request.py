@@ -55,7 +55,7 @@ class Sequence:
     """One sample of a group: its tokens, its KV progress and its block table."""
 
     __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "num_computed_tokens",
-                 "block_table", "group_tables", "state_slot", "block_hashes", "num_cached_blocks", "status", "stop_reason",
+                 "block_table", "group_tables", "state_slot", "pending_snapshots", "block_hashes", "num_cached_blocks", "status", "stop_reason",
                  "sample_index", "is_new", "logprobs", "num_pending", "pending_sample_row",
                  "cumulative_logprob", "grammar", "spec_accepted", "spec_trials")
 
@@ -72,6 +72,9 @@ class Sequence:
         # Recurrent layers' state: its slot in the device's state pool (the host's while swapped
         # out), None while it holds none.
         self.state_slot: int | None = None
+        # Snapshots of that state a step takes at block boundaries, (blocks before the boundary,
+        # the slot), held until their block's hash is known and they join the prefix cache.
+        self.pending_snapshots: list[tuple[int, int]] = []
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of token_ids
         self.num_cached_blocks = 0            # leading blocks registered in the prefix cache
         self.status = RequestStatus.WAITING

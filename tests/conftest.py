@@ -67,6 +67,11 @@ MOE_VARIANTS = {
 }
 
 
+# Qwen3.5: three Gated DeltaNet layers to one gated full-attention layer, twice over.
+QWEN3_5 = ("qwen3_5_text", dict(num_hidden_layers=8, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                linear_key_head_dim=8, linear_value_head_dim=8))
+
+
 # DeepSeek-V3: a dense first layer, then 8 routed experts in 4 groups (2 kept) and a shared one;
 # latent attention with and without the query's low-rank step, the first with YaRN past a short
 # original context and its softmax-scale correction.

@@ -55,7 +55,8 @@ def test_flags_reach_the_engine_config():
     per_block = 2 * CFG.num_layers * 8 * CFG.num_kv_heads * CFG.head_dim * 4          # K and V, f32
     assert dataclasses.asdict(config.cache) == dict(
         block_size=8, num_gpu_blocks=50, num_cpu_blocks=int(0.001 * GiB) // per_block, watermark=0.1,
-        enable_prefix_caching=False, group_windows=(None,), num_state_slots=0, num_cpu_state_slots=0)
+        enable_prefix_caching=False, group_windows=(None,), num_state_slots=0, num_cpu_state_slots=0,
+        state_snapshot_interval=0)
     assert (args.token_buckets, args.request_buckets, args.skip_kernel_check) == ([32, 96], [4, 12], True)
 
 

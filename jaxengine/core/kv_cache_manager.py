@@ -16,8 +16,12 @@ Recurrent layers (``CacheConfig.num_state_slots``): each sequence holding blocks
 the state pool too (their state is fixed-size, whatever the length): taken with its first blocks,
 given back with them, moved to a host slot and back with its blocks when its group is swapped, and
 copied into a new slot when it forks (``take_state_moves``). A row that starts at token 0 starts
-from the initial state whatever its slot holds. Prefix hits need the state at the hit point, which
-no slot keeps yet: such a model gets none.
+from the initial state whatever its slot holds. Prefix hits need the state at the hit point: with
+prefix caching a step snapshots a row's state at each multiple of ``state_snapshot_interval`` it
+computes into a free slot (``take_snapshots``), which joins the state pool's prefix index under
+the chained hash of the blocks before it once those are cached (``cache_full_blocks``), and is
+evicted as cached KV blocks are (least recently used first). A hit resumes at the longest cached
+prefix that has a snapshot at its end: the sequence's own slot starts as a copy of it.
 
 Ownership: this manager is the only writer of a sequence's ``block_table``, ``group_tables``,
 ``block_hashes`` and ``num_cached_blocks`` and of the copy-on-write list; a sequence's progress
@@ -49,6 +53,7 @@ class ComputedBlocks:
     blocks: list[int] = field(default_factory=list)
     num_evictable: int = 0     # hit blocks with no holder: they sit in the free queue
     group_blocks: list[list[int]] = field(default_factory=list)
+    state_snapshot: int | None = None   # recurrent layers: the slot holding the state at the hit point
 
 
 NO_HIT = ComputedBlocks()
@@ -81,6 +86,7 @@ class KVCacheManager:
         self.state_pool = BlockPool(config.num_state_slots) if config.num_state_slots else None
         self.host_state_pool = BlockPool(config.num_cpu_state_slots, reserve_null_block=False)
         self._state_moves: tuple[list, list, list] = ([], [], [])   # copies, swaps out, swaps in
+        self.snapshot_interval = config.state_snapshot_interval if config.enable_prefix_caching else 0
         self.num_groups = len(config.group_windows)
         self.windowed = tuple((g, w) for g, w in enumerate(config.group_windows) if w is not None)
 
@@ -128,12 +134,17 @@ class KVCacheManager:
         """Longest cached prefix of a sequence that holds no blocks yet. Never covers the last
         token: its logits are needed, so at least one token is always computed."""
         if (not self.enable_caching or seq.block_table or seq.request.prompt_logprobs is not None
-                or self.state_pool is not None):
+                or (self.state_pool is not None and not self.snapshot_interval)):
             return NO_HIT                # prompt logprobs need every prompt token computed
         num_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, num_blocks, self.block_size,
                                      seq.request.prefix_keys)
         hit = ComputedBlocks()
+        if self.state_pool is not None:
+            k = self._snapshot_length(hashes, self._hit_length(hashes, num_blocks))
+            hit = self._group_hit(hashes, k)
+            hit.state_snapshot = self.state_pool.lookup(hashes[k - 1]) if k else None
+            return hit
         if self.num_groups > 1 or self.windowed:
             return self._group_hit(hashes, self._hit_length(hashes, num_blocks))
         for h in hashes[:num_blocks]:
@@ -157,6 +168,12 @@ class KVCacheManager:
             k -= 1
         return k
 
+    def _snapshot_length(self, hashes: list[bytes], k: int) -> int:
+        """The most of ``k`` leading blocks after which a recurrent state snapshot is cached."""
+        while k and self.state_pool.lookup(hashes[k - 1]) is None:
+            k -= 1
+        return k
+
     def _group_hit(self, hashes: list[bytes], k: int) -> ComputedBlocks:
         """The hit of ``k`` leading blocks in every group (``_hit_length`` says they are cached)."""
         pool, tables = self.pool, []
@@ -171,13 +188,14 @@ class KVCacheManager:
         """How many leading blocks of a prompt the prefix cache holds now (as
         ``get_computed_blocks``, never the block of its last token). A query only: no block is
         touched and no hit counted. Hashes block by block and stops at the first miss."""
-        if not self.enable_caching or self.state_pool is not None:
+        if not self.enable_caching or (self.state_pool is not None and not self.snapshot_interval):
             return 0
         hashes: list[bytes] = []
         num_blocks = (len(token_ids) - 1) // self.block_size
-        if self.num_groups > 1 or self.windowed:
+        if self.num_groups > 1 or self.windowed or self.state_pool is not None:
             extend_block_hashes(hashes, token_ids, num_blocks, self.block_size, prefix_keys(cache_salt, lora_digest))
-            return self._hit_length(hashes, num_blocks)
+            k = self._hit_length(hashes, num_blocks)
+            return k if self.state_pool is None else self._snapshot_length(hashes, k)
         for i in range(num_blocks):
             extend_block_hashes(hashes, token_ids, i + 1, self.block_size, prefix_keys(cache_salt, lora_digest))
             if self.pool.lookup(hashes[i]) is None:
@@ -201,9 +219,42 @@ class KVCacheManager:
                     if table[i] != NULL_BLOCK:
                         self.pool.cache(table[i], group_key(hashes[i], g))
         seq.num_cached_blocks = num_full
+        if seq.pending_snapshots:                  # their blocks' hashes are known now: cached, free
+            ready = [(k, slot) for k, slot in seq.pending_snapshots if k <= num_full]
+            seq.pending_snapshots = [(k, slot) for k, slot in seq.pending_snapshots if k > num_full]
+            for k, slot in ready:
+                self.state_pool.cache(slot, hashes[k - 1])
+                self.state_pool.free([slot])
+
+    def take_snapshots(self, seq: Sequence, num_computed: int, num_new: int) -> list[tuple[int, int]]:
+        """The snapshots a step computing ``num_new`` tokens of ``seq`` after ``num_computed`` takes:
+        (position of the token after which, slot) at each multiple of the interval it reaches whose
+        state is not cached yet, each into a free slot (the least recently used snapshot's, or none
+        left: not taken). The sequence holds the slot until ``cache_full_blocks`` caches it."""
+        interval, pool = self.snapshot_interval, self.state_pool
+        if not interval or seq.state_slot is None:
+            return []
+        taken = []
+        for end in range((num_computed // interval + 1) * interval, num_computed + num_new + 1, interval):
+            k = end // self.block_size
+            if (k <= len(seq.block_hashes) and pool.lookup(seq.block_hashes[k - 1]) is not None) \
+                    or not pool.free_queue:
+                continue
+            (slot,) = pool.allocate(1)
+            seq.pending_snapshots.append((k, slot))
+            taken.append((end - 1, slot))
+        return taken
+
+    def _drop_snapshots(self, seq: Sequence) -> None:
+        """Snapshots not cached yet go back uncached (a preempted or finished sequence)."""
+        if seq.pending_snapshots:
+            self.state_pool.free([slot for _, slot in seq.pending_snapshots])
+            seq.pending_snapshots = []
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
+        if self.state_pool is not None:
+            self.state_pool.reset_cache()
 
     # ---- allocation ----
     def can_allocate(self, request: Request, plan: list[tuple[Sequence, ComputedBlocks, int]],
@@ -237,9 +288,20 @@ class KVCacheManager:
         if self.state_pool is not None and seq.state_slot is None:     # its first: a state slot too
             if not self.state_pool.free_queue or not self._allocate(seq, num_new, hit):
                 return False
-            (seq.state_slot,) = self.state_pool.allocate(1)
+            if seq.state_slot is None:           # (a hit's snapshot gave it one already)
+                seq.state_slot = self._take_state_slot(None)
             return True
         return self._allocate(seq, num_new, hit)
+
+    def _take_state_slot(self, snapshot: int | None) -> int:
+        """A state slot for a sequence starting out; after a prefix hit, its state at the hit point
+        copied in from the ``snapshot``. The copy runs before the step, ahead of any write into a
+        slot taken this step: the snapshot may be evicted meanwhile (its content stays until the
+        step), or be the slot taken itself (then it holds the state already)."""
+        (slot,) = self.state_pool.allocate(1)
+        if snapshot is not None and snapshot != slot:
+            self._state_moves[0].append((snapshot, slot))
+        return slot
 
     def _allocate(self, seq: Sequence, num_new: int, hit: ComputedBlocks) -> bool:
         if self.num_groups > 1:
@@ -300,6 +362,8 @@ class KVCacheManager:
         else:
             self.pool.touch(hit.blocks)
             seq.block_table.extend(hit.blocks)
+        if hit.state_snapshot is not None and seq.state_slot is None:    # its state at the hit point
+            seq.state_slot = self._take_state_slot(hit.state_snapshot)
         num_hit_tokens = len(hit.blocks) * self.block_size
         seq.num_cached_blocks = len(seq.block_table)
         seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, num_hit_tokens)
@@ -356,6 +420,7 @@ class KVCacheManager:
         seq.group_tables = []
         seq.num_cached_blocks = 0
         if seq.state_slot is not None:
+            self._drop_snapshots(seq)
             self.state_pool.free([seq.state_slot])
             seq.state_slot = None
 
@@ -436,6 +501,9 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the group's blocks to the host pool; returns (device block, host block) pairs (its
         recurrent states' moves go to ``take_state_moves``)."""
+        for seq in request.live_seqs:
+            if seq.pending_snapshots:
+                self._drop_snapshots(seq)
         self._move_states(request, self.state_pool, self.host_state_pool, self._state_moves[1])
         return self._move(request, self.pool, self.host_pool, NULL_BLOCK, HOST_NULL)
 

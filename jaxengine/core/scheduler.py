@@ -753,6 +753,10 @@ class Scheduler:
                 out.block_tables[seq.seq_id] = list(seq.block_table)
                 if seq.group_tables:
                     out.group_tables[seq.seq_id] = [list(t) for t in seq.group_tables]
+        if self.kv.snapshot_interval:
+            for row, (seq, computed, n) in enumerate(zip(out.scheduled_seqs, out.num_computed_tokens,
+                                                         out.num_scheduled_tokens)):
+                out.state_snapshots += [(row, position, slot) for position, slot in self.kv.take_snapshots(seq, computed, n)]
         if self.kv.enable_caching:
             # The prompt blocks this step fills are cached now, not when its results come back:
             # the device runs steps in order, so a step scheduled before then (async scheduling's

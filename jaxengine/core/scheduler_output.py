@@ -66,6 +66,9 @@ class SchedulerOutput:
     states_to_copy: list[tuple[int, int]] = field(default_factory=list)
     states_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     states_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Recurrent state snapshots the step takes for the prefix cache: (row, position, slot), the
+    # row's state after its token at ``position`` copied into ``slot``.
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)    # forget these
     preempted_seq_ids: list[int] = field(default_factory=list)   # forget these (resent when resumed)
     # Step statistics for traces and metrics.
@@ -83,15 +86,19 @@ class SchedulerOutput:
 
 
 class BlockMoves(NamedTuple):
-    """A step's block moves (swap out, swap in, copy), each a list of (from, to) block pairs: the
-    part of a ``SchedulerOutput`` that the device applies before the step."""
+    """A step's block moves (swap out, swap in, copy), each a list of (from, to) block pairs, and
+    its recurrent state moves (copy, swap out, swap in: ``SchedulerOutput.states_to_*``): the part
+    of a ``SchedulerOutput`` that the device applies before the step."""
 
     swap_out: list
     swap_in: list
     copy: list
+    state_copy: list | tuple = ()
+    state_swap_out: list | tuple = ()
+    state_swap_in: list | tuple = ()
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy)
+        return any(self)
 
 
 NO_MOVES = BlockMoves([], [], [])

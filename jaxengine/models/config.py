@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 
 
@@ -30,6 +32,44 @@ class YarnScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetShape:
+    """A Gated DeltaNet layer's sizes (Qwen3.5's linear attention), in the names of transformers'
+    Qwen3.5 config."""
+
+    hidden_size: int
+    num_key_heads: int          # linear_num_key_heads
+    num_value_heads: int        # linear_num_value_heads (a multiple of the key heads)
+    key_head_dim: int           # linear_key_head_dim
+    value_head_dim: int         # linear_value_head_dim
+    conv_kernel: int = 4        # linear_conv_kernel_dim
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One sequence's (convolution window, matrix state) shapes."""
+        return (self.conv_kernel - 1, self.conv_dim), (self.num_value_heads, self.key_head_dim, self.value_head_dim)
+
+    @property
+    def num_params(self) -> int:
+        """One layer's parameters."""
+        d, h = self.hidden_size, self.num_value_heads
+        return (d * (self.conv_dim + self.value_dim + 2 * h) + self.conv_kernel * self.conv_dim + 2 * h
+                + self.value_head_dim + self.value_dim * d)
 
 
 @dataclass(frozen=True)
@@ -92,6 +132,13 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True     # Qwen2-MoE's sigmoid gate on its shared expert
+    # Hybrid models (Qwen3.5): the layers whose memory is a recurrent state (Gated DeltaNet, sized
+    # by ``linear_attention``) instead of a KV cache; the others attend.
+    linear_attention_layers: tuple[int, ...] = ()
+    linear_attention: GatedDeltaNetShape | None = None
+    partial_rotary_factor: float = 1.0   # Qwen3.5: RoPE turns the first quarter of each head only
+    attention_output_gate: bool = False  # Qwen3.5: q_proj gives a gate per head; output x sigmoid(gate)
+    norm_offset: float = 0.0             # Qwen3.5's zero-centred norms: x * (1 + w)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -101,6 +148,39 @@ class ModelConfig:
                              f"num_experts ({self.num_experts})")
         if self.scoring == "sigmoid":
             self._check_groups()
+        if self.linear_attention_layers and self.linear_attention is None:
+            raise ValueError("linear_attention_layers need the linear_attention shape")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a recurrent state instead of a KV cache."""
+        return bool(self.linear_attention_layers)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV (all but the recurrent ones)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_attention_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_layers - len(self.linear_attention_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that RoPE turns (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def state_slot_sizes(self) -> tuple[int, ...]:
+        """Numbers one sequence's recurrent state holds in each of its arrays, per recurrent layer:
+        (the convolution window, the matrix state) flattened; () without recurrent layers."""
+        if not self.is_hybrid:
+            return ()
+        return tuple(int(np.prod(shape)) for shape in self.linear_attention.state_shapes())
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """A recurrent state slot's bytes, all recurrent layers (kept in float32)."""
+        return 4 * len(self.linear_attention_layers) * sum(self.state_slot_sizes())
 
     def _check_groups(self) -> None:
         """DeepSeek-V3's expert groups, in its config's names."""
@@ -152,7 +232,7 @@ class ModelConfig:
     @property
     def kv_elements_per_token(self) -> int:
         """Numbers the KV cache holds per token, all layers."""
-        return self.num_layers * sum(heads * size for heads, size in self.kv_cache_parts)
+        return self.num_kv_layers * sum(heads * size for heads, size in self.kv_cache_parts)
 
     @property
     def qk_head_dim(self) -> int:
@@ -177,7 +257,8 @@ class ModelConfig:
 
     def _params(self, active: bool) -> int:
         d, h = self.hidden_size, self.head_dim
-        attention = d * (self.num_heads + 2 * self.num_kv_heads) * h + self.num_heads * h * d
+        attention = d * (self.num_heads * (2 if self.attention_output_gate else 1) + 2 * self.num_kv_heads) * h \
+            + self.num_heads * h * d
         if self.is_mla:
             attention = self.latent_attention_params
         attention += (self.num_heads + 2 * self.num_kv_heads) * h if self.attention_bias else 0
@@ -192,7 +273,10 @@ class ModelConfig:
             moe += 3 * d * self.shared_expert_intermediate_size + (d if self.shared_expert_gated else 0)
         moe += self.num_experts if self.score_correction_bias else 0
         sparse = len(self.sparse_layers)
-        layers = self.num_layers * (attention + 2 * d) + sparse * moe + (self.num_layers - sparse) * dense_mlp
+        layers = self.num_kv_layers * attention + self.num_layers * 2 * d + sparse * moe \
+            + (self.num_layers - sparse) * dense_mlp
+        if self.is_hybrid:
+            layers += len(self.linear_attention_layers) * self.linear_attention.num_params
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return layers + self.vocab_size * d + head + d
 
@@ -217,7 +301,7 @@ class ModelConfig:
         first. The size is the one that leaves the fewest places unused (gpt-oss's 12 sliding and 12
         full layers: two groups of 12), the larger on a tie."""
         kinds: dict[int | None, list[int]] = {}
-        for layer in range(self.num_layers):
+        for layer in self.kv_layers:
             kinds.setdefault(self.layer_window(layer), []).append(layer)
         if len(kinds) == 1:
             (window, layers), = kinds.items()
@@ -235,9 +319,10 @@ class ModelConfig:
 
     @property
     def kv_layer_places(self) -> tuple[tuple[int, int], ...]:
-        """Each layer's (group, place in the group): where its KV lives in the cache."""
+        """Each layer's (group, place in the group): where its KV lives in the cache ((0, 0) for a
+        recurrent layer, which keeps none)."""
         places = {layer: (g, i) for g, (_, layers) in enumerate(self.kv_groups) for i, layer in enumerate(layers)}
-        return tuple(places[layer] for layer in range(self.num_layers))
+        return tuple(places.get(layer, (0, 0)) for layer in range(self.num_layers))
 
     @property
     def mixes_windows(self) -> bool:
@@ -290,8 +375,8 @@ class ModelConfig:
             attention_bias=(hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
                             or bool(getattr(hf, "qkv_bias", False) and hf.model_type == "qwen2_moe")),
             output_bias=hf.model_type in _OUTPUT_BIAS and bool(getattr(hf, "attention_bias", False)),
-            qk_norm=hf.model_type in ("qwen3", "qwen3_moe"), attention_sinks=hf.model_type == "gpt_oss",
-            **_attention_windows(hf), **_experts(hf), **_latent_attention(hf, scaling),
+            qk_norm=hf.model_type in ("qwen3", "qwen3_moe", *_HYBRID), attention_sinks=hf.model_type == "gpt_oss",
+            **_attention_windows(hf), **_experts(hf), **_latent_attention(hf, scaling), **_hybrid(hf, rope),
             bos_token_id=getattr(hf, "bos_token_id", None), eos_token_id=getattr(hf, "eos_token_id", None))
 
 
@@ -301,6 +386,30 @@ _OUTPUT_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 # others as their ``layer_types`` say (older configs: ``use_sliding_window``).
 _ALWAYS_SLIDING = ("mistral", "mixtral", "qwen3_moe")
 _LAYER_KINDS = ("sliding_attention", "full_attention")
+
+
+_HYBRID = ("qwen3_5_text",)
+_HYBRID_KINDS = ("linear_attention", "full_attention")
+
+
+def _hybrid(hf, rope: dict) -> dict:
+    """Qwen3.5's layers: Gated DeltaNet (linear attention) among gated full-attention layers."""
+    if hf.model_type not in _HYBRID:
+        return {}
+    kinds = list(hf.layer_types)
+    if unknown := sorted(set(kinds) - set(_HYBRID_KINDS)):
+        raise ValueError(f"layer_types: {unknown} not supported (supported: {list(_HYBRID_KINDS)})")
+    if len(kinds) != hf.num_hidden_layers:
+        raise ValueError(f"layer_types: {len(kinds)} kinds for {hf.num_hidden_layers} layers")
+    shape = GatedDeltaNetShape(hf.hidden_size, hf.linear_num_key_heads, hf.linear_num_value_heads,
+                               hf.linear_key_head_dim, hf.linear_value_head_dim, hf.linear_conv_kernel_dim,
+                               hf.rms_norm_eps)
+    if shape.num_value_heads % shape.num_key_heads:
+        raise ValueError(f"linear_num_value_heads ({shape.num_value_heads}) must be a multiple of "
+                         f"linear_num_key_heads ({shape.num_key_heads})")
+    return dict(linear_attention_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+                linear_attention=shape, partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+                attention_output_gate=True, norm_offset=1.0)
 
 
 def _attention_windows(hf) -> dict:
@@ -391,4 +500,4 @@ def _default_architecture(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM"}.get(model_type, model_type)
+            "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}.get(model_type, model_type)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.kernels.paged_attention import AttentionMetadata
-from jaxengine.models.mesh import kv_cache_sharding, replicated
+from jaxengine.models.mesh import cache_shardings, replicated
 
 
 def _logits(model, hidden: jax.Array, logits_indices: jax.Array) -> jax.Array:
@@ -47,5 +47,5 @@ def make_forward(model: nnx.Module, head: Callable = _logits, mesh=None, expert_
 
     if mesh is None:
         return state, jax.jit(forward, donate_argnums=(1,))
-    kv_sharding = kv_cache_sharding(mesh, getattr(model, "config", None))
+    kv_sharding = cache_shardings(mesh, getattr(model, "config", None))
     return state, jax.jit(forward, donate_argnums=(1,), out_shardings=(kv_sharding, replicated(mesh)))

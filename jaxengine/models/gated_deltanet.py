@@ -15,47 +15,21 @@ them so); the states after the step are returned for the caller to keep.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.kernels.matmul import dense
+from jaxengine.models.config import GatedDeltaNetShape
 from jaxengine.models.layers import _param
 
-
-@dataclass(frozen=True)
-class GatedDeltaNetShape:
-    """A Gated DeltaNet layer's sizes, in the names of transformers' Qwen3.5 config."""
-
-    hidden_size: int
-    num_key_heads: int          # linear_num_key_heads
-    num_value_heads: int        # linear_num_value_heads (a multiple of the key heads)
-    key_head_dim: int           # linear_key_head_dim
-    value_head_dim: int         # linear_value_head_dim
-    conv_kernel: int = 4        # linear_conv_kernel_dim
-    rms_norm_eps: float = 1e-6
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_value_heads * self.value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the convolution: q, k and v side by side."""
-        return 2 * self.key_dim + self.value_dim
-
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """One sequence's (convolution window, matrix state) shapes."""
-        return (self.conv_kernel - 1, self.conv_dim), (self.num_value_heads, self.key_head_dim, self.value_head_dim)
+__all__ = ["GatedDeltaNet", "GatedDeltaNetShape"]
 
 
 class GatedDeltaNet(nnx.Module):
-    """Weights as transformers' ``Qwen3_5GatedDeltaNet`` holds them, projections kept [in, out]."""
+    """Weights as transformers' ``Qwen3_5GatedDeltaNet`` holds them, projections kept [in, out]
+    (read through ``dense_fn``: in a layer scan they stay stacked, [L, in, out], and the call
+    names its layer)."""
 
     def __init__(self, shape: GatedDeltaNetShape, dtype, *, rngs: nnx.Rngs) -> None:
         s, d = shape, shape.hidden_size
@@ -69,18 +43,27 @@ class GatedDeltaNet(nnx.Module):
         self.A_log = nnx.Param(jnp.zeros((s.num_value_heads,), dtype))
         self.norm_weight = nnx.Param(jnp.ones((s.value_head_dim,), dtype))
         self.out_proj = _param(rngs, (s.value_dim, d), dtype, (None, None))
+        self.dense_fn = dense
 
-    def __call__(self, x: jax.Array, token_rows: jax.Array, conv_state: jax.Array,
-                 state: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, token_rows: jax.Array, conv_state: jax.Array, state: jax.Array,
+                 layer: jax.Array | None = None, captures: jax.Array | None = None,
+                 num_captures: int = 0) -> tuple[jax.Array, ...]:
         """x [T, D]; ``token_rows`` [T]: each token's row (B or more for padding, which changes no
         row); ``conv_state`` [B, K-1, C] and ``state`` [B, Hv, dk, dv], the rows' states before the
-        step -> (the layer's output [T, D], the states after it)."""
+        step -> (the layer's output [T, D], the states after it). ``layer``: the projections are
+        stacked and this is layer ``layer`` of them. ``captures`` [T]: where each token's row's
+        states after it go among ``num_captures`` snapshots (``num_captures``: none), which come
+        after the states ([N, K-1, C] and [N, Hv, dk, dv])."""
         s = self.shape
         f32 = jnp.float32
-        mixed = x @ self.in_proj_qkv[...]                                        # [T, C]
-        z = (x @ self.in_proj_z[...]).reshape(-1, s.num_value_heads, s.value_head_dim)
-        beta = jax.nn.sigmoid((x @ self.in_proj_b[...]).astype(f32))              # [T, Hv]
-        a = (x @ self.in_proj_a[...]).astype(f32)
+
+        def project(w, x=x):
+            return self.dense_fn(x, w[...], layer)
+
+        mixed = project(self.in_proj_qkv)                                         # [T, C]
+        z = project(self.in_proj_z).reshape(-1, s.num_value_heads, s.value_head_dim)
+        beta = jax.nn.sigmoid(project(self.in_proj_b).astype(f32))                # [T, Hv]
+        a = project(self.in_proj_a).astype(f32)
         g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(a + self.dt_bias[...].astype(f32))
         weight = self.conv_weight[...].astype(f32)
         repeat = s.num_value_heads // s.num_key_heads
@@ -89,10 +72,14 @@ class GatedDeltaNet(nnx.Module):
         conv_state = jnp.concatenate([conv_state.astype(f32), jnp.zeros((1, *conv_state.shape[1:]), f32)])
         state = jnp.concatenate([state.astype(f32), jnp.zeros((1, *state.shape[1:]), f32)])
         rows = jnp.minimum(token_rows, num_rows)
+        # Snapshots: a buffer row per snapshot, and one past them that the other tokens write.
+        captured = (jnp.zeros((num_captures + 1, *conv_state.shape[1:]), f32),
+                    jnp.zeros((num_captures + 1, *state.shape[1:]), f32))
+        capture_of = jnp.full(rows.shape, num_captures, jnp.int32) if captures is None else captures
 
         def token(carry, per_token):
-            conv_state, state = carry
-            mixed_t, g_t, beta_t, r = per_token
+            conv_state, state, (captured_conv, captured_state) = carry
+            mixed_t, g_t, beta_t, r, c = per_token
             window = jnp.concatenate([conv_state[r], mixed_t.astype(f32)[None]])     # [K, C]
             conv_state = conv_state.at[r].set(window[1:])
             qkv = jax.nn.silu(jnp.sum(window * weight, axis=0))
@@ -105,11 +92,16 @@ class GatedDeltaNet(nnx.Module):
             delta = (v - jnp.einsum("hkv,hk->hv", S, k)) * beta_t[:, None]
             S = S + k[:, :, None] * delta[:, None, :]
             state = state.at[r].set(S)
-            return (conv_state, state), jnp.einsum("hkv,hk->hv", S, q)
+            if num_captures:
+                captured_conv, captured_state = captured_conv.at[c].set(window[1:]), captured_state.at[c].set(S)
+            return (conv_state, state, (captured_conv, captured_state)), jnp.einsum("hkv,hk->hv", S, q)
 
-        (conv_state, state), out = jax.lax.scan(token, (conv_state, state), (mixed, g, beta, rows))
+        (conv_state, state, captured), out = jax.lax.scan(token, (conv_state, state, captured),
+                                                          (mixed, g, beta, rows, capture_of))
         out = _gated_rms_norm(out, z.astype(f32), self.norm_weight[...], s.rms_norm_eps).astype(x.dtype)
-        out = out.reshape(out.shape[0], -1) @ self.out_proj[...]
+        out = project(self.out_proj, out.reshape(out.shape[0], -1))
+        if num_captures:
+            return out, conv_state[:num_rows], state[:num_rows], captured[0][:-1], captured[1][:-1]
         return out, conv_state[:num_rows], state[:num_rows]
 
 

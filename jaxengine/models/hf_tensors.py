@@ -134,6 +134,18 @@ class HeadsBias:
         return read_hf((_head_rows(heads, self.head_dim),)).reshape(-1, self.head_dim)[:, h]
 
 
+class ConvTaps:
+    """A depthwise convolution's taps [K, C] (oldest first) from HF's Conv1d weight [C, 1, K]."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        k, c = shape
+        return (c, 1, k)
+
+    def read(self, read_hf, index: Index) -> np.ndarray:
+        taps, channels = index
+        return read_hf((channels, slice(0, 1), taps))[:, 0, :].T
+
+
 @dataclasses.dataclass(frozen=True)
 class RotaryDeinterleaved:
     """DeepSeek's rotary dimensions stored in pairs (x0, x1), (x2, x3)...: the ``size`` of them
@@ -241,7 +253,9 @@ def _rules(cfg: ModelConfig) -> list[tuple[re.Pattern, Callable[[re.Match], Para
     if cfg.is_mla:
         return _latent_attention_rules(cfg, layer) + _common_rules(cfg, layer)
     return [
-        (re.compile(_LAYER + r"self_attn\.q_proj\.weight"), layer("self_attn", "q_proj"), HeadsIn(h)),
+        # (with an output gate each head's rows are its query's, then its gate's)
+        (re.compile(_LAYER + r"self_attn\.q_proj\.weight"), layer("self_attn", "q_proj"),
+         HeadsIn(2 * h if cfg.attention_output_gate else h)),
         (re.compile(_LAYER + r"self_attn\.o_proj\.weight"), layer("self_attn", "o_proj"), HeadsOut(h)),
     ] + _common_rules(cfg, layer)
 
@@ -306,6 +320,12 @@ def _common_rules(cfg: ModelConfig, layer) -> list:
         (re.compile(_LAYER + r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight"),
          lambda m: ("layers", int(m.group(1)), "mlp", "shared_expert", m.group(2)), Transposed()),
         (re.compile(_LAYER + r"mlp\.shared_expert_gate\.weight"), layer("mlp", "shared_expert_gate"), Transposed()),
+        (re.compile(_LAYER + r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight"),
+         lambda m: ("layers", int(m.group(1)), "linear_attn", m.group(2)), Transposed()),
+        (re.compile(_LAYER + r"linear_attn\.conv1d\.weight"), layer("linear_attn", "conv_weight"), ConvTaps()),
+        (re.compile(_LAYER + r"linear_attn\.(dt_bias|A_log)"),
+         lambda m: ("layers", int(m.group(1)), "linear_attn", m.group(2)), Same()),
+        (re.compile(_LAYER + r"linear_attn\.norm\.weight"), layer("linear_attn", "norm_weight"), Same()),
         (re.compile(_LAYER + r"input_layernorm\.weight"), layer("input_layernorm", "weight"), Same()),
         (re.compile(_LAYER + r"post_attention_layernorm\.weight"), layer("post_attention_layernorm", "weight"), Same()),
     ]
@@ -384,10 +404,13 @@ def read_param(source: TensorSource, located: Located, path: ParamPath, index: I
 
 
 # The stacked parameters: 'layers' holds every layer; with dense layers among sparse ones, the
-# MLPs are in a stack per kind ('sparse_mlp', 'dense_mlp'), each holding some layers' 'mlp'.
+# MLPs are in a stack per kind ('sparse_mlp', 'dense_mlp'), each holding some layers' 'mlp'; a
+# hybrid model's token mixers are in a stack per kind ('attention_layers', 'linear_layers').
 _STACKS = {"layers": (lambda cfg: range(cfg.num_layers), ()),
            "sparse_mlp": (lambda cfg: cfg.sparse_layers, ("mlp",)),
-           "dense_mlp": (lambda cfg: cfg.dense_layers, ("mlp",))}
+           "dense_mlp": (lambda cfg: cfg.dense_layers, ("mlp",)),
+           "attention_layers": (lambda cfg: cfg.kv_layers, ("self_attn",)),
+           "linear_layers": (lambda cfg: cfg.linear_attention_layers, ("linear_attn",))}
 
 
 def _per_layer(path: ParamPath, cfg: ModelConfig) -> list[ParamPath]:

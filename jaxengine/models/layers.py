@@ -53,19 +53,26 @@ def _sharded(value: jax.Array, axes: tuple) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype) -> None:
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    """``offset``: the scale is ``offset + weight`` (Qwen3.5's zero-centred norms: 1), in float32
+    before the cast back, as that reference does; without one ``weight`` times the cast."""
+
+    def __init__(self, dim: int, eps: float, dtype, offset: float = 0.0) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), dtype) - offset)
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)                     # normalise in f32, as the reference does
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return ((self.offset + self.weight[...].astype(jnp.float32)) * xf).astype(x.dtype)
         return self.weight[...] * xf.astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [H/2], with Llama 3 or YaRN scaling when configured (host-side constant)."""
-    h = cfg.head_dim
+    """Inverse frequencies [R/2] of the R rotary dimensions (``cfg.rotary_dim``: the head's, unless
+    RoPE is partial), with Llama 3 or YaRN scaling when configured (host-side constant)."""
+    h = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
     sc = cfg.rope_scaling
     if sc is None:
@@ -119,14 +126,16 @@ def yarn_mscale(scale: float, m: float = 1.0) -> float:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
     """Rotate [T, n, H] by position; the half-split (rotate_half) layout of Hugging Face models;
-    ``scale`` multiplies cos and sin (YaRN's attention factor)."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]      # [T, H/2]
+    ``scale`` multiplies cos and sin (YaRN's attention factor). With fewer frequencies than H/2
+    (partial RoPE) only the first 2 * len(inv_freq) dimensions turn; the rest pass as they are."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]      # [T, R/2]
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    rotary = 2 * inv_freq.shape[0]
+    x1, x2 = jnp.split(x[..., :rotary].astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if rotary == x.shape[-1] else jnp.concatenate([out, x[..., rotary:]], axis=-1)
 
 
 FP8_KV = FP8                                 # the FP8 KV cache's values (--kv-cache-dtype fp8)
@@ -152,7 +161,9 @@ class Attention(nnx.Module):
         head's takes the embedding and a hidden state side by side)."""
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d_in = input_size or d
-        self.q_proj = weight(cfg, "q_proj", rngs, (d_in, n, h), dtype, (None, M, None))
+        # With an output gate, each head's query then its gate ([.., n, 2H], as HF's rows lie)
+        self.q_proj = weight(cfg, "q_proj", rngs, (d_in, n, 2 * h if cfg.attention_output_gate else h), dtype,
+                             (None, M, None))
         self.k_proj = weight(cfg, "k_proj", rngs, (d_in, k, h), dtype, (None, M, None))
         self.v_proj = weight(cfg, "v_proj", rngs, (d_in, k, h), dtype, (None, M, None))
         self.o_proj = weight(cfg, "o_proj", rngs, (n, h, d), dtype, (M, None, None))
@@ -163,8 +174,8 @@ class Attention(nnx.Module):
         if cfg.output_bias:
             self.o_bias = _sharded(jnp.zeros((d,), dtype), (None,))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         if cfg.attention_sinks:
             self.sinks = _sharded(jnp.zeros((n,), dtype), (M,))
         if cfg.kv_scales:                                  # an FP8 KV cache's scales, from the checkpoint
@@ -186,6 +197,9 @@ class Attention(nnx.Module):
             q, k, v = (p + d.reshape(p.shape) for p, d in zip((q, k, v), lora.deltas("qkv", x, md, layer)))
         if cfg.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        gate = None
+        if cfg.attention_output_gate:
+            q, gate = jnp.split(q, 2, axis=-1)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         scale = rope_attention_factor(cfg)
@@ -198,6 +212,8 @@ class Attention(nnx.Module):
         o_proj = self.o_proj[...]                                    # [(L,) N, H, D] -> [(L,) N*H, D]
         if not isinstance(o_proj, (QuantizedWeight, TiledWeight, PanelWeight)):   # (a quantized one contracts N, H itself)
             o_proj = o_proj.reshape(*o_proj.shape[:-3], -1, o_proj.shape[-1])
+        if gate is not None:
+            o = o * jax.nn.sigmoid(gate).astype(o.dtype)
         o = o.reshape(o.shape[0], -1)
         out = self.dense_fn(o, o_proj, layer)
         if lora is not None:
@@ -299,7 +315,8 @@ def run_mlp(mlp: nnx.Module, h: jax.Array, layer: jax.Array | None, md: Attentio
 # index (``dense`` reads the stack in place), where slicing them per layer would copy them.
 # A mixture of experts' router and expert stacks too (its expert weights are [L, E, ...]).
 DENSE_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router",
-                           "shared_expert_gate", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"})
+                           "shared_expert_gate", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj",
+                           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"})
 
 
 def is_dense_weight(path: tuple, value) -> bool:

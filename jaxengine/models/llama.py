@@ -221,7 +221,7 @@ def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp
     runner's); without, every layer has its place (a draft model's cache, and steps given one table)."""
     if not layer_axis and cfg.num_layers != 1:
         raise ValueError(f"init_kv_caches: only a one-layer cache goes without its layer axis ({cfg.num_layers} layers)")
-    leading = (cfg.kv_group_size if grouped else cfg.num_layers, num_blocks) if layer_axis else (num_blocks,)
+    leading = (cfg.kv_group_size if grouped else cfg.num_kv_layers, num_blocks) if layer_axis else (num_blocks,)
     shapes = [(*leading, *block) for block in cfg.kv_block_shapes(block_size)]
     platform = next(iter(sharding.device_set)).platform if sharding is not None else jax.devices()[0].platform
     dtype = storage_dtype(dtype, platform)

@@ -114,7 +114,7 @@ def kv_elements_per_device(cfg: ModelConfig, tp: int, grouped: bool = True) -> i
     read every latent). Without ``grouped``: all the layers (a draft model's cache)."""
     if cfg.is_mla:
         return cfg.kv_elements_per_token
-    return kv_heads_per_device(cfg, tp) * 2 * cfg.head_dim * (cfg.kv_group_size if grouped else cfg.num_layers)
+    return kv_heads_per_device(cfg, tp) * 2 * cfg.head_dim * (cfg.kv_group_size if grouped else cfg.num_kv_layers)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -128,6 +128,16 @@ def kv_cache_sharding(mesh: Mesh, cfg: ModelConfig | None = None, layer_axis: bo
     if cfg is not None and cfg.is_mla:
         return NamedSharding(mesh, P())
     return NamedSharding(mesh, KV_CACHE_SPEC if layer_axis else _LAYER_CACHE_MERGED)
+
+
+def cache_shardings(mesh: Mesh, cfg: ModelConfig | None = None):
+    """The shardings of a step's caches: ``kv_cache_sharding``'s for the KV arrays, and for a
+    hybrid model's recurrent state pools after them (``models.qwen3_5``) replicated, as the
+    recurrent layers' weights are."""
+    kv = kv_cache_sharding(mesh, cfg)
+    if cfg is None or not cfg.is_hybrid:
+        return kv
+    return (kv,) * len(cfg.kv_cache_parts) + (NamedSharding(mesh, P()),) * len(cfg.state_slot_sizes())
 
 
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:

@@ -149,6 +149,9 @@ class StepChannel:
         under the lock, so every process dispatches collectives in the same order."""
         if moves.swap_out or moves.swap_in:
             raise RuntimeError("KV swap is off across processes (num_cpu_blocks must be 0)")
+        if moves.state_copy or moves.state_swap_out or moves.state_swap_in:
+            raise RuntimeError("recurrent state moves (a hybrid model's forks, swaps and prefix hits) are not sent "
+                               "across processes yet")
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the distributed job was stopped")

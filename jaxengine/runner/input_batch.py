@@ -60,10 +60,13 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, block_size: int,
                  token_buckets: list[int], request_buckets: list[int],
                  placement: jax.sharding.Sharding | None = None, vocab_size: int = 32, num_lora_slots: int = 0,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, with_states: bool = False, snapshot_interval: int = 0) -> None:
         """``num_lora_slots``: the model's LoRA slots (0: no adapters; the steps then carry no grouping).
         ``num_groups``: the model's layer groups (``ModelConfig.kv_groups``); with more than one, a
-        step's block tables are [G, B, M] and its slot mapping [G, T], a table and a slot per group."""
+        step's block tables are [G, B, M] and its slot mapping [G, T], a table and a slot per group.
+        ``with_states``: the model has recurrent layers; a step's metadata carries each row's state
+        slot, and with a ``snapshot_interval`` (``CacheConfig.state_snapshot_interval``) room for
+        the snapshots its rows take (at most one per row and one per interval of its tokens)."""
         self.block_size = block_size
         self.num_lora_slots = num_lora_slots
         self.bitmask_words = bitmask_words(vocab_size)
@@ -73,6 +76,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.tables = np.zeros((num_groups, max_num_seqs, max_blocks_per_seq), np.int32)   # per layer group
         self.block_tables = self.tables[0]              # group 0's (what a proposer's own cache reads)
+        self.state_slots = np.zeros(max_num_seqs, np.int32) if with_states else None
+        self.snapshot_interval = snapshot_interval if with_states else 0
         # The float sampling parameters, one row each (a step gathers them in one go):
         # temperature, top_p, min_p, presence, frequency and repetition penalty, logprobs temperature.
         self.float_params = np.zeros((7, max_num_seqs), np.float32)
@@ -113,6 +118,8 @@ class InputBatch:
             self.tokens[slot, :n] = new.token_ids
             self.num_prompt_tokens[slot] = new.num_prompt_tokens
             self._set_table(slot, new.block_table, new.group_tables)
+            if self.state_slots is not None:
+                self.state_slots[slot] = new.state_slot
             p = new.sampling_params
             self.temperature[slot], self.top_p[slot], self.min_p[slot] = p.temperature, p.top_p, p.min_p
             self.top_k[slot] = max(p.top_k, 0)
@@ -162,7 +169,8 @@ class InputBatch:
         pos = np.arange(num_tokens) - (ends - n)[token_row] + computed[token_row]
         input_ids, prev_index = self._input_ids(token_slot, pos, ends, out.previous_sample_rows, t_pad)
         attention = self._attention(slots, token_slot, pos, ends, seq_lens, t_pad, b_pad,
-                                    None if row_lora_slots is None else row_lora_slots[token_row])
+                                    None if row_lora_slots is None else row_lora_slots[token_row],
+                                    self._snapshots(out, ends - n, computed))
         sampling, logits_indices = self._sampling(slots, samples, ends, seq_lens, b_pad, out.token_bitmask, drafted)
         want, target = self._prompt_logprob_targets(token_slot, pos, t_pad)
         following = self._following_ids(token_slot, pos, t_pad)
@@ -202,9 +210,16 @@ class InputBatch:
             input_ids[ends[previous >= 0] - 1] = 0
         return input_ids, prev_index
 
+    def _snapshots(self, out: SchedulerOutput, starts: np.ndarray, computed: np.ndarray) -> tuple[list, list]:
+        """The step's state snapshots as (slots, flat token indices)."""
+        snapshots = out.state_snapshots
+        return ([slot for _, _, slot in snapshots],
+                [int(starts[row] + position - computed[row]) for row, position, _ in snapshots])
+
     def _attention(self, slots, token_slot, pos, ends, seq_lens, t_pad: int, b_pad: int,
-                   token_lora_slots: np.ndarray | None = None) -> AttentionMetadata:
-        """``token_lora_slots``: each real token's adapter slot (None: all the base model's)."""
+                   token_lora_slots: np.ndarray | None = None, snapshots=((), ())) -> AttentionMetadata:
+        """``token_lora_slots``: each real token's adapter slot (None: all the base model's);
+        ``snapshots``: the state snapshots' (slots, flat token indices)."""
         num_rows, num_tokens, bs = len(slots), len(pos), self.block_size
         groups = len(self.tables)
         tokens = np.zeros((1 + groups, t_pad), np.int32)   # positions, slot mapping (a row per layer group)
@@ -217,13 +232,24 @@ class InputBatch:
         padded_seq_lens[:num_rows] = seq_lens
         block_tables = np.zeros((groups, b_pad, self.max_blocks_per_seq), np.int32)
         block_tables[:, :num_rows] = self.tables[:, slots]
-        lora = {}
+        optional = {}
         if self.num_lora_slots:
             base = np.full(num_tokens, -1, np.int32) if token_lora_slots is None else token_lora_slots
-            lora = dict(zip(("lora_order", "lora_sizes", "lora_inverse"), lora_rows(base, self.num_lora_slots, t_pad)))
+            optional = dict(zip(("lora_order", "lora_sizes", "lora_inverse"),
+                                lora_rows(base, self.num_lora_slots, t_pad)))
+        if self.state_slots is not None:            # padding rows: the null slot
+            optional["state_slots"] = state_slots = np.zeros(b_pad, np.int32)
+            state_slots[:num_rows] = self.state_slots[slots]
+        if self.snapshot_interval:                  # padding: the null slot, after no token
+            size = b_pad + t_pad // self.snapshot_interval
+            optional["snapshot_slots"] = np.zeros(size, np.int32)
+            optional["snapshot_tokens"] = np.full(size, t_pad, np.int32)
+            optional["snapshot_slots"][:len(snapshots[0])] = snapshots[0]
+            optional["snapshot_tokens"][:len(snapshots[1])] = snapshots[1]
         if groups == 1:
-            return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables[0], **lora)
-        return AttentionMetadata(tokens[0], tokens[1:], query_start_loc, padded_seq_lens, block_tables, **lora)
+            return AttentionMetadata(tokens[0], tokens[1], query_start_loc, padded_seq_lens, block_tables[0],
+                                     **optional)
+        return AttentionMetadata(tokens[0], tokens[1:], query_start_loc, padded_seq_lens, block_tables, **optional)
 
     def _sampling(self, slots, samples, ends, seq_lens, b_pad: int, token_bitmask: np.ndarray | None = None,
                   drafted: np.ndarray | None = None) -> tuple[SamplingMetadata, np.ndarray]:

@@ -23,6 +23,7 @@ from jaxengine.models.eagle3 import Eagle3Config
 from jaxengine.models.mtp import MTPConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
+from jaxengine.models.qwen3_5 import init_state_pools
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
 from jaxengine.buckets import step_buckets
 from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of, step_pairs
@@ -116,11 +117,21 @@ class ModelRunner:
                                                                     token_buckets, request_buckets)
         self.batch = InputBatch(sc.max_num_seqs, sc.max_model_len, cdiv(sc.max_model_len, cc.block_size),
                                 cc.block_size, self.token_buckets, self.request_buckets, placement=self._replicated,
-                                num_groups=len(model_config.kv_groups),
+                                num_groups=len(model_config.kv_groups), with_states=model_config.is_hybrid,
+                                snapshot_interval=cc.state_snapshot_interval if cc.enable_prefix_caching else 0,
                                 vocab_size=model_config.vocab_size,
                                 num_lora_slots=0 if config.lora is None else config.lora.max_loras)
         self.kv_caches = init_kv_caches(model_config, cc.num_gpu_blocks, cc.block_size, dtype, grouped=True,
                                         sharding=None if mesh is None else kv_cache_sharding(mesh, model_config))
+        # A hybrid model's recurrent state pools ride after the KV arrays (``models.qwen3_5``).
+        self.num_kv_arrays = len(self.kv_caches)
+        self.state_mover = None
+        if model_config.is_hybrid:
+            self.kv_caches += init_state_pools(model_config, cc.num_state_slots, self._replicated)
+            self.state_mover = BlockMover(cc.num_state_slots, cc.num_cpu_state_slots,
+                                          tuple((n,) for n in model_config.state_slot_sizes()),
+                                          len(model_config.linear_attention_layers), jnp.float32, sc.max_num_seqs,
+                                          on_compile=self._note_compile, mesh=mesh)
 
         def make_mover(shapes, num_layers, kv_dtype) -> BlockMover:
             """The block moves of a cache of these blocks (the model's, a drafter's)."""
@@ -223,7 +234,9 @@ class ModelRunner:
 
     def _compile_moves(self) -> None:
         """The block moves (and a draft model's moves and proposal steps)."""
-        self.mover.compile_all(self.kv_caches)
+        self.mover.compile_all(self.kv_caches[:self.num_kv_arrays])
+        if self.state_mover is not None:
+            self.state_mover.compile_all(self.kv_caches[self.num_kv_arrays:])
         if self.drafter is not None:
             self.drafter.mover.compile_all(self.drafter.kv_caches)
             self.drafter.compile_proposals()
@@ -240,6 +253,8 @@ class ModelRunner:
         drafter's steps and moves (what a check of the compiled code reads)."""
         programs = {f"step {pair}": executable for pair, executable in self._executables.items()}
         programs.update({f"block {name}": move for name, move in self.mover.compiled_programs().items()})
+        if self.state_mover is not None:
+            programs.update({f"state {name}": move for name, move in self.state_mover.compiled_programs().items()})
         if self.drafter is not None:
             programs.update({f"draft {name}": program for name, program in self.drafter.compiled_programs().items()})
         return programs
@@ -317,7 +332,8 @@ class ModelRunner:
             raise RuntimeError("dispatch: two earlier steps are uncollected")
         # Host preparation (process 0 only under several processes) ...
         self.batch.update(out)
-        moves = BlockMoves(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        moves = BlockMoves(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, out.states_to_copy,
+                           out.states_to_swap_out, out.states_to_swap_in)
         inputs, slots = self.batch.prepare(out, self._lora_rows(out)) if out.seq_ids else (None, None)
         inputs = self._with_sampled_drafts(inputs, out)
         if inputs is None and not moves:
@@ -355,7 +371,13 @@ class ModelRunner:
         """The device part of a step: apply the block moves, then launch the compiled step for
         ``inputs`` (None: moves only). Returns the step's device result without waiting for it."""
         if moves:
-            self.kv_caches = self.mover.apply(self.kv_caches, moves.swap_out, moves.swap_in, moves.copy)
+            kv, states = self.kv_caches[:self.num_kv_arrays], self.kv_caches[self.num_kv_arrays:]
+            kv = self.mover.apply(kv, moves.swap_out, moves.swap_in, moves.copy)
+            if self.state_mover is not None:
+                # A fork's copy first: it reads its parent's slot before a swap in refills a freed one.
+                states = self.state_mover.apply(states, [], [], moves.state_copy)
+                states = self.state_mover.apply(states, moves.state_swap_out, moves.state_swap_in, [])
+            self.kv_caches = (*kv, *states)
             if self.drafter is not None:
                 self.drafter.apply_moves(moves)
         if inputs is None:

@@ -18,7 +18,9 @@ reach, which must hold the tokens written there: a block given back while a wind
 it, and written over by its next owner, fails the step. With recurrent state slots
 (``num_state_slots``) each slot holds the tokens its sequence's state has consumed: a row must
 find there exactly the tokens before its first (a row at token 0 starts afresh), so a state lost,
-swapped back into the wrong slot or not copied at a fork fails the step.
+swapped back into the wrong slot or not copied at a fork fails the step; a step's snapshots
+(``state_snapshots``) keep the tokens before their position, so a prefix hit that resumes from a
+wrong or overwritten snapshot fails too.
 ``ConstantRunner`` samples one fixed token (for host-cost benchmarks).
 """
 from __future__ import annotations
@@ -74,6 +76,8 @@ class HashRunner:
             logprobs.append(None if top_k is None else [self._top(seq_id, start + n, i, top_k) for i in range(k)])
             if sampled[-1]:   # at a fork the leader keeps the first sample; siblings arrive as new
                 self.tokens[seq_id].append(sampled[-1][0])
+        for row, position, slot in out.state_snapshots:      # the states the step keeps for the prefix cache
+            self.device_state[slot] = tuple(self.tokens[out.seq_ids[row]][:position + 1])
         return ModelRunnerOutput(sampled, logprobs if any(row is not None for row in logprobs) else None,
                                  draft_token_ids=self._propose(out) if out.propose else {})
 

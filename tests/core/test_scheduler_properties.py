@@ -195,7 +195,10 @@ def check_state_slots(h: Harness) -> None:
         return
     device = [seq.state_slot for g in s.running for seq in g.live_seqs]
     host = [seq.state_slot for g in s.swapped for seq in g.live_seqs]
-    assert None not in device and 0 not in device and len(set(device)) == len(device)
+    assert None not in device and 0 not in device
+    snapshots = [slot for g in s.running for seq in g.live_seqs for _, slot in seq.pending_snapshots]
+    device += snapshots                                   # snapshots taken, not cached yet
+    assert len(set(device)) == len(device)
     assert None not in host and len(set(host)) == len(host)
     assert all(seq.state_slot is None for g in s.waiting for seq in g.live_seqs)
     assert kv.state_pool.num_free_blocks == kv.state_pool.num_usable_blocks - len(device)
@@ -302,12 +305,15 @@ def test_recurrent_state_slots_follow_their_sequences_and_change_no_output(data)
     """A model with recurrent layers: every sequence that holds blocks holds a state slot, which
     follows it through chunked prefill, preemption by recompute (afresh from token 0), swapping
     (to a host slot and back), forks of n > 1 and beams (copied into the child's), async
-    scheduling and aborts; the runner finds in each row's slot the state of exactly the tokens
-    before it, and the tokens are those of a model without one."""
+    scheduling and aborts; with prefix caching, snapshots at block boundaries give hits that copy
+    them into the new sequence's slot; the runner finds in each row's slot the state of exactly the
+    tokens before it, and the tokens are those of a model without one."""
     workload = data.draw(specs(with_aborts=True))
     config = data.draw(configs(workload))
-    slots = 2 * config["max_num_seqs"] + 1            # a step's sequences, a beam search's forks among them
-    h = run_workload(workload, {**config, "num_state_slots": slots,
+    # a step's sequences, a beam search's forks among them, and room for snapshots
+    slots = 2 * config["max_num_seqs"] + 1 + data.draw(st.sampled_from([0, 3, 16]))
+    interval = config["block_size"] * data.draw(st.sampled_from([1, 2]))
+    h = run_workload(workload, {**config, "num_state_slots": slots, "state_snapshot_interval": interval,
                                 "num_cpu_state_slots": data.draw(st.sampled_from([0, 2, 64]))})
     expected = run_workload(workload, REFERENCE, check=False).outputs()
     kept = [r for r in h.requests if h.requests[r].status is not RequestStatus.FINISHED_ABORTED]

@@ -45,8 +45,11 @@ def report(llm) -> dict:
                               copy=largest_copy(program.as_text()), bytes_accessed=cost.get("bytes accessed", 0.0))
     cache = caches[0]
     kv_per_token = sum(shard_bytes(c) for c in caches) // (cache.shape[1] * cache.shape[2])
-    # A layer's part of an array of the caches ([L, P, S, K*H]; a one-layer head's is [P, S, K*H]).
-    return dict(layer_slice=min(shard_bytes(c) // (c.shape[0] if c.ndim == 4 else 1) for c in caches + draft_caches),
+    # A layer's part of an array of the caches ([L, P, S, K*H]; a one-layer head's is [P, S, K*H]),
+    # and of a recurrent state pool ([Lr, slots, n]: a hybrid model's, after the KV arrays).
+    kv, states = caches[:runner.num_kv_arrays], caches[runner.num_kv_arrays:]
+    return dict(layer_slice=min(shard_bytes(c) // (c.shape[0] if c.ndim == 4 else 1) for c in kv + draft_caches),
+                state_slice=min((shard_bytes(c) // c.shape[0] for c in states), default=None),
                 caches=sum(map(shard_bytes, caches)), draft_caches=sum(map(shard_bytes, draft_caches)),
                 weights=sum(map(shard_bytes, jax.tree.leaves(runner.state))), kv_per_token=kv_per_token,
                 max_model_len=llm.config.scheduler.max_model_len, programs=programs)

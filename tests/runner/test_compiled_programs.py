@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEEPSEEK, DEEPSEEK_VARIANTS, MOE_VARIANTS, TINY, make_checkpoint
+from tests.conftest import DEEPSEEK, DEEPSEEK_VARIANTS, MOE_VARIANTS, QWEN3_5, TINY, make_checkpoint
 
 PROBE = Path(__file__).with_name("compiled_programs.py")
 TEST_ONLY_FLAGS = ("--xla_cpu_use_fusion_emitters", "--xla_backend_optimization_level")
@@ -48,6 +48,9 @@ def pool_copies(reports: dict) -> list[str]:
             if p["temp"] >= r["layer_slice"] or p["copy"] >= r["layer_slice"]:
                 problems.append(f"{config}, {name}: temp {p['temp']} B, largest copy {p['copy']} B, "
                                 f"a layer's part of the pool {r['layer_slice']} B")
+            if r["state_slice"] is not None and name.startswith("step") and p["copy"] >= r["state_slice"]:
+                problems.append(f"{config}, {name}: largest copy {p['copy']} B, a layer's part of the recurrent "
+                                f"state pool {r['state_slice']} B")
             caches = r["draft_caches"] if name.startswith("draft step") else r["caches"]
             if name.startswith(("step", "draft step")) and p["aliased"] < caches:
                 problems.append(f"{config}, {name}: {p['aliased']} B updated in place of {caches} B of caches")
@@ -66,11 +69,15 @@ def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_facto
     its own part of the step, and a copy any of them made would show); one KV head per device
     under tensor parallelism; latent attention (alone and under tensor parallelism); a mixture of
     experts whose sliding layers keep their KV in groups of their own (gpt-oss: each layer reads
-    its group's place in the cache through its group's tables)."""
+    its group's place in the cache through its group's tables); a hybrid model (Qwen3.5: its
+    recurrent state pools updated in place too, no copy of a layer's part of them either)."""
     deepseek = tmp_path_factory.mktemp("programs-deepseek")
     make_checkpoint(deepseek, "deepseek_v3", **{**DEEPSEEK, **DEEPSEEK_VARIANTS["no-q-lora"]})
     moe = tmp_path_factory.mktemp("programs-moe")
     make_checkpoint(moe, MOE_VARIANTS["gpt-oss"][0], **MOE_VARIANTS["gpt-oss"][1])
+    hybrid = tmp_path_factory.mktemp("programs-hybrid")     # states of 1 Ki floats: a layer's part of the pool is
+    make_checkpoint(hybrid, QWEN3_5[0], **{**QWEN3_5[1], "linear_num_value_heads": 8,   # larger than the step's
+                                           "linear_value_head_dim": 16})                 # activations
     configs = [dict(name="gqa", model=llama),
                dict(name="int4 weights, fp8 KV cache, LoRA", model=llama,
                     options=dict(quantization="int4", kv_cache_dtype="fp8", enable_lora=True, max_lora_rank=8)),
@@ -78,7 +85,8 @@ def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_facto
                    "num_key_value_heads"])),
                dict(name="latent attention", model=deepseek),
                dict(name="latent attention, 2 devices", model=deepseek, options=dict(tensor_parallel_size=2)),
-               dict(name="mixture of experts, sliding layer groups", model=moe)]
+               dict(name="mixture of experts, sliding layer groups", model=moe),
+               dict(name="hybrid, recurrent states", model=hybrid)]
     reports = run_probe(tmp_path, configs)
     assert sorted(reports) == sorted(c["name"] for c in configs)
     assert all(any(n.startswith("block") for n in r["programs"]) for r in reports.values())   # moves were read too

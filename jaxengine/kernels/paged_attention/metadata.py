@@ -23,6 +23,18 @@ class AttentionMetadata:
     lora_order: jax.Array | None = None
     lora_sizes: jax.Array | None = None
     lora_inverse: jax.Array | None = None
+    # With recurrent layers (hybrid models): each row's state slot [B] (padding rows: the null
+    # slot 0); None without them.
+    state_slots: jax.Array | None = None
+    # ... and the state snapshots the step takes for the prefix cache (``KVCacheManager.take_snapshots``):
+    # [C] the slot each goes to (padding: 0) and [C] the token after which it is taken (padding: T).
+    snapshot_slots: jax.Array | None = None
+    snapshot_tokens: jax.Array | None = None
+
+    @property
+    def fresh_rows(self) -> jax.Array:
+        """[B] whether each row's first token this step is its sequence's first (position 0)."""
+        return self.seq_lens - (self.query_start_loc[1:] - self.query_start_loc[:-1]) == 0
 
     @property
     def token_rows(self) -> jax.Array:

@@ -1,0 +1,91 @@
+"""A hybrid model (Qwen3.5: Gated DeltaNet layers, whose memory is a recurrent state per sequence,
+among gated full-attention layers) through the whole engine gives transformers' greedy tokens: as it
+comes, with chunked prefill, preemption by recompute in a tiny pool and prefix caching (hits resume
+from state snapshots), swapping groups of two, beam search and tensor parallelism."""
+import pytest
+
+from jaxengine import SamplingParams
+from tests.e2e.test_generate_vs_transformers import PROMPTS, engine, greedy, greedy_under_pressure, reference
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    from tests.conftest import QWEN3_5, make_checkpoint
+
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    hf = make_checkpoint(folder, QWEN3_5[0], **QWEN3_5[1])
+    return folder, hf, reference(hf, PROMPTS)
+
+
+def states_released(llm) -> bool:
+    """Every state slot back in the pool (snapshots among them, cached but free)."""
+    pool = llm.engine.scheduler.kv.state_pool
+    return pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_qwen3_5_matches_transformers_generate(qwen3_5):
+    folder, _, expected = qwen3_5
+    llm = engine(folder, async_scheduling=True)
+    cfg = llm.model_config
+    assert (cfg.linear_attention_layers, cfg.kv_layers, cfg.rotary_dim) == ((0, 1, 2, 4, 5, 6), (3, 7), 4)
+    # its 2 attention layers keep KV; each sequence's 6 recurrent layers keep one state slot
+    assert llm.runner.kv_caches[0].shape[0] == 2 and llm.runner.kv_caches[2].shape[:2] == (6, 4 * 8 + 1)
+    outs = greedy(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert states_released(llm)
+    # chunks of 8 tokens carry the state from one step to the next; preemption recomputes from
+    # token 0; a second pass of the shared prefix resumes after 12 tokens from a snapshot
+    assert states_released(greedy_under_pressure(folder, expected, "qwen3.5"))
+
+
+def test_swapped_groups_take_their_states_along(qwen3_5):
+    folder, _, expected = qwen3_5
+    llm = engine(folder, num_kv_blocks=14, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False,
+                 async_scheduling=True)
+    llm.engine.traces = []
+    outs = greedy(llm, PROMPTS, n=2)
+    assert sum(t.num_blocks_swapped_out for t in llm.engine.traces) > 0
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[e, e] for e in expected]
+    assert states_released(llm)
+
+
+def test_a_multi_turn_chat_hits_the_prefix_cache_as_full_attention_does(qwen3_5, tmp_path):
+    """Each turn's prompt is the conversation so far (the last prompt and its reply) and a new
+    message: it resumes from the snapshot at the last block boundary of what it shares, the
+    tokens a full-attention model of the same size finds cached, and its tokens are transformers'."""
+    from tests.conftest import make_checkpoint
+
+    folder, hf, _ = qwen3_5
+    make_checkpoint(tmp_path, "qwen3", num_hidden_layers=2, head_dim=16)       # full attention, the same size
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cached = {}
+    for name, path, oracle in (("hybrid", folder, hf), ("full", tmp_path, None)):
+        llm = engine(path, enable_prefix_caching=True)
+        prompt, cached[name] = [], []
+        for turn in range(4):
+            prompt = prompt + [200 + turn, 17, 33 + turn]
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            reply = out.outputs[0].token_ids
+            if oracle is not None:
+                assert reply == reference(oracle, [prompt], max_tokens=6)[0], turn
+            cached[name].append(out.num_cached_tokens)
+            prompt = prompt + reply
+    assert cached["hybrid"] == cached["full"] == [0, 8, 16, 24]
+
+
+def test_beam_search_forks_copy_the_state(qwen3_5):
+    from tests.e2e import test_beam_search_vs_transformers as beams
+
+    folder, hf, _ = qwen3_5
+    expected = [beams.reference(hf, prompt, 3) for prompt in beams.PROMPTS]
+    llm = beams.engine(folder, num_kv_blocks=40, swap_space=0.01)
+    beams.assert_same(beams.beam_search(llm, beams.PROMPTS, 3), expected)
+    assert states_released(llm)
+
+
+def test_tensor_parallel_gives_the_same_tokens(qwen3_5):
+    folder, _, expected = qwen3_5
+    llm = engine(folder, tensor_parallel_size=2)
+    assert llm.model.attention_layers.q_proj[...].sharding.spec[2] == "model"     # [L, D, N, 2H]: by heads
+    outs = greedy(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
