@@ -70,6 +70,9 @@ MOE_VARIANTS = {
 # Qwen3.5: three Gated DeltaNet layers to one gated full-attention layer, twice over.
 QWEN3_5 = ("qwen3_5_text", dict(num_hidden_layers=8, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                                 linear_key_head_dim=8, linear_value_head_dim=8))
+# Qwen3.5-MoE: the same layers, each with 8 routed experts (3 chosen) and a gated shared expert.
+QWEN3_5_MOE = ("qwen3_5_moe_text", {**QWEN3_5[1], "num_experts": 8, "num_experts_per_tok": 3,
+                                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
 
 
 # DeepSeek-V3: a dense first layer, then 8 routed experts in 4 groups (2 kept) and a shared one;

@@ -364,7 +364,9 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         return cls(
             architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=heads,
+            # (a mixture of experts whose every layer is sparse may name no dense width)
+            intermediate_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,
+            num_layers=hf.num_hidden_layers, num_heads=heads,
             # (latent attention has no KV heads of its own: its one cache serves every head)
             num_kv_heads=heads if hf.model_type == "deepseek_v3" else getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
@@ -388,7 +390,7 @@ _ALWAYS_SLIDING = ("mistral", "mixtral", "qwen3_moe")
 _LAYER_KINDS = ("sliding_attention", "full_attention")
 
 
-_HYBRID = ("qwen3_5_text",)
+_HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
 _HYBRID_KINDS = ("linear_attention", "full_attention")
 
 
@@ -450,6 +452,10 @@ def _experts(hf) -> dict:
                     n_group=hf.n_group or 1, topk_group=hf.topk_group or 1,
                     routed_scaling_factor=float(hf.routed_scaling_factor),
                     dense_layers=tuple(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))))
+    if hf.model_type == "qwen3_5_moe_text":           # every layer sparse, with a gated shared expert
+        return dict(num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=True,
+                    shared_expert_intermediate_size=hf.shared_expert_intermediate_size)
     if hf.model_type not in ("qwen2_moe", "qwen3_moe"):
         return {}
     experts = getattr(hf, "num_experts", None) or hf.num_local_experts
@@ -500,4 +506,5 @@ def _default_architecture(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}.get(model_type, model_type)
+            "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}.get(model_type, model_type)

@@ -27,17 +27,20 @@ from jaxengine.kernels.paged_attention import AttentionMetadata, paged_attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.gated_deltanet import GatedDeltaNet
 from jaxengine.models.layers import MLP, MODEL_AXIS, Attention, KVCache, RMSNorm, _param, is_dense_weight, \
-    rope_inv_freq, weight
+    rope_inv_freq, run_mlp, weight
 from jaxengine.models.llama import embed_with, logits_with, stacked
+from jaxengine.models.moe import SparseMoeBlock
 
 
 class HybridBlock(nnx.Module):
-    """A layer's norms and MLP (its token mixer lives in its kind's stack)."""
+    """A layer's norms and MLP, dense or a mixture of experts (Qwen3.5-MoE: every layer's, with a
+    gated shared expert); its token mixer lives in its kind's stack."""
 
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
-        self.mlp = MLP(cfg, dtype, rngs=rngs)
+        self.mlp = SparseMoeBlock(cfg, dtype, expert_parallel=expert_parallel, rngs=rngs) if cfg.is_moe else \
+            MLP(cfg, dtype, rngs=rngs)
 
 
 def layer_period(kinds: tuple[bool, ...]) -> int:
@@ -49,15 +52,16 @@ def layer_period(kinds: tuple[bool, ...]) -> int:
 class Qwen3_5ForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, attention_fn: Callable = paged_attention_tiled, *,
                  expert_parallel: bool = False, rngs: nnx.Rngs, **_) -> None:
-        if cfg.is_moe:
-            raise ValueError(f"{cfg.architecture}: a mixture of experts in a hybrid model is not supported yet")
+        if cfg.dense_layers:
+            raise ValueError(f"{cfg.architecture}: dense layers among sparse ones in a hybrid model are not supported")
         self.config = cfg
         if cfg.quant_spec("embed_tokens"):
             self.embed_tokens = weight(cfg, "embed_tokens", rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
                                        (None, MODEL_AXIS))
         else:
             self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL_AXIS, None))
-        self.layers = stacked(lambda r: HybridBlock(cfg, dtype, rngs=r), cfg.num_layers, rngs)
+        self.layers = stacked(lambda r: HybridBlock(cfg, dtype, expert_parallel=expert_parallel, rngs=r),
+                              cfg.num_layers, rngs)
         self.attention_layers = stacked(lambda r: Attention(cfg, dtype, attention_fn, rngs=r), cfg.num_kv_layers, rngs)
         self.linear_layers = stacked(lambda r: GatedDeltaNet(cfg.linear_attention, dtype, rngs=r),
                                      len(cfg.linear_attention_layers), rngs)
@@ -77,8 +81,8 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     def forward_with_aux_hidden(self, input_ids: jax.Array, kv_caches: KVCache, md: AttentionMetadata,
                                 aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, jax.Array, jax.Array]:
-        """input_ids [T] -> (final hidden states [T, D], the caches, no expert counts [0], no
-        auxiliary hidden states [T, 0])."""
+        """input_ids [T] -> (final hidden states [T, D], the caches, the tokens routed to each
+        expert over the layers [E] (E = 0 for a dense model), no auxiliary hidden states [T, 0])."""
         cfg = self.config
         if aux_layers:
             raise ValueError(f"{cfg.architecture}: no hidden states of its layers for a speculative head")
@@ -144,7 +148,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
             return nnx.merge(attn_def, attn_dense, pick(attn_rest, j))(h, caches, md_layer, inv_freq, j)
 
         def run_period(carry, p):
-            x, caches, states = carry
+            x, caches, states, counts = carry
             for q in range(period):                # unrolled: each layer's kind is known here
                 layer = p * period + q
                 block = nnx.merge(block_def, block_dense, pick(block_rest, layer))
@@ -155,14 +159,16 @@ class Qwen3_5ForCausalLM(nnx.Module):
                 else:
                     out, caches = attention(h, caches, j)
                 x = x + out
-                x = x + block.mlp(block.post_attention_layernorm(x), layer, md)
-            return (x, caches, states), None
+                out, routed = run_mlp(block.mlp, block.post_attention_layernorm(x), layer, md, cfg.num_experts)
+                x, counts = x + out, counts + routed
+            return (x, caches, states, counts), None
 
-        (x, flat, states), _ = jax.lax.scan(run_period, (x, flat, (conv_pool, state_pool)),
-                                            jnp.arange(cfg.num_layers // period))
+        counts = jnp.zeros((cfg.num_experts,), jnp.int32)
+        (x, flat, states, counts), _ = jax.lax.scan(run_period, (x, flat, (conv_pool, state_pool), counts),
+                                                    jnp.arange(cfg.num_layers // period))
         x = self.norm(x)
         k_cache, v_cache = (c.reshape(original.shape) for c, original in zip(flat, (k_cache, v_cache)))
-        return x, (k_cache, v_cache, *states), jnp.zeros((0,), jnp.int32), jnp.zeros((x.shape[0], 0), x.dtype)
+        return x, (k_cache, v_cache, *states), counts, jnp.zeros((x.shape[0], 0), x.dtype)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         return embed_with(self.embed_tokens, input_ids)

@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "GptOssForCausalLM": LlamaForCausalLM,
     "DeepseekV3ForCausalLM": LlamaForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
 }
 # Parts of a checkpoint built as models of their own, never named by a config's architectures.
 _PARTS = {MTP_ARCHITECTURE: MTPHead}    # its multi-token prediction layer (models.mtp)

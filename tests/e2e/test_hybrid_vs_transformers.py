@@ -8,13 +8,23 @@ from jaxengine import SamplingParams
 from tests.e2e.test_generate_vs_transformers import PROMPTS, engine, greedy, greedy_under_pressure, reference
 
 
+def make(tmp_path_factory, name: str):
+    from tests import conftest
+
+    model_type, overrides = getattr(conftest, name)
+    folder = tmp_path_factory.mktemp(name.lower())
+    hf = conftest.make_checkpoint(folder, model_type, **overrides)
+    return folder, hf, reference(hf, PROMPTS)
+
+
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
-    from tests.conftest import QWEN3_5, make_checkpoint
+    return make(tmp_path_factory, "QWEN3_5")
 
-    folder = tmp_path_factory.mktemp("qwen3_5")
-    hf = make_checkpoint(folder, QWEN3_5[0], **QWEN3_5[1])
-    return folder, hf, reference(hf, PROMPTS)
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory):
+    return make(tmp_path_factory, "QWEN3_5_MOE")
 
 
 def states_released(llm) -> bool:
@@ -87,5 +97,25 @@ def test_tensor_parallel_gives_the_same_tokens(qwen3_5):
     folder, _, expected = qwen3_5
     llm = engine(folder, tensor_parallel_size=2)
     assert llm.model.attention_layers.q_proj[...].sharding.spec[2] == "model"     # [L, D, N, 2H]: by heads
+    outs = greedy(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_qwen3_5_moe_matches_transformers_generate(qwen3_5_moe):
+    folder, _, expected = qwen3_5_moe
+    llm = engine(folder, async_scheduling=True)
+    llm.engine.traces = []
+    outs = greedy(llm, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    cfg = llm.model_config                     # every layer routes each token to 3 of its 8 experts
+    assert all(sum(t.expert_tokens) == (t.num_prefill_tokens + t.num_decode_tokens) * 3 * 8
+               for t in llm.engine.traces if t.expert_tokens)
+    assert cfg.num_experts == 8 and states_released(greedy_under_pressure(folder, expected, "qwen3.5-moe"))
+
+
+def test_qwen3_5_moe_under_expert_parallelism(qwen3_5_moe):
+    folder, _, expected = qwen3_5_moe
+    llm = engine(folder, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert llm.model.layers.mlp.experts.gate_proj[...].sharding.spec[1] == "model"     # [L, E, D, F]: by experts
     outs = greedy(llm, PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == expected
