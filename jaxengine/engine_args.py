@@ -285,34 +285,48 @@ class EngineArgs:
             kv_dtype = self.resolve_kv_dtype(dtype)
         self.check_hybrid(mc)
         per_block = self.kv_bytes_per_block(mc, kv_dtype, draft_config)
-        # A hybrid model's recurrent states: a slot per sequence a step may hold, twice over (a
-        # beam search's forks take theirs before its dropped beams give theirs back), and the null
-        # slot; each device holds them all (the recurrent layers are replicated). The KV pool gets
-        # the rest of the budget; the host's slots (swapped groups' states) come out of swap_space.
-        num_slots = 2 * self.max_num_seqs + 1 if mc.is_hybrid else 0
-        if mc.is_hybrid and self.enable_prefix_caching:
-            num_slots += 2 * self.max_num_seqs              # room for snapshots (prefix caching)
+        budget = None if self.num_kv_blocks else kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization,
+                                                           devices)
+        num_slots, num_cpu_slots, max_num_seqs = self.state_slots(mc, budget)
         state_bytes = num_slots * mc.state_bytes_per_slot
-        swap_bytes = int(self.swap_space * GiB)
-        num_cpu_slots = min(self.max_num_seqs, swap_bytes // mc.state_bytes_per_slot) if mc.is_hybrid else 0
-        swap_bytes -= num_cpu_slots * mc.state_bytes_per_slot
-        num_gpu_blocks = self.num_kv_blocks
-        if not num_gpu_blocks:
-            budget = kv_budget(self.kv_cache_memory_bytes, self.gpu_memory_utilization, devices)
-            if budget - state_bytes < 2 * per_block:
-                raise ValueError(f"kv_cache_memory_bytes: the recurrent states of {self.max_num_seqs} sequences "
-                                 f"(max_num_seqs) and their snapshots take {state_bytes / GiB:.2f} GiB of the "
-                                 f"{budget / GiB:.2f} GiB for the cache, leaving too little for KV blocks: lower "
-                                 "max_num_seqs, turn prefix caching off or give the cache more memory")
-            num_gpu_blocks = num_blocks_for_budget(budget - state_bytes, per_block)
+        swap_bytes = int(self.swap_space * GiB) - num_cpu_slots * mc.state_bytes_per_slot
+        num_gpu_blocks = self.num_kv_blocks or num_blocks_for_budget(budget - state_bytes, per_block)
         # The host holds each block once: every device's share of it, or (latent attention's
         # replicated cache) one device's copy.
         num_cpu_blocks = swap_bytes // (per_block * (1 if mc.is_mla else self.tensor_parallel_size))
         config = self.engine_config(num_gpu_blocks, num_cpu_blocks, self.resolve_max_model_len(mc),
-                                    self.group_windows(mc), (num_slots, num_cpu_slots))
+                                    self.group_windows(mc), (num_slots, num_cpu_slots), max_num_seqs)
         return dataclasses.replace(config, runner=dataclasses.replace(
             config.runner, dtype=None if dtype is None else jnp.dtype(dtype).name,
             kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name))
+
+    def state_slots(self, model_config, budget: int | None) -> tuple[int, int, int]:
+        """A hybrid model's recurrent state slots, device and host, and the most sequences a step
+        may then hold: ``(0, 0, max_num_seqs)`` for other models. On the device a slot per
+        sequence, twice over (a beam search's forks take theirs before its dropped beams give
+        theirs back), the null slot, and with prefix caching as many again for snapshots. They
+        take at most half the cache's ``budget`` (None: the pool is fixed, no limit): where
+        ``max_num_seqs`` sequences' states would take more, fewer sequences run at once (said
+        once, as a warning). On the host a slot per sequence, out of ``swap_space``."""
+        if not model_config.is_hybrid:
+            return 0, 0, self.max_num_seqs
+        per_slot = model_config.state_bytes_per_slot
+        max_num_seqs = self.max_num_seqs
+        if budget is not None and (2 * max_num_seqs + 1) * per_slot > budget // 2:
+            max_num_seqs = (budget // 2 // per_slot - 1) // 2
+            if max_num_seqs < 1:
+                raise ValueError(f"kv_cache_memory_bytes: a sequence's recurrent state takes {per_slot / GiB:.2f} GiB; "
+                                 f"the {budget / GiB:.2f} GiB for the cache cannot hold the few a step needs: give "
+                                 "the cache more memory")
+            logger.warning("max_num_seqs: %d sequences at once, not %d: the recurrent states of more (%.2f GiB each, "
+                           "two slots a sequence) would take more than half of the %.2f GiB for the cache",
+                           max_num_seqs, self.max_num_seqs, per_slot / GiB, budget / GiB)
+        num_slots = 2 * max_num_seqs + 1
+        if self.enable_prefix_caching:                       # snapshots, within the same half of the budget
+            room = max_num_seqs * 2 if budget is None else budget // 2 // per_slot - num_slots
+            num_slots += max(0, min(2 * max_num_seqs, room))
+        num_cpu_slots = min(max_num_seqs, int(self.swap_space * GiB) // per_slot)
+        return num_slots, num_cpu_slots, max_num_seqs
 
     def check_hybrid(self, model_config) -> None:
         """ValueError for what a model with recurrent layers cannot do yet: speculative decoding
@@ -438,10 +452,11 @@ class EngineArgs:
 
     def engine_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int,
                       group_windows: tuple[int | None, ...] = (None,),
-                      state_slots: tuple[int, int] = (0, 0)) -> EngineConfig:
+                      state_slots: tuple[int, int] = (0, 0), max_num_seqs: int | None = None) -> EngineConfig:
         """The frozen configs of these options, given the pool sizes, the model length, its
-        layer groups' windows and its recurrent state slots, device and host (what the model
-        decides; the scheduler lab passes a profiled machine's)."""
+        layer groups' windows, its recurrent state slots (device and host) and the most sequences
+        they leave a step (default ``max_num_seqs``): what the model decides; the scheduler lab
+        passes a profiled machine's."""
         cache = CacheConfig(block_size=self.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                             watermark=self.watermark, enable_prefix_caching=self.enable_prefix_caching,
                             group_windows=group_windows, num_state_slots=state_slots[0],
@@ -449,7 +464,7 @@ class EngineArgs:
                             state_snapshot_interval=(self.state_snapshot_interval or self.block_size)
                             if state_slots[0] else 0)
         scheduler = SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=max_num_seqs or self.max_num_seqs,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills, policy=self.scheduling_policy,

@@ -326,3 +326,32 @@ def test_sliding_layers_get_groups_of_their_own_and_a_block_holds_one_groups_lay
     assert args.create_engine_config(sliding, jnp.float32).cache.group_windows == (64,)
     drafted = EngineArgs(speculative_config={"method": "draft_model", "model": "/d", "num_speculative_tokens": 2})
     assert drafted.group_windows(sliding) == (None,) and drafted.group_windows(alternating) == (None, 128)
+
+
+def test_a_hybrid_models_state_slots_come_out_of_the_cache_budget(caplog):
+    """Qwen3.5's pattern (6 recurrent layers, 2 attending): a state slot holds 6 layers' convolution
+    window and matrix state in float32; 2 slots a sequence, the null slot and as many again for
+    snapshots, taken from the budget before the KV blocks; where they would take more than half of
+    it, fewer sequences run at once; the host's slots come out of swap_space."""
+    from jaxengine.models.config import GatedDeltaNetShape
+
+    hybrid = CFG.replace(architecture="Qwen3_5ForCausalLM", num_layers=8, linear_attention_layers=(0, 1, 2, 4, 5, 6),
+                         linear_attention=GatedDeltaNetShape(32, 2, 4, 8, 8), attention_output_gate=True)
+    per_slot = 6 * (3 * (2 * 16 + 32) + 4 * 8 * 8) * 4
+    assert hybrid.state_bytes_per_slot == per_slot == 10752
+    per_block = 2 * 2 * 16 * CFG.num_kv_heads * CFG.head_dim * 4           # the 2 attention layers' K and V
+    args = EngineArgs(block_size=16, max_num_seqs=8, kv_cache_memory_bytes=1 << 20, swap_space=64 * per_slot / GiB)
+    cache, scheduler = (lambda c: (c.cache, c.scheduler))(args.create_engine_config(hybrid, jnp.float32))
+    assert (cache.num_state_slots, cache.num_cpu_state_slots, scheduler.max_num_seqs) == (33, 8, 8)
+    assert cache.num_gpu_blocks == ((1 << 20) - 33 * per_slot) // per_block and cache.state_snapshot_interval == 16
+    # Half of 256 KiB holds 12 slots: 5 sequences at once (their 11 slots) and 1 snapshot slot
+    small = dataclasses.replace(args, kv_cache_memory_bytes=1 << 18)
+    config = small.create_engine_config(hybrid, jnp.float32)
+    assert (config.cache.num_state_slots, config.scheduler.max_num_seqs) == (12, 5)
+    assert "max_num_seqs: 5 sequences at once, not 8" in caplog.text
+    with pytest.raises(ValueError, match="cannot hold the few a step needs"):
+        dataclasses.replace(args, kv_cache_memory_bytes=4 * per_slot).create_engine_config(hybrid, jnp.float32)
+    with pytest.raises(ValueError, match="speculative decoding is not supported yet for Qwen3_5ForCausalLM"):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_engine_config(hybrid)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported yet"):
+        EngineArgs(enable_lora=True).create_engine_config(hybrid)

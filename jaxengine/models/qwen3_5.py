@@ -131,10 +131,10 @@ class Qwen3_5ForCausalLM(nnx.Module):
             conv = jnp.where(keep[:, None], conv_pool[j, slots], 0).reshape(-1, *conv_shape)
             state = jnp.where(keep[:, None], state_pool[j, slots], 0).reshape(-1, *state_shape)
             out, conv, state, *snapshots = mixer(h, token_rows, conv, state, j, captures, num_captures)
-            for rows_at, states in ((slots, (conv, state)), (md.snapshot_slots, snapshots)):
-                if states:
-                    conv_pool = conv_pool.at[j, rows_at].set(states[0].reshape(len(rows_at), -1))
-                    state_pool = state_pool.at[j, rows_at].set(states[1].reshape(len(rows_at), -1))
+            for at, (conv_rows, state_rows) in ((slots, (conv, state)), (md.snapshot_slots, snapshots or (None, None))):
+                if conv_rows is not None:
+                    conv_pool = conv_pool.at[j, at].set(conv_rows.reshape(len(at), -1))
+                    state_pool = state_pool.at[j, at].set(state_rows.reshape(len(at), -1))
             return out, (conv_pool, state_pool)
 
         def attention(h, caches, j):

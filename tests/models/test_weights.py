@@ -52,7 +52,7 @@ def test_unknown_architecture_and_missing_config_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, GptOssForCausalLM, "
                                          "LlamaForCausalLM, "
                                          "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
-                                         "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM$"):
+                                         "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM$"):
         get_model_class("GPT2LMHeadModel")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path)
