@@ -67,7 +67,7 @@ def chat(folders: dict[str, str], turns: int, message: int, reply: int) -> None:
             rates[name].append((out.num_cached_tokens, len(prompt)))
             prompt = prompt + out.outputs[0].token_ids
     names = list(rates)
-    print(f"| turn | prompt tokens | " + " | ".join(f"cached: {n}" for n in names) + " |")
+    print("| turn | prompt tokens | " + " | ".join(f"cached: {n}" for n in names) + " |")
     print("|---|---|" + "---|" * len(names))
     for t in range(turns):
         cells = " | ".join(f"{rates[n][t][0]} ({rates[n][t][0] / rates[n][t][1]:.0%})" for n in names)

@@ -131,8 +131,10 @@ class Qwen3_5ForCausalLM(nnx.Module):
             conv = jnp.where(keep[:, None], conv_pool[j, slots], 0).reshape(-1, *conv_shape)
             state = jnp.where(keep[:, None], state_pool[j, slots], 0).reshape(-1, *state_shape)
             out, conv, state, *snapshots = mixer(h, token_rows, conv, state, j, captures, num_captures)
-            for at, (conv_rows, state_rows) in ((slots, (conv, state)), (md.snapshot_slots, snapshots or (None, None))):
-                if conv_rows is not None:
+            # The snapshots first: a snapshot taken after a row's last token is that row's state,
+            # which XLA would otherwise read back from the pool between the two writes (a copy).
+            for at, (conv_rows, state_rows) in ((md.snapshot_slots, snapshots or (None, None)), (slots, (conv, state))):
+                if at is not None and conv_rows is not None:
                     conv_pool = conv_pool.at[j, at].set(conv_rows.reshape(len(at), -1))
                     state_pool = state_pool.at[j, at].set(state_rows.reshape(len(at), -1))
             return out, (conv_pool, state_pool)

@@ -70,7 +70,8 @@ def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_facto
     under tensor parallelism; latent attention (alone and under tensor parallelism); a mixture of
     experts whose sliding layers keep their KV in groups of their own (gpt-oss: each layer reads
     its group's place in the cache through its group's tables); a hybrid model (Qwen3.5: its
-    recurrent state pools updated in place too, no copy of a layer's part of them either)."""
+    recurrent state pools updated in place too, no copy of a layer's part of them either; under
+    tensor parallelism its decode step once copied them, two writes of a pool apart)."""
     deepseek = tmp_path_factory.mktemp("programs-deepseek")
     make_checkpoint(deepseek, "deepseek_v3", **{**DEEPSEEK, **DEEPSEEK_VARIANTS["no-q-lora"]})
     moe = tmp_path_factory.mktemp("programs-moe")
@@ -86,7 +87,10 @@ def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_facto
                dict(name="latent attention", model=deepseek),
                dict(name="latent attention, 2 devices", model=deepseek, options=dict(tensor_parallel_size=2)),
                dict(name="mixture of experts, sliding layer groups", model=moe),
-               dict(name="hybrid, recurrent states", model=hybrid)]
+               # (slots for 16 sequences: the pool's layer part well above a step's rows of state)
+               dict(name="hybrid, recurrent states", model=hybrid, options=dict(max_num_seqs=16, request_buckets=[1, 16])),
+               dict(name="hybrid, 2 devices", model=hybrid,
+                    options=dict(max_num_seqs=16, request_buckets=[1, 16], tensor_parallel_size=2))]
     reports = run_probe(tmp_path, configs)
     assert sorted(reports) == sorted(c["name"] for c in configs)
     assert all(any(n.startswith("block") for n in r["programs"]) for r in reports.values())   # moves were read too
