@@ -330,7 +330,7 @@ class EngineArgs:
 
     def check_hybrid(self, model_config) -> None:
         """ValueError for what a model with recurrent layers cannot do yet: speculative decoding
-        (a rejected draft would have to roll its state back) and LoRA adapters."""
+        (a rejected draft would have to roll its state back), LoRA adapters, several processes."""
         if not model_config.is_hybrid:
             return
         what = f"{model_config.architecture} (its linear-attention layers keep a recurrent state)"
@@ -338,6 +338,9 @@ class EngineArgs:
             raise ValueError(f"speculative_config: speculative decoding is not supported yet for {what}")
         if self.enable_lora:
             raise ValueError(f"enable_lora: LoRA adapters are not supported yet for {what}")
+        if (self.num_processes or 1) > 1:
+            raise ValueError(f"num_processes: several processes are not supported yet for {what} (its state moves "
+                             "are not sent to the other processes)")
 
     def group_windows(self, model_config) -> tuple[int | None, ...]:
         """Each of the model's layer groups' window (``ModelConfig.kv_groups``) as the KV cache

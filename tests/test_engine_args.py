@@ -355,3 +355,5 @@ def test_a_hybrid_models_state_slots_come_out_of_the_cache_budget(caplog):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).create_engine_config(hybrid)
     with pytest.raises(ValueError, match="LoRA adapters are not supported yet"):
         EngineArgs(enable_lora=True).create_engine_config(hybrid)
+    with pytest.raises(ValueError, match="several processes are not supported yet"):
+        EngineArgs(num_processes=2).create_engine_config(hybrid)
