@@ -805,6 +805,40 @@ def mla(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda res
     return result
 
 
+def hybrid(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
+    """One Gated DeltaNet layer of Qwen3.5-27B's shape (hidden 5120; 16 key and 48 value heads of
+    128; bf16 weights, float32 states), the plain form the engine runs (a scan over the step's
+    tokens): a decode step of 64 rows (smoke: 4), and one 512-token prompt chunk (smoke: 16):
+    ms, and at decode the states' GB/s (each row's matrix state read and written) and its share
+    of the copy bandwidth. What a chunked or fused kernel would be measured against."""
+    from flax import nnx
+
+    from jaxengine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
+
+    shape = GatedDeltaNetShape(256, 2, 4, 32, 32) if smoke else GatedDeltaNetShape(5120, 16, 48, 128, 128)
+    layer = GatedDeltaNet(shape, jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(layer)
+    step = jax.jit(lambda params, *a: nnx.merge(graphdef, params)(*a))
+    conv_shape, state_shape = shape.state_shapes()
+    result = {"shape": "tiny" if smoke else "Qwen3.5-27B", "rows": []}
+    for name, rows, tokens in (("decode", 4 if smoke else 64, None), ("prefill", 1, 16 if smoke else 512)):
+        t_count = rows if tokens is None else tokens
+        x = jax.random.normal(jax.random.key(0), (t_count, shape.hidden_size), jnp.bfloat16)
+        token_rows = jnp.arange(t_count, dtype=jnp.int32) if tokens is None else jnp.zeros(t_count, jnp.int32)
+        conv = jnp.zeros((rows, *conv_shape), jnp.float32)
+        state = jnp.zeros((rows, *state_shape), jnp.float32)
+        t = timed(step, params, x, token_rows, conv, state)
+        row = {"step": name, "rows": rows, "tokens": t_count, "ms": round(t * 1e3, 3)}
+        if tokens is None:
+            moved = 2 * rows * int(np.prod(state_shape)) * 4
+            row["state_gbs"] = round(moved / t / 1e9, 1)
+            row["fraction_of_copy_bw"] = round(moved / t / 1e9 / copy_gbs, 3)
+        result["rows"].append(row)
+        save_part(result)
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def summary(out: Path) -> None:
     """All results in one JSON and a short table (printed last)."""
     results = {name: json.loads((out / f"{name}.json").read_text()) for name in ("ceilings", "kernel", "engine", "sharding")
@@ -846,6 +880,10 @@ def summary(out: Path) -> None:
         lines.append(f"| DeepSeek-V3 latent attention, decode {mla_row['rows']} x {mla_row['context']}: ms, cache GB/s "
                      f"(share of copy), max diff vs decompressed | {mla_row['ms']}, {mla_row['cache_gbs']} "
                      f"({mla_row['fraction_of_copy_bw']}), {mla_row.get('max_abs_diff_vs_decompressed')} | - | - |")
+    for row in results.get("kernel", {}).get("hybrid", {}).get("rows", []):
+        lines.append(f"| Gated DeltaNet layer (plain scan), {row['step']} {row['rows']} rows / {row['tokens']} tokens: "
+                     f"ms, state GB/s (share of copy) | {row['ms']}, {row.get('state_gbs', '-')} "
+                     f"({row.get('fraction_of_copy_bw', '-')}) | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("quantized_experts", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens, experts bf16 / fp8 / int4 (ms) | {row.get('bf16_ms')} / "
                      f"{row.get('fp8_ms')} / {row.get('int4_ms')} | - | - |")
@@ -860,14 +898,14 @@ def summary(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["ceilings", "kernel", "engine", "moe", "quantized", "speculation", "lora",
-                                         "mla", "summary"])
+                                         "mla", "hybrid", "summary"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a dry run, also on the CPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "summary":
         return summary(args.out)
-    if args.what in ("moe", "quantized", "speculation", "lora", "mla"):      # into kernel.json: the device tool brings back 8 files at most
+    if args.what in ("moe", "quantized", "speculation", "lora", "mla", "hybrid"):      # into kernel.json: the device tool brings back 8 files at most
         ceil = json.loads((args.out / "ceilings.json").read_text())
         kernel_file = args.out / "kernel.json"
         merged = json.loads(kernel_file.read_text()) if kernel_file.exists() else {}
@@ -876,7 +914,8 @@ def main() -> None:
             merged[args.what] = result
             kernel_file.write_text(json.dumps(merged, indent=1))
 
-        part = {"moe": moe, "quantized": quantized, "speculation": speculation, "lora": lora, "mla": mla}[args.what]
+        part = {"moe": moe, "quantized": quantized, "speculation": speculation, "lora": lora, "mla": mla,
+                "hybrid": hybrid}[args.what]
         save_part(part(args.smoke, ceil["copy_bandwidth_gbs"], ceil["bf16_matmul_tflops"], save_part))
         return None
     info = {"device": str(jax.devices()[0]), "jax": jax.__version__}

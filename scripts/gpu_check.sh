@@ -30,7 +30,10 @@
 #    prefill; whether XLA kept ragged_dot (in kernel.json);
 # 10. DeepSeek-V3's latent attention at decode (one layer, 256 rows x 2k, absorbed through what
 #    the engine picks for it): ms, the latent cache's bandwidth against the copy bandwidth, its output
-#    against the decompressed form (in kernel.json).
+#    against the decompressed form (in kernel.json);
+# 11. a Gated DeltaNet layer of Qwen3.5-27B's shape in the plain form the engine runs: a decode step
+#    of 64 rows (the states' bandwidth against the copy bandwidth) and a 512-token prompt chunk (in
+#    kernel.json).
 # Each part has its own time limit; a part whose limit would take the run past 590 s is skipped (logged),
 # so the whole run ends within the device's 10-minute call with its summary; results land in
 # OUT_DIR as JSON (gpu_check.json) and a table (gpu_check.md), printed last. Add --smoke to
@@ -73,7 +76,8 @@ else
   log "kernel tests: $(grep -c ' PASSED' "$OUT_DIR/kernel_tests.txt") passed, $(grep -c ' FAILED' "$OUT_DIR/kernel_tests.txt") failed; $(tail -1 "$OUT_DIR/kernel_tests.txt")"
 fi
 
-for part in "ceilings 40" "kernel 115" "engine 150" "moe 35" "quantized 50" "speculation 40" "lora 30" "mla 30"; do
+for part in "ceilings 40" "kernel 115" "engine 150" "moe 35" "quantized 50" "speculation 40" "lora 30" "mla 30" \
+    "hybrid 30"; do
   set -- $part
   if [ -z "$SMOKE" ] && [ $((SECONDS - start + $2 + 60)) -gt 590 ]; then   # the sharding part and the summary last
     skip "$1" "its time limit would end the run past 590 s"

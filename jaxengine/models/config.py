@@ -139,6 +139,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0   # Qwen3.5: RoPE turns the first quarter of each head only
     attention_output_gate: bool = False  # Qwen3.5: q_proj gives a gate per head; output x sigmoid(gate)
     norm_offset: float = 0.0             # Qwen3.5's zero-centred norms: x * (1 + w)
+    # The language model of a vision-language checkpoint (Qwen3.5's published ones): its tensors
+    # under ``model.language_model.``, the vision tower's left unread (text in, text out).
+    language_model_of: str | None = None      # the checkpoint's own architecture
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -344,7 +347,15 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
         """From a ``transformers`` config object (transformers 5 keeps RoPE in ``rope_parameters``).
-        A ``quantization_config`` is read with the tensors (``models.stored_quantization``)."""
+        A ``quantization_config`` is read with the tensors (``models.stored_quantization``). A
+        vision-language checkpoint of a family served (``_LANGUAGE_MODELS``) is read as its
+        language model."""
+        if hf.model_type in _LANGUAGE_MODELS:
+            outer = (getattr(hf, "architectures", None) or [hf.model_type])[0]
+            text = hf.text_config
+            text.architectures = [_LANGUAGE_MODELS[hf.model_type]]
+            text.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+            return dataclasses.replace(cls.from_hf(text), language_model_of=outer)
         arch = (getattr(hf, "architectures", None) or [_default_architecture(hf.model_type)])[0]
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -391,6 +402,8 @@ _LAYER_KINDS = ("sliding_attention", "full_attention")
 
 
 _HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
+# Vision-language model types whose language model is served (text only): its architecture.
+_LANGUAGE_MODELS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 _HYBRID_KINDS = ("linear_attention", "full_attention")
 
 

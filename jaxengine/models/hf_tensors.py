@@ -332,6 +332,11 @@ def _common_rules(cfg: ModelConfig, layer) -> list:
 
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# A hybrid model's multi-token prediction layers (transformers leaves them unread too)
+_IGNORED_HYBRID = re.compile(r"mtp\..*")
+# A vision-language checkpoint read as its language model (``ModelConfig.language_model_of``)
+_LANGUAGE_MODEL = re.compile(r"model\.language_model\.")
+_VISION = re.compile(r"model\.visual\..*")
 _LAYER_INDEX = re.compile(_LAYER)
 KV_HEAD_AXIS = {"k_proj": 1, "v_proj": 1, "k_bias": 0, "v_bias": 0}      # in our per-layer layout
 
@@ -345,7 +350,13 @@ def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) 
     names = set(source.names())
     for name in names:
         base, _, part = name.partition(":")           # a quantized tensor's scale and offset: X:scale
-        if _IGNORED.match(base) or (base == "lm_head.weight" and cfg.tie_word_embeddings):
+        stored = base
+        if cfg.language_model_of is not None:
+            if _VISION.fullmatch(base):
+                continue
+            base = _LANGUAGE_MODEL.sub("model.", base, count=1)
+        if _IGNORED.match(base) or (base == "lm_head.weight" and cfg.tie_word_embeddings) or \
+                (cfg.is_hybrid and _IGNORED_HYBRID.fullmatch(base)):
             continue
         if cfg.num_mtp_layers and (m := _LAYER_INDEX.match(base)) and int(m.group(1)) >= cfg.num_layers:
             continue          # a multi-token prediction layer: not the decoder's
@@ -357,7 +368,7 @@ def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) 
         m, path, layout = match
         p = path(m)
         axis = KV_HEAD_AXIS.get(p[-1]) if p[0] == "layers" else None
-        if part or f"{base}:scale" in names:
+        if part or f"{stored}:scale" in names:
             if cfg.quant_spec(kind_at(p)) is None:     # quantized, where the model keeps it plain
                 unexpected.append(name)
                 continue

@@ -119,3 +119,30 @@ def test_qwen3_5_moe_under_expert_parallelism(qwen3_5_moe):
     assert llm.model.layers.mlp.experts.gate_proj[...].sharding.spec[1] == "model"     # [L, E, D, F]: by experts
     outs = greedy(llm, PROMPTS)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_a_vision_language_checkpoint_serves_its_language_model(tmp_path):
+    """Qwen3.5 is published as a vision-language model (``Qwen3_5ForConditionalGeneration``: the
+    language model under ``model.language_model.``, a vision tower beside it, multi-token
+    prediction layers after): its language model loads from it as it is and gives the whole
+    model's greedy tokens on text prompts."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from tests.conftest import QWEN3_5, TINY
+
+    text = {**TINY, **QWEN3_5[1], "num_hidden_layers": 4}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TINY["hidden_size"],
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(tmp_path)
+    llm = engine(tmp_path)
+    cfg = llm.model_config
+    assert (cfg.architecture, cfg.language_model_of) == ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+    outs = greedy(llm, PROMPTS[:4])
+    assert [o.outputs[0].token_ids for o in outs] == reference(hf, PROMPTS[:4])
