@@ -64,7 +64,34 @@ def llama(tmp_path_factory):
     return folder
 
 
-def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_factory, llama):
+def family_configs(family: str, tmp_path_factory, llama) -> list[dict]:
+    """The configurations of one family of checks (each family a probe process of its own, so the
+    families spread over the test workers)."""
+    if family == "dense":
+        return [dict(name="gqa", model=llama),
+                dict(name="int4 weights, fp8 KV cache, LoRA", model=llama,
+                     options=dict(quantization="int4", kv_cache_dtype="fp8", enable_lora=True, max_lora_rank=8)),
+                dict(name="one KV head per device", model=llama, options=dict(tensor_parallel_size=TINY[
+                    "num_key_value_heads"]))]
+    if family == "latent attention, experts":
+        deepseek = tmp_path_factory.mktemp("programs-deepseek")
+        make_checkpoint(deepseek, "deepseek_v3", **{**DEEPSEEK, **DEEPSEEK_VARIANTS["no-q-lora"]})
+        moe = tmp_path_factory.mktemp("programs-moe")
+        make_checkpoint(moe, MOE_VARIANTS["gpt-oss"][0], **MOE_VARIANTS["gpt-oss"][1])
+        return [dict(name="latent attention", model=deepseek),
+                dict(name="latent attention, 2 devices", model=deepseek, options=dict(tensor_parallel_size=2)),
+                dict(name="mixture of experts, sliding layer groups", model=moe)]
+    hybrid = tmp_path_factory.mktemp("programs-hybrid")     # states of 1 Ki floats: a layer's part of the pool is
+    make_checkpoint(hybrid, QWEN3_5[0], **{**QWEN3_5[1], "linear_num_value_heads": 8,   # larger than the step's
+                                           "linear_value_head_dim": 16})                 # activations
+    # (slots for 16 sequences: the pool's layer part well above a step's rows of state)
+    options = dict(max_num_seqs=16, request_buckets=[1, 16])
+    return [dict(name="hybrid, recurrent states", model=hybrid, options=options),
+            dict(name="hybrid, 2 devices", model=hybrid, options=dict(options, tensor_parallel_size=2))]
+
+
+@pytest.mark.parametrize("family", ["dense", "latent attention, experts", "hybrid"])
+def test_the_model_families_compile_without_a_pool_copy(family, tmp_path, tmp_path_factory, llama):
     """GQA; quantized weights, an FP8 cache and LoRA (one engine holding the three: each changes
     its own part of the step, and a copy any of them made would show); one KV head per device
     under tensor parallelism; latent attention (alone and under tensor parallelism); a mixture of
@@ -72,25 +99,7 @@ def test_the_model_families_compile_without_a_pool_copy(tmp_path, tmp_path_facto
     its group's place in the cache through its group's tables); a hybrid model (Qwen3.5: its
     recurrent state pools updated in place too, no copy of a layer's part of them either; under
     tensor parallelism its decode step once copied them, two writes of a pool apart)."""
-    deepseek = tmp_path_factory.mktemp("programs-deepseek")
-    make_checkpoint(deepseek, "deepseek_v3", **{**DEEPSEEK, **DEEPSEEK_VARIANTS["no-q-lora"]})
-    moe = tmp_path_factory.mktemp("programs-moe")
-    make_checkpoint(moe, MOE_VARIANTS["gpt-oss"][0], **MOE_VARIANTS["gpt-oss"][1])
-    hybrid = tmp_path_factory.mktemp("programs-hybrid")     # states of 1 Ki floats: a layer's part of the pool is
-    make_checkpoint(hybrid, QWEN3_5[0], **{**QWEN3_5[1], "linear_num_value_heads": 8,   # larger than the step's
-                                           "linear_value_head_dim": 16})                 # activations
-    configs = [dict(name="gqa", model=llama),
-               dict(name="int4 weights, fp8 KV cache, LoRA", model=llama,
-                    options=dict(quantization="int4", kv_cache_dtype="fp8", enable_lora=True, max_lora_rank=8)),
-               dict(name="one KV head per device", model=llama, options=dict(tensor_parallel_size=TINY[
-                   "num_key_value_heads"])),
-               dict(name="latent attention", model=deepseek),
-               dict(name="latent attention, 2 devices", model=deepseek, options=dict(tensor_parallel_size=2)),
-               dict(name="mixture of experts, sliding layer groups", model=moe),
-               # (slots for 16 sequences: the pool's layer part well above a step's rows of state)
-               dict(name="hybrid, recurrent states", model=hybrid, options=dict(max_num_seqs=16, request_buckets=[1, 16])),
-               dict(name="hybrid, 2 devices", model=hybrid,
-                    options=dict(max_num_seqs=16, request_buckets=[1, 16], tensor_parallel_size=2))]
+    configs = family_configs(family, tmp_path_factory, llama)
     reports = run_probe(tmp_path, configs)
     assert sorted(reports) == sorted(c["name"] for c in configs)
     assert all(any(n.startswith("block") for n in r["programs"]) for r in reports.values())   # moves were read too
