@@ -448,3 +448,20 @@ def test_at_most_max_loras_adapters_run_at_once_and_every_request_finishes(data)
     unlimited = run_workload(workload, REFERENCE, check=False,
                              make_harness=lambda **c: Harness(lora=LoRAConfig(max_loras=5), **c))
     assert h.outputs() == unlimited.outputs()
+
+
+def test_a_beam_swapped_out_while_its_step_ran_starts_again_when_its_window_has_moved_on():
+    """Found by the windowed search above: a beam search swapped out by the step run ahead while
+    its own step ran computes that position again once back, whose window reaches a block the
+    group gave back when that step was scheduled; such a group starts again from token 0."""
+    spec = dict(min_tokens=0, ignore_eos=False, abort_step=None)
+    workload = [Spec("r0", (1,), 3, 1, priority=1, arrival_step=0, beam=2, **spec),
+                Spec("r1", (1,), 2, 2, priority=0, arrival_step=1, **spec),
+                Spec("r2", (1,), 1, 1, priority=0, arrival_step=0, **spec)]
+    config = dict(block_size=1, num_gpu_blocks=17, num_cpu_blocks=256, watermark=0.0, enable_prefix_caching=False,
+                  max_num_batched_tokens=4, max_num_seqs=4, max_model_len=256, enable_chunked_prefill=False,
+                  long_prefill_token_threshold=0, max_num_partial_prefills=1, policy="priority",
+                  preemption_mode="auto", async_scheduling=True, group_windows=(None, 3))
+    h = run_workload(workload, config)
+    assert h.outputs() == run_workload(workload, REFERENCE, check=False).outputs()
+    assert_all_released(h)
