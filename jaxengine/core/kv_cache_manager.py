@@ -449,6 +449,12 @@ class KVCacheManager:
         return redirect
 
     @property
+    def can_compute_again(self) -> bool:
+        """A position already computed can be computed again from what the sequence holds: no
+        recurrent state has consumed it, and no sliding window has given back a block it reads."""
+        return self.state_pool is None and not self.windowed
+
+    @property
     def can_swap(self) -> bool:
         """There is a host pool to swap to."""
         return self.host_pool.num_blocks > 0

@@ -854,11 +854,10 @@ class Scheduler:
             elif tokens and not seq.num_pending and seq.request.waits_for_tokens:
                 # A beam or a grammar row (no placeholder) preempted by the step run ahead while
                 # its own step ran: its token is dropped, and a swapped-out one computes that
-                # position again once back (same KV), so it samples the token again. (A recurrent
-                # state cannot compute a position twice, and a sliding window may reach a block the
-                # group gave back when that step was scheduled: that group starts again from token 0.)
+                # position again once back (same KV), so it samples the token again; where it
+                # cannot (``can_compute_again``), the group starts again from token 0.
                 if seq.status is RequestStatus.SWAPPED:
-                    if kv.state_pool is None and not kv.windowed:
+                    if kv.can_compute_again:
                         seq.num_computed_tokens -= 1
                     else:
                         self._swapped_to_recompute(seq.request)
