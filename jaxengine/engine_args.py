@@ -23,6 +23,7 @@ from jaxengine.config import MODEL_PROPOSERS, OVERLOAD_POLICIES, PREEMPTION_MODE
 from jaxengine.core.policy import POLICIES, SchedulingPolicy, resolve_policy
 from jaxengine.kernels.paged_attention.backend import BACKENDS
 from jaxengine.kernels.paged_attention.latent import FORMS as LATENT_ATTENTION_FORMS
+from jaxengine.models.recurrent import FORMS as RECURRENT_FORMS
 from jaxengine.runner.compile import COMPILE_MODES
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,9 @@ class EngineArgs:
     watermark: float = _option(0.01, "fraction of KV blocks kept free when admitting prompts")
     enable_prefix_caching: bool = _option(True, "reuse the KV of shared prompt prefixes")
     state_snapshot_interval: int | None = _option(
-        None, "models with recurrent layers (Qwen3.5), with prefix caching: tokens between the snapshots of "
-              "their state that a prefix hit resumes from, a multiple of --block-size (default: --block-size, "
-              "so hits land where a full-attention model's do)")
+        None, "models with recurrent layers (Qwen3.5, Nemotron-H), with prefix caching: tokens between the "
+              "snapshots of their state that a prefix hit resumes from, a multiple of --block-size (default: "
+              "--block-size, so hits land where a full-attention model's do)")
     enable_chunked_prefill: bool = _option(True, "split long prompts over steps so decodes keep flowing")
     long_prefill_token_threshold: int = _option(0, "most tokens one request's prefill gets in a step (0: no cap)")
     max_num_partial_prefills: int = _option(1, "most requests part-way through their prefill at once")
@@ -109,6 +110,11 @@ class EngineArgs:
                     "latents: absorbed (the query taken into the latent space, the cache read as it lies) or "
                     "decompressed (every head's keys and values expanded from the latents as they are read); "
                     "the same result", choices=LATENT_ATTENTION_FORMS)
+    recurrent_form: str = _option(
+        "auto", "how a hybrid model's recurrent layers (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba-2) run a "
+                "step's tokens: tokens (one after another), chunked (segments of a row's tokens at once in the "
+                "layers' chunked form; a decode step's rows at once), or auto (tokens on the CPU, where they "
+                "measured fastest; chunked elsewhere); the same result", choices=RECURRENT_FORMS)
     skip_kernel_check: bool = _option(
         False, "on an accelerator, skip the start-up check of the attention kernel and KV write against "
                "the plain-jnp path (a kernel that fails to compile or disagrees is otherwise replaced by it)")

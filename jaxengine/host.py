@@ -25,6 +25,7 @@ from jaxengine.lora_request import LoRARequest
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.lora_weights import attach_lora
 from jaxengine.models.mesh import check_replica_devices, kv_head_repeats, make_mesh, replica_devices
+from jaxengine.models.recurrent import set_form as set_recurrent_form
 from jaxengine.output_processor import beam_stop_check
 from jaxengine.parallel import multihost
 from jaxengine.parallel.data_parallel import DataParallelEngine
@@ -207,6 +208,7 @@ class EngineHost:
                                                        spec.draft_sampling == "sampled")
         lora = self.config.lora
         targets = None if lora is None else attach_lora(model, lora.max_loras, lora.max_lora_rank, self.dtype)
+        set_recurrent_form(model, args.recurrent_form)
         return ModelRunner(model, self.model_config, self.config, dtype=self.kv_dtype, warm_up=args.warm_up,
                            progress=progress, mesh=mesh, compile_mode=rc.compile_mode, draft=draft,
                            lora_targets=targets)

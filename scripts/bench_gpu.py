@@ -806,35 +806,46 @@ def mla(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda res
 
 
 def hybrid(smoke: bool, copy_gbs: float, matmul_tflops: float, save_part=lambda result: None) -> dict:
-    """One Gated DeltaNet layer of Qwen3.5-27B's shape (hidden 5120; 16 key and 48 value heads of
-    128; bf16 weights, float32 states), the plain form the engine runs (a scan over the step's
-    tokens): a decode step of 64 rows (smoke: 4), and one 512-token prompt chunk (smoke: 16):
-    ms, and at decode the states' GB/s (each row's matrix state read and written) and its share
-    of the copy bandwidth. What a chunked or fused kernel would be measured against."""
+    """The recurrent layers of the hybrid models at published shapes (bf16 weights, float32 states):
+    a Gated DeltaNet layer of Qwen3.5-27B's (hidden 5120; 16 key and 48 value heads of 128) and a
+    Mamba-2 layer of Nemotron-H-8B's (hidden 4096; 128 heads of 64, state 128, 8 groups), each in
+    both forms (``recurrent_form``: tokens, one after another; chunked, segments of a row's tokens,
+    a decode step's rows at once): a decode step of 64 rows (smoke: 4) and one 512-token prompt
+    chunk (smoke: 16). ms, and at decode the states' GB/s (each row's state read and written) and
+    its share of the copy bandwidth: which form ``auto`` should pick on a GPU."""
     from flax import nnx
 
     from jaxengine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
+    from jaxengine.models.mamba2 import Mamba2, Mamba2Shape
 
-    shape = GatedDeltaNetShape(256, 2, 4, 32, 32) if smoke else GatedDeltaNetShape(5120, 16, 48, 128, 128)
-    layer = GatedDeltaNet(shape, jnp.bfloat16, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(layer)
-    step = jax.jit(lambda params, *a: nnx.merge(graphdef, params)(*a))
-    conv_shape, state_shape = shape.state_shapes()
-    result = {"shape": "tiny" if smoke else "Qwen3.5-27B", "rows": []}
-    for name, rows, tokens in (("decode", 4 if smoke else 64, None), ("prefill", 1, 16 if smoke else 512)):
-        t_count = rows if tokens is None else tokens
-        x = jax.random.normal(jax.random.key(0), (t_count, shape.hidden_size), jnp.bfloat16)
-        token_rows = jnp.arange(t_count, dtype=jnp.int32) if tokens is None else jnp.zeros(t_count, jnp.int32)
-        conv = jnp.zeros((rows, *conv_shape), jnp.float32)
-        state = jnp.zeros((rows, *state_shape), jnp.float32)
-        t = timed(step, params, x, token_rows, conv, state)
-        row = {"step": name, "rows": rows, "tokens": t_count, "ms": round(t * 1e3, 3)}
-        if tokens is None:
-            moved = 2 * rows * int(np.prod(state_shape)) * 4
-            row["state_gbs"] = round(moved / t / 1e9, 1)
-            row["fraction_of_copy_bw"] = round(moved / t / 1e9 / copy_gbs, 3)
-        result["rows"].append(row)
-        save_part(result)
+    layers = {"Gated DeltaNet": (GatedDeltaNet, GatedDeltaNetShape(256, 2, 4, 32, 32) if smoke else
+                                 GatedDeltaNetShape(5120, 16, 48, 128, 128)),
+              "Mamba-2": (Mamba2, Mamba2Shape(256, 8, 16, 16, 2) if smoke else Mamba2Shape(4096, 128, 64, 128, 8))}
+    result = {"shape": "tiny" if smoke else "Qwen3.5-27B / Nemotron-H-8B", "rows": []}
+    for layer_name, (cls, shape) in layers.items():
+        layer = cls(shape, jnp.bfloat16, rngs=nnx.Rngs(0))
+        conv_shape, state_shape = shape.state_shapes()
+        for form in ("tokens", "chunked"):
+            layer.recurrent_form = form
+            graphdef, params = nnx.split(layer)
+            step = jax.jit(lambda params, x, rows, conv, state, one, valid, graphdef=graphdef: nnx.merge(
+                graphdef, params)(x, rows, conv, state, one_token_rows=one, num_valid=valid))
+            for name, rows, tokens in (("decode", 4 if smoke else 64, None), ("prefill", 1, 16 if smoke else 512)):
+                t_count = rows if tokens is None else tokens
+                x = jax.random.normal(jax.random.key(0), (t_count, shape.hidden_size), jnp.bfloat16)
+                token_rows = jnp.arange(t_count, dtype=jnp.int32) if tokens is None else jnp.zeros(t_count, jnp.int32)
+                conv = jnp.zeros((rows, *conv_shape), jnp.float32)
+                state = jnp.zeros((rows, *state_shape), jnp.float32)
+                one_token_rows = jnp.asarray(tokens is None)
+                t = timed(step, params, x, token_rows, conv, state, one_token_rows, t_count)
+                row = {"layer": layer_name, "form": form, "step": name, "rows": rows, "tokens": t_count,
+                       "ms": round(t * 1e3, 3)}
+                if tokens is None:
+                    moved = 2 * rows * int(np.prod(state_shape)) * 4
+                    row["state_gbs"] = round(moved / t / 1e9, 1)
+                    row["fraction_of_copy_bw"] = round(moved / t / 1e9 / copy_gbs, 3)
+                result["rows"].append(row)
+                save_part(result)
     print(json.dumps(result), flush=True)
     return result
 
@@ -881,8 +892,8 @@ def summary(out: Path) -> None:
                      f"(share of copy), max diff vs decompressed | {mla_row['ms']}, {mla_row['cache_gbs']} "
                      f"({mla_row['fraction_of_copy_bw']}), {mla_row.get('max_abs_diff_vs_decompressed')} | - | - |")
     for row in results.get("kernel", {}).get("hybrid", {}).get("rows", []):
-        lines.append(f"| Gated DeltaNet layer (plain scan), {row['step']} {row['rows']} rows / {row['tokens']} tokens: "
-                     f"ms, state GB/s (share of copy) | {row['ms']}, {row.get('state_gbs', '-')} "
+        lines.append(f"| {row['layer']} layer ({row['form']}), {row['step']} {row['rows']} rows / {row['tokens']} "
+                     f"tokens: ms, state GB/s (share of copy) | {row['ms']}, {row.get('state_gbs', '-')} "
                      f"({row.get('fraction_of_copy_bw', '-')}) | - | - |")
     for row in results.get("kernel", {}).get("moe", {}).get("quantized_experts", []):
         lines.append(f"| MoE layer, {row['tokens']} tokens, experts bf16 / fp8 / int4 (ms) | {row.get('bf16_ms')} / "

@@ -77,7 +77,7 @@ else
 fi
 
 for part in "ceilings 40" "kernel 115" "engine 150" "moe 35" "quantized 50" "speculation 40" "lora 30" "mla 30" \
-    "hybrid 30"; do
+    "hybrid 45"; do
   set -- $part
   if [ -z "$SMOKE" ] && [ $((SECONDS - start + $2 + 60)) -gt 590 ]; then   # the sharding part and the summary last
     skip "$1" "its time limit would end the run past 590 s"

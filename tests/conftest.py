@@ -74,6 +74,20 @@ QWEN3_5 = ("qwen3_5_text", dict(num_hidden_layers=8, head_dim=16, linear_num_key
 QWEN3_5_MOE = ("qwen3_5_moe_text", {**QWEN3_5[1], "num_experts": 8, "num_experts_per_tok": 3,
                                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
 
+# Nemotron-H: Mamba-2, attention and squared-ReLU MLP blocks, one part each, in a pattern with no
+# period shorter than the model (as NVIDIA's are); Mamba-2 heads in 2 groups sharing B and C.
+NEMOTRON_H = ("nemotron_h", dict(layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention",
+                                                    "mlp", "linear_attention", "full_attention", "mlp"],
+                                 head_dim=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                                 chunk_size=8, layer_norm_epsilon=1e-5))
+# Nemotron-H with experts: its MLP blocks turned mixtures of 8 experts (2 chosen from the best of 2
+# groups by a grouped sigmoid router), an ungated shared expert, the experts in a latent width.
+NEMOTRON_H_MOE = ("nemotron_h", {**NEMOTRON_H[1], "layers_block_type": [
+    "linear_attention", "moe", "linear_attention", "full_attention", "mlp", "linear_attention", "full_attention",
+    "moe"], "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "moe_latent_size": 40})
+
 
 # DeepSeek-V3: a dense first layer, then 8 routed experts in 4 groups (2 kept) and a shared one;
 # latent attention with and without the query's low-rank step, the first with YaRN past a short

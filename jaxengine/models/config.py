@@ -73,6 +73,48 @@ class GatedDeltaNetShape:
 
 
 @dataclass(frozen=True)
+class Mamba2Shape:
+    """A Mamba-2 layer's sizes (Nemotron-H's), in the names of transformers' Nemotron-H config."""
+
+    hidden_size: int
+    num_heads: int              # mamba_num_heads
+    head_dim: int               # mamba_head_dim
+    state_size: int             # ssm_state_size
+    num_groups: int             # n_groups: B and C are shared by num_heads / num_groups heads each
+    conv_kernel: int = 4
+    conv_bias: bool = True      # use_conv_bias
+    proj_bias: bool = False     # use_bias: on in_proj and out_proj
+    dt_min: float = 0.0         # time_step_limit: softplus(dt + dt_bias) clamped to it
+    dt_max: float = float("inf")
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, B and C side by side."""
+        return self.inner_dim + 2 * self.num_groups * self.state_size
+
+    @property
+    def projection_dim(self) -> int:
+        """in_proj's outputs: the gate z, the convolution's input and dt."""
+        return self.inner_dim + self.conv_dim + self.num_heads
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One sequence's (convolution window, SSM state) shapes."""
+        return (self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.state_size)
+
+    @property
+    def num_params(self) -> int:
+        """One layer's parameters."""
+        d, i = self.hidden_size, self.inner_dim
+        return (d * self.projection_dim + self.conv_kernel * self.conv_dim + 3 * self.num_heads + i + i * d
+                + (self.conv_dim if self.conv_bias else 0) + (self.projection_dim + d if self.proj_bias else 0))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -132,10 +174,16 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True     # Qwen2-MoE's sigmoid gate on its shared expert
-    # Hybrid models (Qwen3.5): the layers whose memory is a recurrent state (Gated DeltaNet, sized
+    # Hybrid models (Qwen3.5, Nemotron-H): the layers whose memory is a recurrent state (sized
     # by ``linear_attention``) instead of a KV cache; the others attend.
     linear_attention_layers: tuple[int, ...] = ()
-    linear_attention: GatedDeltaNetShape | None = None
+    linear_attention: GatedDeltaNetShape | Mamba2Shape | None = None
+    # Nemotron-H's blocks are one part each: a token mixer alone (its Mamba-2 and attention
+    # layers) or an MLP alone (its MLP and mixture-of-experts layers), one norm before it.
+    mixer_only_layers: tuple[int, ...] = ()
+    mlp_only_layers: tuple[int, ...] = ()
+    mlp_activation: str = "silu"         # "silu": SwiGLU (gate and up); "relu2": relu(up)^2, no gate
+    moe_latent_size: int | None = None   # Nemotron-H: the experts run on a projection of this width
     partial_rotary_factor: float = 1.0   # Qwen3.5: RoPE turns the first quarter of each head only
     attention_output_gate: bool = False  # Qwen3.5: q_proj gives a gate per head; output x sigmoid(gate)
     norm_offset: float = 0.0             # Qwen3.5's zero-centred norms: x * (1 + w)
@@ -161,12 +209,18 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep KV (all but the recurrent ones)."""
-        return tuple(i for i in range(self.num_layers) if i not in self.linear_attention_layers)
+        """The layers that keep KV (all but the recurrent ones and those that are an MLP alone)."""
+        return tuple(i for i in range(self.num_layers)
+                     if i not in self.linear_attention_layers and i not in self.mlp_only_layers)
 
     @property
     def num_kv_layers(self) -> int:
-        return self.num_layers - len(self.linear_attention_layers)
+        return len(self.kv_layers)
+
+    @property
+    def mlp_layers(self) -> tuple[int, ...]:
+        """The layers with an MLP or a mixture of experts (all but Nemotron-H's token mixers)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.mixer_only_layers)
 
     @property
     def rotary_dim(self) -> int:
@@ -268,16 +322,21 @@ class ModelConfig:
         attention += d if self.output_bias else 0
         attention += 2 * h if self.qk_norm else 0
         attention += self.num_heads if self.attention_sinks else 0
-        dense_mlp = 3 * d * self.intermediate_size
+        mats = 3 if self.mlp_activation == "silu" else 2          # gate, up, down; or up, down
+        dense_mlp = mats * d * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        expert = 3 * d * self.moe_intermediate_size + (2 * self.moe_intermediate_size + d if self.expert_bias else 0)
+        width = self.moe_latent_size or d
+        expert = mats * width * self.moe_intermediate_size + (
+            2 * self.moe_intermediate_size + d if self.expert_bias else 0)
         moe = d * self.num_experts + (self.num_experts if self.router_bias else 0) + experts * expert
+        moe += 2 * d * self.moe_latent_size if self.moe_latent_size else 0
         if self.shared_expert_intermediate_size:
-            moe += 3 * d * self.shared_expert_intermediate_size + (d if self.shared_expert_gated else 0)
+            moe += mats * d * self.shared_expert_intermediate_size + (d if self.shared_expert_gated else 0)
         moe += self.num_experts if self.score_correction_bias else 0
         sparse = len(self.sparse_layers)
-        layers = self.num_kv_layers * attention + self.num_layers * 2 * d + sparse * moe \
-            + (self.num_layers - sparse) * dense_mlp
+        norms = (1 if self.mixer_only_layers or self.mlp_only_layers else 2) * d
+        layers = self.num_kv_layers * attention + self.num_layers * norms + sparse * moe \
+            + (len(self.mlp_layers) - sparse) * dense_mlp
         if self.is_hybrid:
             layers += len(self.linear_attention_layers) * self.linear_attention.num_params
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
@@ -335,7 +394,7 @@ class ModelConfig:
     @property
     def sparse_layers(self) -> tuple[int, ...]:
         """The layers whose MLP is the mixture of experts."""
-        return tuple(i for i in range(self.num_layers) if self.is_moe and i not in self.dense_layers)
+        return tuple(i for i in self.mlp_layers if self.is_moe and i not in self.dense_layers)
 
     def quant_spec(self, kind: str) -> tuple[str, int, bool] | None:
         """(format, group, offset) of weights of ``kind`` when they are kept quantized, else None."""
@@ -356,6 +415,8 @@ class ModelConfig:
             text.architectures = [_LANGUAGE_MODELS[hf.model_type]]
             text.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
             return dataclasses.replace(cls.from_hf(text), language_model_of=outer)
+        if hf.model_type == "nemotron_h":
+            return _nemotron_h(cls, hf)
         arch = (getattr(hf, "architectures", None) or [_default_architecture(hf.model_type)])[0]
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -425,6 +486,53 @@ def _hybrid(hf, rope: dict) -> dict:
     return dict(linear_attention_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
                 linear_attention=shape, partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
                 attention_output_gate=True, norm_offset=1.0)
+
+
+# Nemotron-H's kinds of block (``layers_block_type``; older configs' ``hybrid_override_pattern``
+# M, *, - and E), each one part: Mamba-2, attention, an MLP, a mixture of experts.
+_NEMOTRON_KINDS = ("linear_attention", "full_attention", "mlp", "moe")
+
+
+def _nemotron_h(cls, hf) -> "ModelConfig":
+    """Nemotron-H: Mamba-2, attention (no positions of its own: no RoPE), squared-ReLU MLP and
+    mixture-of-experts blocks in the order ``layers_block_type`` gives, one norm before each."""
+    kinds = list(hf.layers_block_type)
+    if unknown := sorted(set(kinds) - set(_NEMOTRON_KINDS)):
+        raise ValueError(f"layers_block_type: {unknown} not supported (supported: {list(_NEMOTRON_KINDS)})")
+    for name, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if getattr(hf, name) != want:
+            raise ValueError(f"{name}: {getattr(hf, name)!r} is not supported (supported: {want!r})")
+    for name in ("mlp_bias", "sliding_window"):
+        if getattr(hf, name, None):
+            raise ValueError(f"{name}: {getattr(hf, name)!r} is not supported for nemotron_h")
+    of = {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in _NEMOTRON_KINDS}
+    limit = tuple(getattr(hf, "time_step_limit", None) or (0.0, float("inf")))
+    shape = Mamba2Shape(hf.hidden_size, hf.mamba_num_heads, hf.mamba_head_dim, hf.ssm_state_size, hf.n_groups,
+                        hf.conv_kernel, bool(hf.use_conv_bias), bool(hf.use_bias), float(limit[0]),
+                        float(limit[1]), hf.layer_norm_epsilon)
+    if shape.num_heads % shape.num_groups:
+        raise ValueError(f"mamba_num_heads ({shape.num_heads}) must be a multiple of n_groups ({shape.num_groups})")
+    experts = {}
+    if of["moe"]:
+        experts = dict(num_experts=hf.n_routed_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                       moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
+                       shared_expert_intermediate_size=hf.moe_shared_expert_intermediate_size,
+                       shared_expert_gated=False, scoring="sigmoid", score_correction_bias=True,
+                       n_group=hf.n_group or 1, topk_group=hf.topk_group or 1,
+                       routed_scaling_factor=float(hf.routed_scaling_factor),
+                       moe_latent_size=getattr(hf, "moe_latent_size", None) or None)
+    heads = hf.num_attention_heads
+    return cls(
+        architecture=(getattr(hf, "architectures", None) or ["NemotronHForCausalLM"])[0], vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size, num_layers=len(kinds), num_heads=heads,
+        num_kv_heads=hf.num_key_value_heads or heads, head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        rms_norm_eps=hf.layer_norm_epsilon, max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)), partial_rotary_factor=0.0,
+        linear_attention_layers=of["linear_attention"], linear_attention=shape,
+        mixer_only_layers=tuple(sorted(of["linear_attention"] + of["full_attention"])),
+        mlp_only_layers=tuple(sorted(of["mlp"] + of["moe"])),
+        dense_layers=of["mlp"], mlp_activation="relu2", **experts,
+        bos_token_id=getattr(hf, "bos_token_id", None), eos_token_id=getattr(hf, "eos_token_id", None))
 
 
 def _attention_windows(hf) -> dict:
@@ -520,4 +628,5 @@ def _default_architecture(model_type: str) -> str:
             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}.get(model_type, model_type)
+            "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+            "nemotron_h": "NemotronHForCausalLM"}.get(model_type, model_type)

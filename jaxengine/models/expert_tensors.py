@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.hf_tensors import Index, TensorSource
+from jaxengine.models.hf_tensors import Index, TensorSource, nemotron_name
 
 INTERLEAVED_ARCHITECTURES = ("GptOssForCausalLM",)       # experts [in, out], gate and up interleaved
 
@@ -134,7 +134,10 @@ class ExpertTensors:
 
 
 def common_name(name: str) -> str:
-    """A checkpoint's tensor name in the common naming (Mixtral's experts and MLP renamed)."""
+    """A checkpoint's tensor name in the common naming (Mixtral's experts and MLP renamed, and
+    Nemotron-H's blocks)."""
+    if name.startswith("backbone.") or ".mixer." in name:          # Nemotron-H's
+        return nemotron_name(name)
     for pattern, replacement in _MIXTRAL:
         name = pattern.sub(replacement, name)
     return name

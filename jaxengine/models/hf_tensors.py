@@ -280,13 +280,10 @@ def _latent_attention_rules(cfg: ModelConfig, layer) -> list:
         (re.compile(_LAYER + r"self_attn\.kv_b_proj\.weight"), layer("self_attn", "kv_b_proj"),
          HeadsIn(cfg.qk_nope_head_dim + cfg.v_head_dim)),
         (re.compile(_LAYER + r"self_attn\.o_proj\.weight"), layer("self_attn", "o_proj"), HeadsOut(cfg.v_head_dim)),
-        (re.compile(_LAYER + r"mlp\.gate\.e_score_correction_bias"), layer("mlp", "score_correction_bias"), Same()),
         # a multi-token prediction layer's own (models.mtp, which shows it as layer 0)
         (re.compile(_LAYER + r"(enorm|hnorm)\.weight"), lambda m: (m.group(2), "weight"), Same()),
         (re.compile(_LAYER + r"eh_proj\.weight"), lambda m: ("eh_proj",), Transposed()),
         (re.compile(_LAYER + r"shared_head\.norm\.weight"), lambda m: ("shared_head_norm", "weight"), Same()),
-        (re.compile(_LAYER + r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight"),
-         lambda m: ("layers", int(m.group(1)), "mlp", "shared_expert", m.group(2)), Transposed()),
     ]
 
 
@@ -320,15 +317,43 @@ def _common_rules(cfg: ModelConfig, layer) -> list:
         (re.compile(_LAYER + r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight"),
          lambda m: ("layers", int(m.group(1)), "mlp", "shared_expert", m.group(2)), Transposed()),
         (re.compile(_LAYER + r"mlp\.shared_expert_gate\.weight"), layer("mlp", "shared_expert_gate"), Transposed()),
-        (re.compile(_LAYER + r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight"),
+        (re.compile(_LAYER + r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight"),
+         lambda m: ("layers", int(m.group(1)), "mlp", "shared_expert", m.group(2)), Transposed()),
+        (re.compile(_LAYER + r"mlp\.gate\.e_score_correction_bias"), layer("mlp", "score_correction_bias"), Same()),
+        (re.compile(_LAYER + r"mlp\.fc1_latent_proj\.weight"), layer("mlp", "latent_in"), Transposed()),
+        (re.compile(_LAYER + r"mlp\.fc2_latent_proj\.weight"), layer("mlp", "latent_out"), Transposed()),
+        # recurrent layers: Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba-2
+        (re.compile(_LAYER + r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|in_proj|out_proj)\.weight"),
          lambda m: ("layers", int(m.group(1)), "linear_attn", m.group(2)), Transposed()),
+        (re.compile(_LAYER + r"linear_attn\.(in_proj|out_proj)\.bias"),
+         lambda m: ("layers", int(m.group(1)), "linear_attn", m.group(2)[:-5] + "_bias"), Same()),
         (re.compile(_LAYER + r"linear_attn\.conv1d\.weight"), layer("linear_attn", "conv_weight"), ConvTaps()),
-        (re.compile(_LAYER + r"linear_attn\.(dt_bias|A_log)"),
+        (re.compile(_LAYER + r"linear_attn\.conv1d\.bias"), layer("linear_attn", "conv_bias"), Same()),
+        (re.compile(_LAYER + r"linear_attn\.(dt_bias|A_log|D)"),
          lambda m: ("layers", int(m.group(1)), "linear_attn", m.group(2)), Same()),
         (re.compile(_LAYER + r"linear_attn\.norm\.weight"), layer("linear_attn", "norm_weight"), Same()),
         (re.compile(_LAYER + r"input_layernorm\.weight"), layer("input_layernorm", "weight"), Same()),
         (re.compile(_LAYER + r"post_attention_layernorm\.weight"), layer("post_attention_layernorm", "weight"), Same()),
     ]
+
+
+# Nemotron-H's checkpoints (NVIDIA's names, which transformers writes back): the model under
+# ``backbone.``, and each block's one part under ``mixer.``, named here by its kind.
+NEMOTRON_ARCHITECTURES = ("NemotronHForCausalLM",)
+_NEMOTRON_NAMES = [(re.compile(r"^backbone\."), "model."), (re.compile(r"^model\.embeddings\."), "model.embed_tokens."),
+                   (re.compile(r"^model\.norm_f\."), "model.norm."),
+                   (re.compile(r"\.mixer\.(q_proj|k_proj|v_proj|o_proj)\."), r".self_attn.\1."),
+                   (re.compile(r"\.mixer\.(up_proj|down_proj|experts|gate|shared_experts|fc1_latent_proj|"
+                               r"fc2_latent_proj)\."), r".mlp.\1."),
+                   (re.compile(r"\.mixer\."), ".linear_attn."),
+                   (re.compile(r"^(model\.layers\.\d+)\.norm\."), r"\1.input_layernorm.")]
+
+
+def nemotron_name(name: str) -> str:
+    """A Nemotron-H checkpoint's tensor name in the common naming."""
+    for pattern, replacement in _NEMOTRON_NAMES:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -355,6 +380,8 @@ def locate_tensors(source: TensorSource, cfg: ModelConfig, kv_repeats: int = 1) 
             if _VISION.fullmatch(base):
                 continue
             base = _LANGUAGE_MODEL.sub("model.", base, count=1)
+        if cfg.architecture in NEMOTRON_ARCHITECTURES:
+            base = nemotron_name(base)
         if _IGNORED.match(base) or (base == "lm_head.weight" and cfg.tie_word_embeddings) or \
                 (cfg.is_hybrid and _IGNORED_HYBRID.fullmatch(base)):
             continue

@@ -127,7 +127,10 @@ def yarn_mscale(scale: float, m: float = 1.0) -> float:
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
     """Rotate [T, n, H] by position; the half-split (rotate_half) layout of Hugging Face models;
     ``scale`` multiplies cos and sin (YaRN's attention factor). With fewer frequencies than H/2
-    (partial RoPE) only the first 2 * len(inv_freq) dimensions turn; the rest pass as they are."""
+    (partial RoPE) only the first 2 * len(inv_freq) dimensions turn; the rest pass as they are
+    (none turn without frequencies: Nemotron-H's attention has no positions of its own)."""
+    if inv_freq.shape[0] == 0:
+        return x
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]      # [T, R/2]
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     if scale != 1.0:
@@ -253,15 +256,22 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """SwiGLU (gate, up, down); with ``cfg.mlp_activation`` "relu2" (Nemotron-H) relu(up)^2, no gate."""
+
     def __init__(self, cfg: ModelConfig, dtype, *, intermediate_size: int | None = None, rngs: nnx.Rngs) -> None:
         d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_proj = weight(cfg, "gate_proj", rngs, (d, f), dtype, (None, M))
+        self.gated = cfg.mlp_activation == "silu"
+        if self.gated:
+            self.gate_proj = weight(cfg, "gate_proj", rngs, (d, f), dtype, (None, M))
         self.up_proj = weight(cfg, "up_proj", rngs, (d, f), dtype, (None, M))
         self.down_proj = weight(cfg, "down_proj", rngs, (f, d), dtype, (M, None))
         self.dense_fn = dense
 
     def __call__(self, x: jax.Array, layer: jax.Array | None = None, md: AttentionMetadata | None = None) -> jax.Array:
         """``md``: the step's metadata, whose LoRA grouping the adapters' deltas need (models.lora)."""
+        if not self.gated:
+            return self.dense_fn(jnp.square(jax.nn.relu(self.dense_fn(x, self.up_proj[...], layer))),
+                                 self.down_proj[...], layer)
         lora = adapters(self, md)
         gate, up = dense_each(self.dense_fn, x, (self.gate_proj[...], self.up_proj[...]), layer)
         if lora is not None:
@@ -316,7 +326,8 @@ def run_mlp(mlp: nnx.Module, h: jax.Array, layer: jax.Array | None, md: Attentio
 # A mixture of experts' router and expert stacks too (its expert weights are [L, E, ...]).
 DENSE_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router",
                            "shared_expert_gate", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj",
-                           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"})
+                           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj",
+                           "latent_in", "latent_out"})
 
 
 def is_dense_weight(path: tuple, value) -> bool:

@@ -248,7 +248,7 @@ class ShardedExperts:
         def per_device(x, weights, order, sizes, gate, up, down, layer, *biases):
             first_row = 0
             if self.expert_parallel:
-                local = leading(gate).shape[-3]
+                local = leading(up).shape[-3]
                 first = jax.lax.axis_index(MODEL_AXIS) * local
                 first_row = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
                 sizes = jax.lax.dynamic_slice(sizes, (first,), (local,))
@@ -295,7 +295,7 @@ class AllToAllExperts:
             rows_of = (t + pad) // n
             first = jax.lax.axis_index(MODEL_AXIS) * rows_of
             x, weights, pair_expert = (jax.lax.dynamic_slice_in_dim(a, first, rows_of) for a in (x, weights, pair_expert))
-            local = leading(gate).shape[-3]
+            local = leading(up).shape[-3]
             pe = pair_expert.reshape(-1)                                       # [Pd] this device's pairs
             dest = jnp.where(pe < num_experts, pe // local, n)                 # n: nowhere
             slot = jnp.cumsum(dest[:, None] == jnp.arange(n)[None, :], axis=0)[jnp.arange(pe.shape[0]),

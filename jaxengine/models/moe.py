@@ -101,7 +101,14 @@ class ClampedSwiGLU:
         return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
 
 
-def expert_activation(cfg: ModelConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def relu2(gate: None, up: jax.Array) -> jax.Array:
+    """Nemotron-H's experts: relu(up)^2, no gate."""
+    return jnp.square(jax.nn.relu(up))
+
+
+def expert_activation(cfg: ModelConfig) -> Callable[[jax.Array | None, jax.Array], jax.Array]:
+    if cfg.mlp_activation == "relu2":
+        return relu2
     return swiglu if cfg.swiglu_limit is None else ClampedSwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha)
 
 
@@ -128,8 +135,10 @@ def grouped_swiglu(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.A
                    layer: jax.Array | None, grouped_fn: Callable, activation: Callable = swiglu,
                    gate_bias: jax.Array | None = None, up_bias: jax.Array | None = None) -> jax.Array:
     """Each expert's SwiGLU of its rows, the rows grouped by expert (``sizes``); rows past the
-    groups (padding, other devices' experts) come out of the down projection as 0."""
-    g, u = grouped_fn(rows, gate, sizes, layer), grouped_fn(rows, up, sizes, layer)
+    groups (padding, other devices' experts) come out of the down projection as 0. Experts
+    without a gate (``gate`` None) apply ``activation`` to up alone."""
+    g = None if gate is None else grouped_fn(rows, gate, sizes, layer)
+    u = grouped_fn(rows, up, sizes, layer)
     if gate_bias is not None:
         expert = expert_of_rows(sizes, rows.shape[0])
         g, u = g + gate_bias[expert], u + up_bias[expert]
@@ -150,9 +159,11 @@ class Experts(nnx.Module):
     ``cfg.quantization`` says (kinds ``experts.gate_proj`` and so on; ``models.quantization``)."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, expert_parallel: bool = False, rngs: nnx.Rngs) -> None:
-        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, d, f = cfg.num_experts, cfg.moe_latent_size or cfg.hidden_size, cfg.moe_intermediate_size
         gate_up, down = ((M, None, None), (M, None, None)) if expert_parallel else ((None, None, M), (None, M, None))
-        self.gate_proj = weight(cfg, "experts.gate_proj", rngs, (e, d, f), dtype, gate_up)
+        self.gated = cfg.mlp_activation == "silu"       # Nemotron-H's experts have no gate
+        if self.gated:
+            self.gate_proj = weight(cfg, "experts.gate_proj", rngs, (e, d, f), dtype, gate_up)
         self.up_proj = weight(cfg, "experts.up_proj", rngs, (e, d, f), dtype, gate_up)
         self.down_proj = weight(cfg, "experts.down_proj", rngs, (e, f, d), dtype, down)
         if cfg.expert_bias:
@@ -172,7 +183,8 @@ class Experts(nnx.Module):
         the tokens routed to each expert [E])."""
         order, sizes = group_by_expert(experts, self.num_experts, num_valid)
         biases = dict(gate_bias=self.gate_bias[...], up_bias=self.up_bias[...]) if self.has_bias else {}
-        out = self.experts_fn(x, weights, order, sizes, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+        gate = self.gate_proj[...] if self.gated else None
+        out = self.experts_fn(x, weights, order, sizes, gate, self.up_proj[...], self.down_proj[...],
                               layer, self.grouped_fn, activation=self.activation, **biases)
         if self.has_bias:                  # sum over a token's experts of weight * down bias
             real = (jnp.arange(x.shape[0]) < num_valid)[:, None]
@@ -194,6 +206,9 @@ class SparseMoeBlock(nnx.Module):
         if cfg.score_correction_bias:
             self.score_correction_bias = _sharded(jnp.zeros((cfg.num_experts,), jnp.float32), (None,))
         self.experts = Experts(cfg, dtype, expert_parallel=expert_parallel, rngs=rngs)
+        if cfg.moe_latent_size:                   # Nemotron-H: the experts run in a narrower width
+            self.latent_in = _param(rngs, (cfg.hidden_size, cfg.moe_latent_size), dtype, (None, None))
+            self.latent_out = _param(rngs, (cfg.moe_latent_size, cfg.hidden_size), dtype, (None, None))
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, dtype, intermediate_size=cfg.shared_expert_intermediate_size, rngs=rngs)
             if cfg.shared_expert_gated:
@@ -212,7 +227,11 @@ class SparseMoeBlock(nnx.Module):
         if cfg.router_bias:
             logits = logits + self.router_bias[...]
         weights, experts = route_tokens(logits, cfg, self._correction(layer))
-        out, counts = self.experts(x, weights, experts, num_valid, layer)
+        if cfg.moe_latent_size:
+            out, counts = self.experts(self.dense_fn(x, self.latent_in[...], layer), weights, experts, num_valid, layer)
+            out = self.dense_fn(out, self.latent_out[...], layer)
+        else:
+            out, counts = self.experts(x, weights, experts, num_valid, layer)
         if cfg.shared_expert_intermediate_size:
             shared = self.shared_expert(x, layer)
             if cfg.shared_expert_gated:
@@ -234,7 +253,7 @@ def with_quantized_experts(block: SparseMoeBlock, scheme: str, dtype=jnp.float32
     plan = tuple(entry for entry in online_plan(block.cfg, scheme) if entry[0].startswith("experts."))
     cfg = block.cfg.replace(quantization=plan)
     copy = SparseMoeBlock(cfg, dtype, rngs=nnx.Rngs(0))
-    projections = ("gate_proj", "up_proj", "down_proj")
+    projections = ("gate_proj", "up_proj", "down_proj") if block.experts.gated else ("up_proj", "down_proj")
 
     def kept(path, _) -> bool:                    # all but the experts' projections (biases too)
         return not (len(path) > 1 and path[-2] == "experts" and path[-1] in projections)
@@ -264,15 +283,20 @@ def dense_reference(block: SparseMoeBlock, x: jax.Array, layer: int | None = Non
     mix = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32)
     mix = mix.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)        # [T, E]
     e = block.experts
-    g, u = jnp.einsum("td,edf->etf", x, pick(e.gate_proj)), jnp.einsum("td,edf->etf", x, pick(e.up_proj))
+    xe = x @ pick(block.latent_in) if cfg.moe_latent_size else x
+    g = jnp.einsum("td,edf->etf", xe, pick(e.gate_proj)) if e.gated else None
+    u = jnp.einsum("td,edf->etf", xe, pick(e.up_proj))
     if cfg.expert_bias:
         g, u = g + pick(e.gate_bias)[:, None], u + pick(e.up_bias)[:, None]
     y = jnp.einsum("etf,efd->etd", expert_activation(cfg)(g, u), pick(e.down_proj))
     if cfg.expert_bias:
         y = y + pick(e.down_bias)[:, None]
     out = jnp.einsum("te,etd->td", mix.astype(x.dtype), y)
+    if cfg.moe_latent_size:
+        out = out @ pick(block.latent_out)
     if cfg.shared_expert_intermediate_size:
         s = block.shared_expert
-        shared = (jax.nn.silu(x @ pick(s.gate_proj)) * (x @ pick(s.up_proj))) @ pick(s.down_proj)
+        shared = ((jax.nn.silu(x @ pick(s.gate_proj)) * (x @ pick(s.up_proj))) if s.gated else
+                  jnp.square(jax.nn.relu(x @ pick(s.up_proj)))) @ pick(s.down_proj)
         out = out + (jax.nn.sigmoid(x @ pick(block.shared_expert_gate)) if cfg.shared_expert_gated else 1) * shared
     return out

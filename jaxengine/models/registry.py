@@ -6,6 +6,7 @@ from flax import nnx
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.llama import LlamaForCausalLM
 from jaxengine.models.mtp import MTP_ARCHITECTURE, MTPHead
+from jaxengine.models.nemotron_h import NemotronHForCausalLM
 from jaxengine.models.qwen3_5 import Qwen3_5ForCausalLM
 
 ARCHITECTURES = {
@@ -20,6 +21,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": LlamaForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 # Parts of a checkpoint built as models of their own, never named by a config's architectures.
 _PARTS = {MTP_ARCHITECTURE: MTPHead}    # its multi-token prediction layer (models.mtp)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from jaxengine.models.config import GatedDeltaNetShape, ModelConfig, RopeScaling, YarnScaling
+from jaxengine.models.config import GatedDeltaNetShape, Mamba2Shape, ModelConfig, RopeScaling, YarnScaling
 from jaxengine.models.expert_tensors import ExpertTensors
 from jaxengine.models.hf_tensors import KV_HEAD_AXIS, ArraySource, check_tensors, locate_tensors, read_param
 from jaxengine.models.mesh import (flat_param_shardings, kv_head_repeats, mesh_model_config, mesh_or_first_device,
@@ -49,11 +49,13 @@ def cached_config(cached: Path) -> ModelConfig | None:
     if raw.get("rope_scaling"):
         kind = YarnScaling if "beta_fast" in raw["rope_scaling"] else RopeScaling
         raw["rope_scaling"] = kind(**raw["rope_scaling"])
-    for field in ("dense_layers", "full_attention_layers", "linear_attention_layers"):   # JSON lists back to tuples
+    for field in ("dense_layers", "full_attention_layers", "linear_attention_layers", "mixer_only_layers",
+                  "mlp_only_layers"):                                        # JSON lists back to tuples
         if field in raw:
             raw[field] = tuple(raw[field])
     if raw.get("linear_attention"):
-        raw["linear_attention"] = GatedDeltaNetShape(**raw["linear_attention"])
+        shape = Mamba2Shape if "state_size" in raw["linear_attention"] else GatedDeltaNetShape
+        raw["linear_attention"] = shape(**raw["linear_attention"])
     raw["quantization"] = tuple(tuple(entry) for entry in raw["quantization"])
     return ModelConfig(**raw)
 

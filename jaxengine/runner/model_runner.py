@@ -23,7 +23,7 @@ from jaxengine.models.eagle3 import Eagle3Config
 from jaxengine.models.mtp import MTPConfig
 from jaxengine.models.forward import make_forward
 from jaxengine.models.llama import init_kv_caches
-from jaxengine.models.qwen3_5 import init_state_pools
+from jaxengine.models.hybrid import init_state_pools
 from jaxengine.models.mesh import kv_cache_sharding, place_model, replicated, shard_kernels
 from jaxengine.buckets import step_buckets
 from jaxengine.runner.compile import COMPILE_MODES, BackgroundCompiler, compile_stages, limits_of, step_pairs

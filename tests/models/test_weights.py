@@ -51,7 +51,8 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(llama):
 def test_unknown_architecture_and_missing_config_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, GptOssForCausalLM, "
                                          "LlamaForCausalLM, "
-                                         "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+                                         "MistralForCausalLM, MixtralForCausalLM, NemotronHForCausalLM, Qwen2ForCausalLM, "
+                                         "Qwen2MoeForCausalLM, "
                                          "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM$"):
         get_model_class("GPT2LMHeadModel")
     with pytest.raises(FileNotFoundError, match="no config.json"):

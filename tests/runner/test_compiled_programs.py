@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEEPSEEK, DEEPSEEK_VARIANTS, MOE_VARIANTS, QWEN3_5, TINY, make_checkpoint
+from tests.conftest import DEEPSEEK, DEEPSEEK_VARIANTS, MOE_VARIANTS, NEMOTRON_H, QWEN3_5, TINY, make_checkpoint
 
 PROBE = Path(__file__).with_name("compiled_programs.py")
 TEST_ONLY_FLAGS = ("--xla_cpu_use_fusion_emitters", "--xla_backend_optimization_level")
@@ -84,10 +84,12 @@ def family_configs(family: str, tmp_path_factory, llama) -> list[dict]:
     hybrid = tmp_path_factory.mktemp("programs-hybrid")     # states of 1 Ki floats: a layer's part of the pool is
     make_checkpoint(hybrid, QWEN3_5[0], **{**QWEN3_5[1], "linear_num_value_heads": 8,   # larger than the step's
                                            "linear_value_head_dim": 16})                 # activations
+    nemotron = tmp_path_factory.mktemp("programs-nemotron")      # its pattern has no shorter period: one trip
+    make_checkpoint(nemotron, NEMOTRON_H[0], **{**NEMOTRON_H[1], "mamba_num_heads": 8, "mamba_head_dim": 16})
     # (slots for 16 sequences: the pool's layer part well above a step's rows of state)
     options = dict(max_num_seqs=16, request_buckets=[1, 16])
     return [dict(name="hybrid, recurrent states", model=hybrid, options=options),
-            dict(name="hybrid, 2 devices", model=hybrid, options=dict(options, tensor_parallel_size=2))]
+            dict(name="hybrid of one period, 2 devices", model=nemotron, options=dict(options, tensor_parallel_size=2))]
 
 
 @pytest.mark.parametrize("family", ["dense", "latent attention, experts", "hybrid"])
@@ -98,7 +100,9 @@ def test_the_model_families_compile_without_a_pool_copy(family, tmp_path, tmp_pa
     experts whose sliding layers keep their KV in groups of their own (gpt-oss: each layer reads
     its group's place in the cache through its group's tables); a hybrid model (Qwen3.5: its
     recurrent state pools updated in place too, no copy of a layer's part of them either; under
-    tensor parallelism its decode step once copied them, two writes of a pool apart)."""
+    tensor parallelism its decode step once copied them, two writes of a pool apart) and one whose
+    layer pattern has no shorter period (Nemotron-H, under tensor parallelism: its layers run as
+    one trip, whose decode step once copied the KV pool)."""
     configs = family_configs(family, tmp_path_factory, llama)
     reports = run_probe(tmp_path, configs)
     assert sorted(reports) == sorted(c["name"] for c in configs)
