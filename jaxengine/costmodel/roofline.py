@@ -35,6 +35,10 @@ class ModelShape:
     num_active_params: float = 0.0          # 0: all of them (a dense model)
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    # A hybrid model: the layers that keep KV (0: all), and the recurrent state one sequence holds
+    # in its other layers (float32 bytes, read and written at every step the sequence runs)
+    num_kv_layers: int = 0
+    state_bytes_per_slot: float = 0.0
 
     def params_read(self, num_tokens: float) -> float:
         """Weights a step of ``num_tokens`` reads: all of a dense model's; of a mixture of experts
@@ -57,6 +61,10 @@ MODELS = {
     "smollm2-135m": ModelShape("SmolLM2-135M", 0.135e9, 30, 9, 3, 64, 2048),
     "qwen3-30b-a3b": ModelShape("Qwen3-30B-A3B", 30.5e9, 48, 32, 4, 128, 32768, 3.35e9, 128, 8),
     "mixtral-8x7b": ModelShape("Mixtral-8x7B", 46.7e9, 32, 32, 8, 128, 32768, 12.9e9, 8, 2),
+    # 16 gated attention layers among 48 Gated DeltaNet layers (16 key and 48 value heads of 128,
+    # convolution of 4): a state of 48 x 128 x 128 + 3 x 10,240 floats a layer
+    "qwen3.5-27b": ModelShape("Qwen3.5-27B", 27.8e9, 64, 24, 4, 256, 262144, num_kv_layers=16,
+                              state_bytes_per_slot=4 * 48 * (48 * 128 * 128 + 3 * 10240)),
 }
 
 
@@ -92,7 +100,11 @@ class RooflineProfile:
 
     @property
     def num_gpu_blocks(self) -> int:
+        """The KV blocks the memory left holds; a hybrid model's state slots are taken first, as the
+        engine sizes them by default (``EngineArgs.state_slots``: 4 x 64 + 1 slots with prefix
+        caching, at most half the memory)."""
         free = self.hardware.memory_bytes * self.gpu_memory_utilization - self.model.num_params * self.bytes_per_param
+        free -= min(4 * 64 + 1, free // 2 // max(self.model.state_bytes_per_slot, 1)) * self.model.state_bytes_per_slot
         return max(int(free // (self.kv_bytes_per_token * self.block_size)), 2)
 
     @property
@@ -106,7 +118,8 @@ class RooflineProfile:
         return self.step_overhead_s + step_floor_seconds(
             model, model.params_read(shape.num_tokens), token_bucket, shape.sum_context, shape.attention_work,
             bytes_per_param=self.bytes_per_param, bandwidth_bytes_s=hw.bandwidth_bytes_s * self.bandwidth_efficiency,
-            flops_per_s=hw.flops * self.flops_efficiency, num_active_params=model.num_active_params or None)
+            flops_per_s=hw.flops * self.flops_efficiency, num_active_params=model.num_active_params or None,
+            num_rows=shape.num_rows)
 
     def noise_ratio(self, u: float) -> float:
         return 1.0

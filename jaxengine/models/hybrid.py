@@ -13,16 +13,19 @@ stay stacked and are read in place by index (``layer_period``, ``period_places``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxengine.kernels.matmul import dense
 from jaxengine.kernels.paged_attention import AttentionMetadata
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.layers import KVCache, is_dense_weight, rope_inv_freq
+from jaxengine.models.layers import MODEL_AXIS, Attention, KVCache, RMSNorm, _param, is_dense_weight, rope_inv_freq, \
+    weight
+from jaxengine.models.llama import embed_with, logits_with, stacked
 
 
 def layer_period(kinds: Sequence[Hashable]) -> int:
@@ -129,6 +132,58 @@ class HybridStep:
     def caches(self, kv: KVCache, states: tuple) -> KVCache:
         """The step's caches after it, in the caller's shapes."""
         return (*(c.reshape(shape) for c, shape in zip(kv, self.shapes)), *states)
+
+
+class HybridDecoder(nnx.Module):
+    """What the hybrid models share around their layers (Qwen3.5, Nemotron-H): the embedding, the
+    attention and recurrent stacks, the final norm and LM head, and the entry points the runner
+    calls. Each model adds its own stacks and runs its layers (``run_layers``)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, attention_fn: Callable, mixer: type, rngs: nnx.Rngs) -> None:
+        """``mixer``: the recurrent layers' class, built from ``cfg.linear_attention``."""
+        self.config = cfg
+        if cfg.quant_spec("embed_tokens"):
+            self.embed_tokens = weight(cfg, "embed_tokens", rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
+                                       (None, MODEL_AXIS))
+        else:
+            self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (MODEL_AXIS, None))
+        self.attention_layers = stacked(lambda r: Attention(cfg, dtype, attention_fn, rngs=r), cfg.num_kv_layers, rngs)
+        self.linear_layers = stacked(lambda r: mixer(cfg.linear_attention, dtype, rngs=r),
+                                     len(cfg.linear_attention_layers), rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = weight(cfg, "lm_head", rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (None, MODEL_AXIS))
+        self.dense_fn = dense
+
+    def run_layers(self, step: HybridStep, x: jax.Array, md: AttentionMetadata) -> tuple:
+        """The embedded tokens [T, D] through the layers -> (x, the KV arrays, the state pools,
+        the tokens routed to each expert [E])."""
+        raise NotImplementedError
+
+    def __call__(self, input_ids: jax.Array, kv_caches: KVCache, md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        hidden, kv_caches, _ = self.forward_with_expert_counts(input_ids, kv_caches, md)
+        return hidden, kv_caches
+
+    def forward_with_expert_counts(self, input_ids: jax.Array, kv_caches: KVCache,
+                                   md: AttentionMetadata) -> tuple[jax.Array, KVCache, jax.Array]:
+        hidden, kv_caches, counts, _ = self.forward_with_aux_hidden(input_ids, kv_caches, md)
+        return hidden, kv_caches, counts
+
+    def forward_with_aux_hidden(self, input_ids: jax.Array, kv_caches: KVCache, md: AttentionMetadata,
+                                aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, jax.Array, jax.Array]:
+        """input_ids [T] -> (final hidden states [T, D], the caches, the tokens routed to each
+        expert over the layers [E] (E = 0 without experts), no auxiliary hidden states [T, 0])."""
+        if aux_layers:
+            raise ValueError(f"{self.config.architecture}: no hidden states of its layers for a speculative head")
+        step = HybridStep(self.config, kv_caches, md, self.attention_layers, self.linear_layers)
+        x, kv, states, counts = self.run_layers(step, self.embed(input_ids), md)
+        return self.norm(x), step.caches(kv, states), counts, jnp.zeros((x.shape[0], 0), x.dtype)
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        return embed_with(self.embed_tokens, input_ids)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        return logits_with(self, hidden)
 
 
 def init_state_pools(cfg: ModelConfig, num_slots: int, sharding: jax.sharding.Sharding | None = None

@@ -179,8 +179,13 @@ def test_qwen3_5_moe_under_expert_parallelism(qwen3_5_moe):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_nemotron_h_with_experts_matches_transformers_generate(nemotron_h_moe):
+def test_nemotron_h_with_experts_matches_transformers_generate(nemotron_h_moe, tmp_path):
     """Its two expert blocks route each token to 2 of 8 squared-ReLU experts in a latent width."""
+    import dataclasses
+    import json
+
+    from jaxengine.models.weight_cache import _WEIGHTS, cached_config
+
     folder, hf, expected = nemotron_h_moe
     llm = engine(folder, async_scheduling=True)
     llm.engine.traces = []
@@ -192,6 +197,9 @@ def test_nemotron_h_with_experts_matches_transformers_generate(nemotron_h_moe):
     assert cfg.num_params == sum(p.numel() for p in hf.parameters()) + biases
     # each token runs through 2 of a layer's 8 experts: 6 experts' up and down (40 x 32) unread
     assert cfg.num_active_params == cfg.num_params - 2 * 6 * 2 * 40 * 32
+    (tmp_path / _WEIGHTS).mkdir()                  # the converted-weights cache keeps its blocks and shapes
+    (tmp_path / _WEIGHTS / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    assert cached_config(tmp_path) == cfg
     assert all(sum(t.expert_tokens) == (t.num_prefill_tokens + t.num_decode_tokens) * 2 * 2
                for t in llm.engine.traces if t.expert_tokens)
     assert states_released(greedy_under_pressure(folder, expected, "nemotron-h-moe"))

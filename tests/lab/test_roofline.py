@@ -42,3 +42,22 @@ def test_a_mixture_of_experts_reads_the_experts_its_tokens_touch_and_computes_th
     prefill = StepShape(8192, 1, 8192, 8192, attention_work=8192 * 4096)
     flops = 2 * 3.35e9 * 8192 + 4 * 48 * 32 * 128 * 8192 * 4096      # the active parameters, not all 30.5e9
     assert p.step_seconds(prefill, 8192) == pytest.approx(0.004 + flops / (989e12 * 0.5))
+
+
+def test_a_hybrid_models_recurrent_layers_cost_its_rows_states_whatever_their_context():
+    """Qwen3.5-27B: 16 of its 64 layers keep KV; each sequence of a step reads and writes its
+    recurrent state (48 layers' float32 states) once, at any context length."""
+    p = roofline_profile("h200", "qwen3.5-27b")
+    state = 4 * 48 * (48 * 128 * 128 + 3 * 10240)
+    assert p.model.state_bytes_per_slot == state and round(state / 1e6, 1) == 156.9
+    kv = 2 * 16 * 4 * 256 * 2                                    # the attention layers only
+    assert p.kv_bytes_per_token == kv
+    free = 141e9 * 0.9 - 27.8e9 * 2         # 257 slots would take more than half of it: 227 do
+    assert free // 2 // state == 227 and p.num_gpu_blocks == int((free - 227 * state) // (kv * 16))
+    for context in (1024, 65536):
+        decode = StepShape(64, 64, context, 64 * context, attention_work=64 * context)
+        read = 27.8e9 * 2 + 64 * context * kv + 2 * 64 * state
+        assert p.step_seconds(decode, 64) == pytest.approx(0.004 + read / (4.8e12 * 0.75))
+    prefill = StepShape(8192, 1, 8192, 8192, attention_work=8192 * 4096)
+    flops = 2 * 27.8e9 * 8192 + 4 * 16 * 24 * 256 * 8192 * 4096     # attention in 16 layers
+    assert p.step_seconds(prefill, 8192) == pytest.approx(0.004 + flops / (989e12 * 0.5))
