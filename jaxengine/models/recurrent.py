@@ -1,6 +1,8 @@
-"""The token scan the recurrent layers share (Gated DeltaNet, Mamba-2): one pass over a step's flat
-ragged batch in token order, each token updating its own row's state, so a row's tokens may be a
-prompt's chunk or one decode token alike.
+"""What the recurrent layers share (Gated DeltaNet, Mamba-2): running a step's flat ragged batch
+over the rows' states, in one of two forms (``FORMS``). The token form is one pass in token order,
+each token updating its own row's state, so a row's tokens may be a prompt's chunk or one decode
+token alike; the chunked form runs segments of one row's tokens at once in the layer's own
+chunked form, one segment after another, and a decode step's rows all at once.
 
 A row's state is a causal depthwise convolution's window (its last ``K - 1`` inputs, [K-1, C]) and
 a layer's own matrix state; each token's input passes the convolution (SiLU after it) and the
