@@ -82,7 +82,7 @@ class HybridStep:
         self.shapes = (k_cache.shape, v_cache.shape)
         self.kv = tuple(c.reshape(group_size * self.num_blocks, self.block_size, -1) for c in (k_cache, v_cache))
         self.states = tuple(states)
-        self.cfg, self.md, self.inv_freq = cfg, md, rope_inv_freq(cfg)
+        self.md, self.inv_freq = md, rope_inv_freq(cfg)
         # Each attention layer's (group, place) in the KV cache, by its index in the attention stack
         self.kv_places = jnp.asarray(np.asarray(cfg.kv_layer_places, np.int32)[list(cfg.kv_layers)])
         self.attention_split = nnx.split(attention_layers, is_dense_weight, ...)

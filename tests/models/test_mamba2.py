@@ -71,24 +71,3 @@ def test_snapshots_hold_a_rows_states_after_the_chosen_tokens(layers, form):
     _, conv4, state4 = ours(x[:4], jnp.zeros(4, jnp.int32), *zeros)
     np.testing.assert_array_equal(np.asarray(snap_conv), np.asarray(conv4))
     np.testing.assert_allclose(np.asarray(snap_state), np.asarray(state4), rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("snapshot", [False, True])
-def test_a_decode_step_runs_its_rows_tokens_at_once_as_in_turn(layers, snapshot):
-    """One token per row (three rows, a padding token last, a snapshot of row 1's states): the
-    chunked form's batched update gives the in-turn scan's outputs, states and snapshots."""
-    _, ours, shape = layers
-    ours.recurrent_form = "chunked"
-    rng = np.random.default_rng(2)
-    conv_shape, state_shape = shape.state_shapes()
-    conv = jnp.asarray(rng.normal(size=(3, *conv_shape)).astype(np.float32))
-    state = jnp.asarray(rng.normal(size=(3, *state_shape)).astype(np.float32) * 0.3)
-    x = jnp.asarray(rng.normal(size=(4, 32)).astype(np.float32))
-    rows = jnp.asarray([2, 0, 1, 3])
-    kw = dict(captures=jnp.asarray([1, 1, 0, 1]), num_captures=1) if snapshot else {}
-    in_turn = ours(x, rows, conv, state, one_token_rows=jnp.asarray(False), **kw)
-    at_once = ours(x, rows, conv, state, one_token_rows=jnp.asarray(True), **kw)
-    assert len(at_once) == (5 if snapshot else 3)
-    for a, b in zip(at_once, in_turn):
-        np.testing.assert_allclose(np.asarray(a)[:3] if a.shape[0] == 4 else np.asarray(a),
-                                   np.asarray(b)[:3] if b.shape[0] == 4 else np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """The recurrent layers' chunked form (segments of one row's tokens) equals their plain form (one
 token after another) on ragged batches: rows of many lengths with states from earlier steps,
-segments cut by a small chunk size and by snapshots, and padding past the real tokens."""
+segments cut by a small chunk size and by snapshots, and padding past the real tokens; and on a
+decode step, whose rows' tokens the chunked form updates all at once."""
 import numpy as np
 import pytest
 
@@ -57,3 +58,25 @@ def test_the_chunked_form_gives_the_plain_forms_outputs_states_and_snapshots(kin
                                rtol=2e-4, atol=2e-5)
     for a, b in zip(chunked[1:], plain[1:]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["gated deltanet", "mamba-2"])
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_decode_step_runs_its_rows_tokens_at_once_as_in_turn(kind, snapshot):
+    """One token per row (three rows, a padding token last, a snapshot of row 1's states): the
+    chunked form's batched update gives the in-turn scan's outputs, states and snapshots."""
+    ours, shape = layer(kind)
+    ours.recurrent_form = "chunked"
+    rng = np.random.default_rng(2)
+    conv_shape, state_shape = shape.state_shapes()
+    conv = jnp.asarray(rng.normal(size=(3, *conv_shape)).astype(np.float32))
+    state = jnp.asarray(rng.normal(size=(3, *state_shape)).astype(np.float32) * 0.3)
+    x = jnp.asarray(rng.normal(size=(4, 32)).astype(np.float32))
+    rows = jnp.asarray([2, 0, 1, 3])
+    kw = dict(captures=jnp.asarray([1, 1, 0, 1]), num_captures=1) if snapshot else {}
+    in_turn = ours(x, rows, conv, state, one_token_rows=jnp.asarray(False), **kw)
+    at_once = ours(x, rows, conv, state, one_token_rows=jnp.asarray(True), **kw)
+    assert len(at_once) == (5 if snapshot else 3)
+    np.testing.assert_allclose(np.asarray(at_once[0])[:3], np.asarray(in_turn[0])[:3], rtol=1e-5, atol=1e-6)
+    for a, b in zip(at_once[1:], in_turn[1:]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
